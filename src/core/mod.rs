@@ -1,0 +1,9 @@
+//! The pure core: rate-limit math and policy matching.
+//!
+//! Nothing here does IO, reads a clock, or imports tokio, tonic, sled, ractor or quinn:
+//! every function takes `now_ms` as an argument, so the same code runs in the node, in
+//! property tests and (later) inside the Raft state machine. The actors (`crate::actors`)
+//! and the gRPC services (`crate::api`) wrap it.
+
+pub mod policy;
+pub mod rate;

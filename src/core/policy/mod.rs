@@ -1,0 +1,1 @@
+//! SKELETON: the policy model is being written.
