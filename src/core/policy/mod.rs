@@ -1,1 +1,294 @@
-//! SKELETON: the policy model is being written.
+//! Policies: the YAML rule files, validated, and the matcher that finds the rule for a
+//! request descriptor.
+//!
+//! The format is a superset of envoyproxy/ratelimit's, so its users migrate file for file:
+//! one file holds one `domain` and a tree of `descriptors`, each with a `key`, an optional
+//! `value` (`*` is a wildcard anywhere in it) and an optional `rate_limit`. quotamesh adds
+//! `algorithm`, `burst`, `window` (any length instead of a `unit`), `rate_limits` (several
+//! limits a hit must all pass) and `failure_mode`. `cluster/policies/example.yaml` is a
+//! commented tour.
+//!
+//! ```text
+//!  [PolicySource { name, text }, ..]          (the caller read the files)
+//!        |  yaml.rs: located YAML tree per text
+//!        |  load.rs: validation, every error with file:line:column
+//!        v
+//!  PolicySet { rules, per-domain match index, digest }
+//!        |  match_descriptor(domain, entries)   (every descriptor of every request)
+//!        v
+//!  Match::{DomainNotFound, NoRule, Rule(&Rule)}
+//! ```
+//!
+//! Pure core: no IO, no clock. Counting hits is `crate::core::rate`'s job; applying
+//! `shadow_mode`, `replaces` and `failure_mode` to a decision is the caller's.
+
+mod digest;
+mod load;
+mod matcher;
+mod yaml;
+
+#[cfg(test)]
+mod proptests;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+
+use crate::core::rate::LimitSpec;
+
+/// Deepest nesting of `descriptors` accepted (the top level is depth 1). An input size
+/// limit: a request descriptor only ever matches at its own depth, and Envoy sends few entries.
+pub const DESCRIPTOR_DEPTH_MAX: usize = 16;
+
+/// Most descriptors (and so rules) accepted in one policy set, over all files; an input
+/// size limit that keeps the match index and the per-rule state of a node bounded.
+pub const RULES_PER_SET_MAX: usize = 10_000;
+
+// Rule ids are `u32`; the limit must fit.
+const _: () = assert!(RULES_PER_SET_MAX <= u32::MAX as usize);
+
+/// One policy file: its name (the path, used only in messages) and its text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicySource {
+    /// Where the text came from, as the user should see it in an error (usually the path).
+    pub name: String,
+    /// The YAML text.
+    pub text: String,
+}
+
+/// One problem in one policy file, at a 1-based line and column (in characters).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{file}:{line}:{column}: {reason}")]
+pub struct PolicyError {
+    /// The [`PolicySource::name`] of the file.
+    pub file: String,
+    /// 1-based line.
+    pub line: u32,
+    /// 1-based column, counted in characters.
+    pub column: u32,
+    /// What is wrong, in a sentence fragment meant for the person who wrote the file.
+    pub reason: String,
+}
+
+/// Every problem found in a set of policy files, in file order, then by position.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}", lines(.0))]
+pub struct PolicyErrors(pub Vec<PolicyError>);
+
+/// One error per line, as a compiler prints them.
+fn lines(errors: &[PolicyError]) -> String {
+    errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n")
+}
+
+/// Identifies a rule within one [`PolicySet`]; ids are dense from 0 in a deterministic order
+/// (domains by name, then descriptors in file order, parents before children). An id is
+/// meaningless in another set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RuleId(pub u32);
+
+/// What a node does with a hit for this rule when the ledger cannot be reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum FailureMode {
+    /// Admit (the envoyproxy/ratelimit behaviour, and Envoy's default).
+    #[default]
+    Open,
+    /// Refuse: for quotas where an overrun costs more than an outage, e.g. payments.
+    Closed,
+}
+
+/// envoyproxy/ratelimit's named windows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Unit {
+    /// 1 s.
+    Second,
+    /// 60 s.
+    Minute,
+    /// 3,600 s.
+    Hour,
+    /// 86,400 s.
+    Day,
+    /// 7 days.
+    Week,
+    /// 30 days, as envoyproxy/ratelimit counts it (not a calendar month).
+    Month,
+    /// 365 days, as envoyproxy/ratelimit counts it (not a calendar year).
+    Year,
+}
+
+impl Unit {
+    /// The window length of this unit in milliseconds.
+    #[must_use]
+    pub const fn window_ms(self) -> u64 {
+        const SECOND_MS: u64 = 1_000;
+        const DAY_MS: u64 = 86_400 * SECOND_MS;
+        match self {
+            Self::Second => SECOND_MS,
+            Self::Minute => 60 * SECOND_MS,
+            Self::Hour => 3_600 * SECOND_MS,
+            Self::Day => DAY_MS,
+            Self::Week => 7 * DAY_MS,
+            Self::Month => 30 * DAY_MS,
+            Self::Year => 365 * DAY_MS,
+        }
+    }
+}
+
+/// One limit of a rule.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuleLimit {
+    /// Algorithm and numbers, validated.
+    pub spec: LimitSpec,
+    /// The unit the file named, or `None` when it gave a `window` instead.
+    pub unit: Option<Unit>,
+    /// The limit's `name`: a target for `replaces`, and the policy name in `RateLimit` headers.
+    pub name: Option<String>,
+}
+
+/// One descriptor of a policy file, at one level of its tree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rule {
+    /// Unique within its [`PolicySet`].
+    pub id: RuleId,
+    /// The domain whose file declared it.
+    pub domain: String,
+    /// The config path, as envoyproxy/ratelimit's stats key without the domain:
+    /// `key` or `key_value` per level, joined by `.` (`"key1_value1.key2"`).
+    pub path: String,
+    /// The limits a hit must all pass; empty when unlimited or without `rate_limit`.
+    pub limits: Vec<RuleLimit>,
+    /// `rate_limit: {unlimited: true}`: matched and counted in stats, never limited.
+    pub unlimited: bool,
+    /// Evaluate and report, but always admit.
+    pub shadow_mode: bool,
+    /// Stats per runtime value of a key-only descriptor (envoyproxy/ratelimit's meaning).
+    pub detailed_metric: bool,
+    /// What to do when the ledger is unreachable.
+    pub failure_mode: FailureMode,
+    /// Names of limits (in the same domain) this rule's limits replace when both match one
+    /// request; validated to exist.
+    pub replaces: Vec<String>,
+    /// The file that declared it, as [`PolicySource::name`].
+    pub file: String,
+    /// The line of the descriptor in that file.
+    pub line: u32,
+}
+
+/// One entry of a request descriptor, as Envoy sends it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Entry<'e> {
+    /// The descriptor key, e.g. `remote_address`.
+    pub key: &'e str,
+    /// The runtime value, e.g. `10.0.0.1`.
+    pub value: &'e str,
+}
+
+/// The outcome of matching one request descriptor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Match<'p> {
+    /// No policy file declares this domain.
+    DomainNotFound,
+    /// The domain exists, but no descriptor at the request's depth applies, or the one that
+    /// applies has no `rate_limit`: the hit is not limited.
+    NoRule,
+    /// This rule applies; it has limits or is unlimited.
+    Rule(&'p Rule),
+}
+
+/// A validated set of policies (one per domain), ready to match. Cheap to share behind an
+/// `Arc`; replaced whole when policies change.
+#[derive(Debug, Clone)]
+pub struct PolicySet {
+    rules: Vec<Rule>,
+    domains: HashMap<Box<str>, matcher::Domain>,
+    digest: u64,
+}
+
+impl Default for PolicySet {
+    /// The empty set: every domain is [`Match::DomainNotFound`].
+    fn default() -> Self {
+        Self { rules: Vec::new(), domains: HashMap::new(), digest: digest::empty_set() }
+    }
+}
+
+impl PolicySet {
+    /// Validates policy files and builds the set. Never opens a file: the caller passes names
+    /// and texts.
+    ///
+    /// # Errors
+    /// [`PolicyErrors`] with every problem of every file (YAML syntax, unknown keys, wrong
+    /// types, invalid limits, duplicate domains or descriptors, dangling `replaces`, input
+    /// size limits), each at its file, line and column. The set is all or nothing.
+    pub fn parse(sources: &[PolicySource]) -> Result<PolicySet, PolicyErrors> {
+        load::load(sources)
+    }
+
+    /// Finds the rule for one request descriptor, as envoyproxy/ratelimit does: a descriptor
+    /// of N entries matches only descriptors nested exactly N deep; at each level an exact
+    /// key and value wins over a wildcard value (first declared wins), which wins over a key
+    /// without value. The walk never backtracks: once a level matched, a miss below it is a
+    /// miss, even if a less specific descriptor at that level would have led further.
+    ///
+    /// Allocates nothing.
+    ///
+    /// # Panics
+    /// Never: the index only points at rules of its own set, built together with it.
+    #[must_use]
+    pub fn match_descriptor(&self, domain: &str, entries: &[Entry<'_>]) -> Match<'_> {
+        let Some(domain) = self.domains.get(domain) else {
+            return Match::DomainNotFound;
+        };
+        let Some((last, path)) = entries.split_last() else {
+            return Match::NoRule;
+        };
+        let mut level = &domain.root;
+        for entry in path {
+            match level.find(entry.key, entry.value) {
+                Some(node) => level = &node.children,
+                None => return Match::NoRule,
+            }
+        }
+        match level.find(last.key, last.value) {
+            Some(node) if node.decides => Match::Rule(self.rule_at(node.rule)),
+            _ => Match::NoRule,
+        }
+    }
+
+    /// True when some policy file declares `domain`.
+    #[must_use]
+    pub fn has_domain(&self, domain: &str) -> bool {
+        self.domains.contains_key(domain)
+    }
+
+    /// Every rule, in [`RuleId`] order.
+    pub fn rules(&self) -> impl Iterator<Item = &Rule> {
+        self.rules.iter()
+    }
+
+    /// The rule with this id, if it belongs to this set.
+    #[must_use]
+    pub fn rule(&self, id: RuleId) -> Option<&Rule> {
+        usize::try_from(id.0).ok().and_then(|index| self.rules.get(index))
+    }
+
+    /// The rule holding the limit called `name` in `domain` (names are unique per domain),
+    /// to apply `replaces`.
+    #[must_use]
+    pub fn rule_by_name(&self, domain: &str, name: &str) -> Option<&Rule> {
+        let id = *self.domains.get(domain)?.names.get(name)?;
+        self.rule(id)
+    }
+
+    /// A fingerprint of the content (domains, descriptor trees, limits, flags), stable
+    /// across processes, platforms and the order of the files; it ignores file names,
+    /// positions and comments. Two sets with one digest match alike (FNV-1a, not
+    /// collision-resistant against someone forging policies).
+    #[must_use]
+    pub fn digest(&self) -> u64 {
+        self.digest
+    }
+
+    /// The rule an index node points at; index and rules are built together.
+    fn rule_at(&self, id: RuleId) -> &Rule {
+        self.rule(id).expect("the match index only holds ids of rules of its own set")
+    }
+}

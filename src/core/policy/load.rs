@@ -1,0 +1,906 @@
+//! Validation and assembly: located YAML trees (`yaml.rs`) become rules, with every error
+//! of every file positioned; then the set-wide checks (one file per domain, unique limit
+//! names, existing `replaces` targets), rule ids, the match index (`matcher.rs`) and the
+//! digest (`digest.rs`).
+//!
+//! Validation never stops at the first problem: a bad value is reported and treated as
+//! absent, and checks that depend on it are skipped rather than repeated as a cascade.
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::digest::Fingerprint;
+use super::matcher::{Domain, IndexNode, Level};
+use super::yaml::{self, MapEntry, Node, Position, Value};
+use super::{
+    DESCRIPTOR_DEPTH_MAX, FailureMode, PolicyError, PolicyErrors, PolicySet, PolicySource,
+    RULES_PER_SET_MAX, Rule, RuleId, RuleLimit, Unit,
+};
+use crate::core::rate::{Algorithm, LimitSpec, LimitSpecError};
+
+// A policy at the deepest descriptor nesting needs, per level, a `descriptors` list and a
+// descriptor mapping, plus the root mapping and, at the leaf, `rate_limits`, its item,
+// `replaces` and its item: it must fit the YAML nesting limit with room to spare.
+const _: () = assert!(2 * DESCRIPTOR_DEPTH_MAX + 1 + 4 <= yaml::YAML_DEPTH_MAX);
+
+const ROOT_FIELDS: [&str; 2] = ["domain", "descriptors"];
+const DESCRIPTOR_FIELDS: [&str; 10] = [
+    "key",
+    "value",
+    "rate_limit",
+    "rate_limits",
+    "shadow_mode",
+    "detailed_metric",
+    "value_to_metric",
+    "share_threshold",
+    "failure_mode",
+    "descriptors",
+];
+const LIMIT_FIELDS: [&str; 8] =
+    ["unit", "requests_per_unit", "unlimited", "name", "replaces", "algorithm", "burst", "window"];
+const REPLACES_FIELDS: [&str; 1] = ["name"];
+
+const UNITS: [(&str, Unit); 7] = [
+    ("second", Unit::Second),
+    ("minute", Unit::Minute),
+    ("hour", Unit::Hour),
+    ("day", Unit::Day),
+    ("week", Unit::Week),
+    ("month", Unit::Month),
+    ("year", Unit::Year),
+];
+const ALGORITHMS: [(&str, Algorithm); 3] = [
+    ("token_bucket", Algorithm::TokenBucket),
+    ("sliding_window", Algorithm::SlidingWindow),
+    ("fixed_window", Algorithm::FixedWindow),
+];
+/// `window` suffixes and their length in milliseconds.
+const WINDOW_SUFFIXES: [(&str, u64); 5] =
+    [("ms", 1), ("s", 1_000), ("m", 60_000), ("h", 3_600_000), ("d", 86_400_000)];
+
+/// Validates every source, then assembles the set; see `PolicySet::parse`.
+pub(super) fn load(sources: &[PolicySource]) -> Result<PolicySet, PolicyErrors> {
+    let mut loader = Loader::default();
+    let mut domains: BTreeMap<String, DomainDraft<'_>> = BTreeMap::new();
+    for (index, source) in sources.iter().enumerate() {
+        let file = File { index, name: &source.name };
+        let Some(draft) = loader.file(file, &source.text) else { continue };
+        if let Some(first) = domains.get(&draft.name) {
+            loader.error(
+                file,
+                draft.position,
+                format!(
+                    "domain `{}` is already defined at {}:{}:{} (one file per domain)",
+                    draft.name, first.file.name, first.position.line, first.position.column
+                ),
+            );
+        } else {
+            domains.insert(draft.name.clone(), draft);
+        }
+    }
+    for domain in domains.values() {
+        loader.check_names(domain);
+    }
+    if loader.errors.is_empty() {
+        Ok(build(domains))
+    } else {
+        // File order first, then position; the sort is stable, so errors at one position
+        // keep the order they were found in.
+        loader.errors.sort_by_key(|(index, error)| (*index, error.line, error.column));
+        Err(PolicyErrors(loader.errors.into_iter().map(|(_, error)| error).collect()))
+    }
+}
+
+/// The source an error belongs to: its place in the input (for sorting) and its name.
+#[derive(Debug, Clone, Copy)]
+struct File<'s> {
+    index: usize,
+    name: &'s str,
+}
+
+/// A string from the file with the place it was written, for later set-wide errors.
+#[derive(Debug, Clone)]
+struct Named {
+    text: String,
+    position: Position,
+}
+
+/// One file, validated as far as it goes.
+struct DomainDraft<'s> {
+    name: String,
+    position: Position,
+    file: File<'s>,
+    descriptors: Vec<DescriptorDraft>,
+}
+
+struct DescriptorDraft {
+    key: String,
+    value: Option<String>,
+    path: String,
+    line: u32,
+    limits: Vec<LimitDraft>,
+    unlimited: bool,
+    shadow_mode: bool,
+    detailed_metric: bool,
+    failure_mode: FailureMode,
+    /// Every `name` written on this descriptor's limits, also on limits that were invalid,
+    /// so a `replaces` pointing at them is not reported as dangling too.
+    names: Vec<Named>,
+    replaces: Vec<Named>,
+    children: Vec<DescriptorDraft>,
+}
+
+struct LimitDraft {
+    spec: LimitSpec,
+    unit: Option<Unit>,
+    name: Option<String>,
+}
+
+enum LimitOutcome {
+    Unlimited,
+    Limited(LimitDraft),
+}
+
+#[derive(Default)]
+struct Loader {
+    /// Errors with the index of their source, sorted before they are returned.
+    errors: Vec<(usize, PolicyError)>,
+    /// Descriptors seen over all files, against [`RULES_PER_SET_MAX`].
+    descriptors_seen: usize,
+}
+
+/// An entry whose value is not null: YAML's way to write a key without a value is to leave
+/// it empty, and envoyproxy/ratelimit reads that as absent.
+fn given(entry: Option<&MapEntry>) -> Option<&MapEntry> {
+    entry.filter(|entry| !entry.value.is_null())
+}
+
+impl Loader {
+    fn error(&mut self, file: File<'_>, position: Position, reason: impl Into<String>) {
+        self.errors.push((
+            file.index,
+            PolicyError {
+                file: file.name.to_owned(),
+                line: position.line,
+                column: position.column,
+                reason: reason.into(),
+            },
+        ));
+    }
+
+    fn file<'s>(&mut self, file: File<'s>, text: &str) -> Option<DomainDraft<'s>> {
+        let document = yaml::parse(text);
+        let syntax_ok = document.diagnostics.is_empty();
+        for diagnostic in document.diagnostics {
+            self.error(file, diagnostic.position, diagnostic.reason);
+        }
+        let root = match document.root {
+            Some(root) if !root.is_null() => root,
+            _ => {
+                if syntax_ok {
+                    self.error(
+                        file,
+                        Position::START,
+                        "empty policy file: expected `domain` and `descriptors`",
+                    );
+                }
+                return None;
+            }
+        };
+        let Value::Mapping(entries) = &root.value else {
+            self.error(
+                file,
+                root.position,
+                format!(
+                    "a policy file must be a mapping with `domain` and `descriptors`, found {}",
+                    root.found()
+                ),
+            );
+            return None;
+        };
+        let [domain, descriptors] = self.fields(file, entries, ROOT_FIELDS, "the file");
+        let domain = match domain {
+            None => {
+                self.error(file, root.position, "missing required key `domain`");
+                None
+            }
+            Some(entry) => self
+                .non_empty_string(file, entry)
+                .map(|name| (name.to_owned(), entry.value.position)),
+        };
+        let domain_name = domain.as_ref().map_or("", |(name, _)| name.as_str());
+        let descriptors = self.descriptors(file, descriptors, 1, "", domain_name);
+        let (name, position) = domain?;
+        Some(DomainDraft { name, position, file, descriptors })
+    }
+
+    /// Picks the known keys of a mapping, in the order of `names`, and reports the others:
+    /// an unknown key is an error, so a misspelt field is never silently ignored and new
+    /// fields can be added later without changing the meaning of old files.
+    fn fields<'n, const N: usize>(
+        &mut self,
+        file: File<'_>,
+        entries: &'n [MapEntry],
+        names: [&'static str; N],
+        context: &str,
+    ) -> [Option<&'n MapEntry>; N] {
+        let mut found = [None; N];
+        for entry in entries {
+            match names.iter().position(|name| *name == entry.key) {
+                Some(slot) => found[slot] = Some(entry),
+                None => self.error(
+                    file,
+                    entry.key_position,
+                    format!(
+                        "unknown key `{}` in {context}; expected one of: {}",
+                        entry.key,
+                        names.join(", ")
+                    ),
+                ),
+            }
+        }
+        found
+    }
+
+    fn descriptors(
+        &mut self,
+        file: File<'_>,
+        entry: Option<&MapEntry>,
+        depth: usize,
+        parent_path: &str,
+        domain: &str,
+    ) -> Vec<DescriptorDraft> {
+        let Some(entry) = given(entry) else { return Vec::new() };
+        let items = self.list(file, entry);
+        if items.is_empty() {
+            return Vec::new();
+        }
+        if depth > DESCRIPTOR_DEPTH_MAX {
+            self.error(
+                file,
+                entry.key_position,
+                format!("descriptors nested deeper than {DESCRIPTOR_DEPTH_MAX} levels (input size limit)"),
+            );
+            return Vec::new();
+        }
+        let mut drafts: Vec<DescriptorDraft> = Vec::with_capacity(items.len());
+        // Composite key (key and value) to the line that declared it first.
+        let mut first_lines: HashMap<(String, Option<String>), u32> = HashMap::new();
+        for item in items {
+            let Some(draft) = self.descriptor(file, item, depth, parent_path, domain) else {
+                continue;
+            };
+            // An empty key was reported already; it is no composite key to compare.
+            if draft.key.is_empty() {
+                continue;
+            }
+            let composite_key = (draft.key.clone(), draft.value.clone());
+            if let Some(first_line) = first_lines.get(&composite_key) {
+                let reason = format!(
+                    "duplicate descriptor composite key `{domain}.{}` (first at line {first_line})",
+                    draft.path
+                );
+                self.error(file, item.position, reason);
+            } else {
+                first_lines.insert(composite_key, draft.line);
+                drafts.push(draft);
+            }
+        }
+        drafts
+    }
+
+    fn descriptor(
+        &mut self,
+        file: File<'_>,
+        node: &Node,
+        depth: usize,
+        parent_path: &str,
+        domain: &str,
+    ) -> Option<DescriptorDraft> {
+        let entries = self.mapping(file, node, "a descriptor")?;
+        self.descriptors_seen += 1;
+        if self.descriptors_seen == RULES_PER_SET_MAX + 1 {
+            self.error(
+                file,
+                node.position,
+                format!(
+                    "more than {RULES_PER_SET_MAX} descriptors in the policy set (input size limit)"
+                ),
+            );
+        }
+        let [
+            key,
+            value,
+            rate_limit,
+            rate_limits,
+            shadow_mode,
+            detailed_metric,
+            value_to_metric,
+            share_threshold,
+            failure_mode,
+            descriptors,
+        ] = self.fields(file, entries, DESCRIPTOR_FIELDS, "a descriptor");
+
+        let key = match key {
+            None => {
+                self.error(file, node.position, "descriptor is missing required key `key`");
+                String::new()
+            }
+            Some(entry) => self.non_empty_string(file, entry).unwrap_or_default().to_owned(),
+        };
+        // An empty value is no value, as in envoyproxy/ratelimit.
+        let value = given(value)
+            .and_then(|entry| self.string(file, entry))
+            .filter(|value| !value.is_empty());
+        let segment = match value {
+            Some(value) => format!("{key}_{value}"),
+            None => key.clone(),
+        };
+        let path =
+            if parent_path.is_empty() { segment } else { format!("{parent_path}.{segment}") };
+
+        let mut draft = DescriptorDraft {
+            key,
+            value: value.map(str::to_owned),
+            path,
+            line: node.position.line,
+            limits: Vec::new(),
+            unlimited: false,
+            shadow_mode: self.bool(file, shadow_mode),
+            detailed_metric: self.bool(file, detailed_metric),
+            failure_mode: FailureMode::Open,
+            names: Vec::new(),
+            replaces: Vec::new(),
+            children: Vec::new(),
+        };
+        let rate_limit = given(rate_limit);
+        let rate_limits = given(rate_limits);
+        if let (Some(_), Some(list)) = (rate_limit, rate_limits) {
+            self.error(
+                file,
+                list.key_position,
+                "`rate_limit` and `rate_limits` are mutually exclusive: list every limit under `rate_limits`",
+            );
+        }
+        if let Some(entry) = rate_limit
+            && let Some(limit) = self.mapping(file, &entry.value, "`rate_limit`")
+        {
+            match self.limit(file, limit, entry.key_position, false, &mut draft) {
+                Some(LimitOutcome::Unlimited) => draft.unlimited = true,
+                Some(LimitOutcome::Limited(limit)) => draft.limits.push(limit),
+                None => {}
+            }
+        }
+        if let Some(entry) = rate_limits {
+            let items = self.list(file, entry);
+            if matches!(&entry.value.value, Value::Sequence(items) if items.is_empty()) {
+                self.error(
+                    file,
+                    entry.value.position,
+                    "`rate_limits` must list at least one limit",
+                );
+            }
+            for item in items {
+                let Some(limit) = self.mapping(file, item, "a `rate_limits` item") else {
+                    continue;
+                };
+                if let Some(LimitOutcome::Limited(limit)) =
+                    self.limit(file, limit, item.position, true, &mut draft)
+                {
+                    draft.limits.push(limit);
+                }
+            }
+        }
+        for replaced in &draft.replaces {
+            if draft.names.iter().any(|name| name.text == replaced.text) {
+                let reason = format!(
+                    "`replaces` names `{}`, a limit of this same descriptor: a limit cannot replace itself",
+                    replaced.text
+                );
+                self.error(file, replaced.position, reason);
+            }
+        }
+
+        // Accepted for compatibility with envoyproxy/ratelimit, which uses it for stats
+        // names only; checked for type so a typo in the value is still caught.
+        self.bool(file, value_to_metric);
+        if let Some(entry) = given(share_threshold)
+            && self.bool(file, Some(entry))
+            && !draft.value.as_deref().is_some_and(|value| value.contains('*'))
+        {
+            self.error(
+                file,
+                entry.key_position,
+                "`share_threshold` needs a wildcard `value` (one containing `*`)",
+            );
+        }
+        if let Some(entry) = given(failure_mode) {
+            draft.failure_mode = self.failure_mode(file, entry).unwrap_or_default();
+            if rate_limit.is_none() && rate_limits.is_none() {
+                self.error(
+                    file,
+                    entry.key_position,
+                    "`failure_mode` has no effect on a descriptor without `rate_limit` \
+                     (nested descriptors do not inherit it)",
+                );
+            }
+        }
+        draft.children = self.descriptors(file, descriptors, depth + 1, &draft.path, domain);
+        Some(draft)
+    }
+
+    /// Validates one `rate_limit` (or one `rate_limits` item); its names and `replaces` are
+    /// recorded on the descriptor even when the numbers are invalid. `anchor` is where errors
+    /// about the limit as a whole point.
+    fn limit(
+        &mut self,
+        file: File<'_>,
+        entries: &[MapEntry],
+        anchor: Position,
+        in_list: bool,
+        descriptor: &mut DescriptorDraft,
+    ) -> Option<LimitOutcome> {
+        let context = if in_list { "a `rate_limits` item" } else { "`rate_limit`" };
+        let [unit, requests_per_unit, unlimited, name, replaces, algorithm, burst, window] =
+            self.fields(file, entries, LIMIT_FIELDS, context);
+        let name = name.and_then(|entry| {
+            let text = self.non_empty_string(file, entry)?.to_owned();
+            Some(Named { text, position: entry.value.position })
+        });
+        descriptor.names.extend(name.clone());
+        let replaces = self.replaces(file, replaces);
+        descriptor.replaces.extend(replaces);
+
+        if let Some(entry) = given(unlimited)
+            && self.bool(file, Some(entry))
+        {
+            if in_list {
+                self.error(
+                    file,
+                    entry.key_position,
+                    "`unlimited: true` is not allowed in `rate_limits`; write `rate_limit: {unlimited: true}`",
+                );
+            }
+            // A name would label a limit that does not exist; envoyproxy/ratelimit also
+            // refuses a unit here.
+            for entry in [unit, requests_per_unit, window, algorithm, burst].into_iter().flatten() {
+                self.error(
+                    file,
+                    entry.key_position,
+                    format!("`{}` cannot be combined with `unlimited: true`", entry.key),
+                );
+            }
+            if let Some(name) = &name {
+                self.error(
+                    file,
+                    name.position,
+                    "`name` cannot be combined with `unlimited: true`: there is no limit to name",
+                );
+            }
+            return (!in_list).then_some(LimitOutcome::Unlimited);
+        }
+
+        let (unit, window, requests_per_unit, burst) =
+            (given(unit), given(window), given(requests_per_unit), given(burst));
+        let mut valid = true;
+        let unit_value = unit.and_then(|entry| self.unit(file, entry));
+        let window_ms = match (unit, window) {
+            (Some(_), Some(window)) => {
+                self.error(
+                    file,
+                    window.key_position,
+                    "`unit` and `window` are mutually exclusive; give one",
+                );
+                valid = false;
+                None
+            }
+            (None, None) => {
+                self.error(
+                    file,
+                    anchor,
+                    "a rate limit needs `unit` or `window` (or `unlimited: true`)",
+                );
+                None
+            }
+            (Some(_), None) => unit_value.map(Unit::window_ms),
+            (None, Some(window)) => self.window(file, window),
+        };
+        let requests = match requests_per_unit {
+            None => {
+                self.error(file, anchor, "a rate limit needs `requests_per_unit`");
+                None
+            }
+            Some(entry) => self.integer(file, entry),
+        };
+        let algorithm_value = match given(algorithm) {
+            Some(entry) => self.algorithm(file, entry).unwrap_or_default(),
+            None => Algorithm::default(),
+        };
+        let burst_value = burst.and_then(|entry| self.integer(file, entry));
+        if let Some(entry) = burst {
+            if algorithm_value != Algorithm::TokenBucket {
+                let algorithm_name = ALGORITHMS
+                    .iter()
+                    .find(|(_, known)| *known == algorithm_value)
+                    .map_or("", |(name, _)| name);
+                self.error(
+                    file,
+                    entry.key_position,
+                    format!(
+                        "`burst` applies only to `algorithm: token_bucket`, not `{algorithm_name}`"
+                    ),
+                );
+                valid = false;
+            } else if let (Some(burst), Some(requests)) = (burst_value, requests)
+                && burst < requests
+            {
+                self.error(
+                    file,
+                    entry.value.position,
+                    format!("`burst` ({burst}) must be at least `requests_per_unit` ({requests})"),
+                );
+                valid = false;
+            }
+        }
+
+        let (Some(requests), Some(window_ms), true) = (requests, window_ms, valid) else {
+            return None;
+        };
+        match LimitSpec::new(algorithm_value, requests, window_ms, burst_value) {
+            Ok(spec) => Some(LimitOutcome::Limited(LimitDraft {
+                spec,
+                unit: unit_value,
+                name: name.map(|name| name.text),
+            })),
+            Err(error) => {
+                let (culprit, hint) = match error {
+                    LimitSpecError::Requests(0) => {
+                        (requests_per_unit, " (a limit that refuses every hit is not supported)")
+                    }
+                    LimitSpecError::Requests(_) => (requests_per_unit, ""),
+                    LimitSpecError::Window(_) => (unit.or(window), ""),
+                    LimitSpecError::Burst(_) => (burst, ""),
+                };
+                let position = culprit.map_or(anchor, |entry| entry.value.position);
+                self.error(file, position, format!("invalid limit: {error}{hint}"));
+                None
+            }
+        }
+    }
+
+    fn replaces(&mut self, file: File<'_>, entry: Option<&MapEntry>) -> Vec<Named> {
+        let Some(entry) = given(entry) else { return Vec::new() };
+        let mut names = Vec::new();
+        for item in self.list(file, entry) {
+            let Some(fields) = self.mapping(file, item, "a `replaces` item") else { continue };
+            match self.fields(file, fields, REPLACES_FIELDS, "a `replaces` item") {
+                [None] => self.error(file, item.position, "a `replaces` item needs `name`"),
+                [Some(name)] => {
+                    if let Some(text) = self.non_empty_string(file, name) {
+                        names.push(Named { text: text.to_owned(), position: name.value.position });
+                    }
+                }
+            }
+        }
+        names
+    }
+
+    /// Set-wide checks within one domain: limit names are unique (they identify a policy in
+    /// `RateLimit` headers and for `replaces`), and every `replaces` names one of them.
+    fn check_names(&mut self, domain: &DomainDraft<'_>) {
+        let mut names: HashMap<&str, Position> = HashMap::new();
+        let mut replaces: Vec<&Named> = Vec::new();
+        let mut pending: Vec<&DescriptorDraft> = domain.descriptors.iter().rev().collect();
+        // Depth first in file order, so the "already used" error lands on the later name.
+        while let Some(descriptor) = pending.pop() {
+            for name in &descriptor.names {
+                if let Some(first) = names.get(name.text.as_str()) {
+                    let reason = format!(
+                        "rate limit name `{}` is already used in domain `{}` at line {}",
+                        name.text, domain.name, first.line
+                    );
+                    self.error(domain.file, name.position, reason);
+                } else {
+                    names.insert(name.text.as_str(), name.position);
+                }
+            }
+            replaces.extend(&descriptor.replaces);
+            pending.extend(descriptor.children.iter().rev());
+        }
+        for replaced in replaces {
+            if !names.contains_key(replaced.text.as_str()) {
+                let reason = format!(
+                    "`replaces` names `{}`, but no rate limit in domain `{}` has that name",
+                    replaced.text, domain.name
+                );
+                self.error(domain.file, replaced.position, reason);
+            }
+        }
+    }
+
+    // Typed readers. Each reports a value of the wrong type and returns `None` for it, so
+    // the caller goes on as if the key were absent.
+
+    /// A scalar as text (YAML numbers and booleans included: envoyproxy/ratelimit reads
+    /// `value: 200` as the string "200"); `None` for null.
+    fn string<'n>(&mut self, file: File<'_>, entry: &'n MapEntry) -> Option<&'n str> {
+        match &entry.value.value {
+            _ if entry.value.is_null() => None,
+            Value::Scalar { text, .. } => Some(text),
+            Value::Sequence(_) | Value::Mapping(_) => {
+                let reason =
+                    format!("`{}` must be a string, found {}", entry.key, entry.value.found());
+                self.error(file, entry.value.position, reason);
+                None
+            }
+        }
+    }
+
+    fn non_empty_string<'n>(&mut self, file: File<'_>, entry: &'n MapEntry) -> Option<&'n str> {
+        let text = self.string(file, entry);
+        if text.is_none_or(str::is_empty)
+            && !matches!(entry.value.value, Value::Sequence(_) | Value::Mapping(_))
+        {
+            // An empty value has no text to point at; its key does.
+            let position =
+                if entry.value.is_null() { entry.key_position } else { entry.value.position };
+            self.error(file, position, format!("`{}` must not be empty", entry.key));
+            return None;
+        }
+        text
+    }
+
+    /// `false` when absent or null.
+    fn bool(&mut self, file: File<'_>, entry: Option<&MapEntry>) -> bool {
+        let Some(entry) = given(entry) else { return false };
+        match &entry.value.value {
+            Value::Scalar { text, typed: true } => match text.as_str() {
+                "true" | "True" | "TRUE" => return true,
+                "false" | "False" | "FALSE" => return false,
+                _ => {}
+            },
+            Value::Scalar { .. } | Value::Sequence(_) | Value::Mapping(_) => {}
+        }
+        let found = entry.value.found();
+        self.error(
+            file,
+            entry.value.position,
+            format!("`{}` must be true or false, found {found}", entry.key),
+        );
+        false
+    }
+
+    /// A whole number written in decimal digits, as a plain (unquoted) scalar.
+    fn integer(&mut self, file: File<'_>, entry: &MapEntry) -> Option<u64> {
+        let reason = match &entry.value.value {
+            Value::Scalar { text, typed: true }
+                if !text.is_empty() && text.bytes().all(|byte| byte.is_ascii_digit()) =>
+            {
+                match text.parse::<u64>() {
+                    Ok(number) => return Some(number),
+                    Err(_) => format!("`{}` is too large: `{text}`", entry.key),
+                }
+            }
+            Value::Scalar { text, typed: true } if text.starts_with('-') => {
+                format!("`{}` must not be negative, found `{text}`", entry.key)
+            }
+            _ => format!("`{}` must be a whole number, found {}", entry.key, entry.value.found()),
+        };
+        self.error(file, entry.value.position, reason);
+        None
+    }
+
+    fn list<'n>(&mut self, file: File<'_>, entry: &'n MapEntry) -> &'n [Node] {
+        match &entry.value.value {
+            _ if entry.value.is_null() => &[],
+            Value::Sequence(items) => items,
+            Value::Scalar { .. } | Value::Mapping(_) => {
+                let reason =
+                    format!("`{}` must be a list, found {}", entry.key, entry.value.found());
+                self.error(file, entry.value.position, reason);
+                &[]
+            }
+        }
+    }
+
+    fn mapping<'n>(
+        &mut self,
+        file: File<'_>,
+        node: &'n Node,
+        what: &str,
+    ) -> Option<&'n [MapEntry]> {
+        match &node.value {
+            Value::Mapping(entries) => Some(entries),
+            Value::Scalar { .. } | Value::Sequence(_) => {
+                self.error(
+                    file,
+                    node.position,
+                    format!("{what} must be a mapping, found {}", node.found()),
+                );
+                None
+            }
+        }
+    }
+
+    /// A unit name, case-insensitive as in envoyproxy/ratelimit.
+    fn unit(&mut self, file: File<'_>, entry: &MapEntry) -> Option<Unit> {
+        let text = self.string(file, entry)?;
+        let unit =
+            UNITS.iter().find(|(name, _)| name.eq_ignore_ascii_case(text)).map(|(_, unit)| *unit);
+        if unit.is_none() {
+            let reason = format!(
+                "unknown unit `{text}`; expected second, minute, hour, day, week, month or year"
+            );
+            self.error(file, entry.value.position, reason);
+        }
+        unit
+    }
+
+    /// `<whole number><ms|s|m|h|d>`, e.g. `30s`, in milliseconds.
+    fn window(&mut self, file: File<'_>, entry: &MapEntry) -> Option<u64> {
+        let text = self.string(file, entry)?;
+        let digits = text.find(|character: char| !character.is_ascii_digit()).unwrap_or(text.len());
+        let (number, suffix) = text.split_at(digits);
+        let scale_ms =
+            WINDOW_SUFFIXES.iter().find(|(name, _)| *name == suffix).map(|(_, scale_ms)| *scale_ms);
+        let Some(scale_ms) = scale_ms.filter(|_| !number.is_empty()) else {
+            let reason = format!(
+                "invalid window `{text}`: expected a whole number and one of ms, s, m, h, d (e.g. `30s`)"
+            );
+            self.error(file, entry.value.position, reason);
+            return None;
+        };
+        let window_ms = number.parse::<u64>().ok().and_then(|number| number.checked_mul(scale_ms));
+        if window_ms.is_none() {
+            self.error(file, entry.value.position, format!("window `{text}` is too long"));
+        }
+        window_ms
+    }
+
+    fn algorithm(&mut self, file: File<'_>, entry: &MapEntry) -> Option<Algorithm> {
+        let text = self.string(file, entry)?;
+        let algorithm =
+            ALGORITHMS.iter().find(|(name, _)| *name == text).map(|(_, algorithm)| *algorithm);
+        if algorithm.is_none() {
+            let reason = format!(
+                "unknown algorithm `{text}`; expected token_bucket, sliding_window or fixed_window"
+            );
+            self.error(file, entry.value.position, reason);
+        }
+        algorithm
+    }
+
+    fn failure_mode(&mut self, file: File<'_>, entry: &MapEntry) -> Option<FailureMode> {
+        match self.string(file, entry)? {
+            "open" => Some(FailureMode::Open),
+            "closed" => Some(FailureMode::Closed),
+            other => {
+                let reason = format!("unknown failure_mode `{other}`; expected open or closed");
+                self.error(file, entry.value.position, reason);
+                None
+            }
+        }
+    }
+}
+
+/// Assembles a set from drafts that passed every check: ids in domain-name order, then
+/// depth first in file order; the match index; the digest over the same walk.
+fn build(domains: BTreeMap<String, DomainDraft<'_>>) -> PolicySet {
+    let mut assembly = Assembly { rules: Vec::new(), fingerprint: Fingerprint::new() };
+    let mut index = HashMap::with_capacity(domains.len());
+    for (name, draft) in domains {
+        assembly.fingerprint.tag(b'D');
+        assembly.fingerprint.str(&name);
+        let mut domain = Domain::default();
+        let place = Place { domain: &name, file: draft.file.name };
+        for descriptor in draft.descriptors {
+            assembly.add(place, descriptor, 1, &mut domain.root, &mut domain.names);
+        }
+        index.insert(name.into_boxed_str(), domain);
+    }
+    PolicySet { rules: assembly.rules, domains: index, digest: assembly.fingerprint.finish() }
+}
+
+/// The domain and file every rule of one draft shares.
+#[derive(Clone, Copy)]
+struct Place<'p> {
+    domain: &'p str,
+    file: &'p str,
+}
+
+struct Assembly {
+    rules: Vec<Rule>,
+    fingerprint: Fingerprint,
+}
+
+impl Assembly {
+    /// Adds a descriptor and its children as rules, and indexes it in `parent`.
+    fn add(
+        &mut self,
+        place: Place<'_>,
+        draft: DescriptorDraft,
+        depth: u64,
+        parent: &mut Level,
+        names: &mut HashMap<Box<str>, RuleId>,
+    ) {
+        let id = RuleId(
+            u32::try_from(self.rules.len())
+                .expect("RULES_PER_SET_MAX fits in u32 and was enforced"),
+        );
+        let limits: Vec<RuleLimit> = draft
+            .limits
+            .into_iter()
+            .map(|limit| RuleLimit { spec: limit.spec, unit: limit.unit, name: limit.name })
+            .collect();
+        for name in limits.iter().filter_map(|limit| limit.name.as_deref()) {
+            names.insert(name.into(), id);
+        }
+        let mut replaces: Vec<String> = Vec::with_capacity(draft.replaces.len());
+        for replaced in draft.replaces {
+            if !replaces.contains(&replaced.text) {
+                replaces.push(replaced.text);
+            }
+        }
+        let rule = Rule {
+            id,
+            domain: place.domain.to_owned(),
+            path: draft.path,
+            limits,
+            unlimited: draft.unlimited,
+            shadow_mode: draft.shadow_mode,
+            detailed_metric: draft.detailed_metric,
+            failure_mode: draft.failure_mode,
+            replaces,
+            file: place.file.to_owned(),
+            line: draft.line,
+        };
+        self.digest(&rule, &draft.key, draft.value.as_deref(), depth);
+        let decides = rule.unlimited || !rule.limits.is_empty();
+        self.rules.push(rule);
+        let mut children = Level::default();
+        for child in draft.children {
+            self.add(place, child, depth + 1, &mut children, names);
+        }
+        parent.insert(
+            &draft.key,
+            draft.value.as_deref(),
+            IndexNode { rule: id, decides, children },
+        );
+    }
+
+    /// Everything that changes what a descriptor matches or decides, in a fixed order;
+    /// nothing about where it was written.
+    fn digest(&mut self, rule: &Rule, key: &str, value: Option<&str>, depth: u64) {
+        let fingerprint = &mut self.fingerprint;
+        fingerprint.tag(b'N');
+        fingerprint.u64(depth);
+        fingerprint.str(key);
+        fingerprint.option_str(value);
+        fingerprint.bool(rule.unlimited);
+        fingerprint.bool(rule.shadow_mode);
+        fingerprint.bool(rule.detailed_metric);
+        fingerprint.tag(match rule.failure_mode {
+            FailureMode::Open => 0,
+            FailureMode::Closed => 1,
+        });
+        fingerprint.len(rule.limits.len());
+        for limit in &rule.limits {
+            fingerprint.tag(match limit.spec.algorithm {
+                Algorithm::TokenBucket => 0,
+                Algorithm::SlidingWindow => 1,
+                Algorithm::FixedWindow => 2,
+            });
+            fingerprint.u64(limit.spec.requests_per_window);
+            fingerprint.u64(limit.spec.window_ms);
+            fingerprint.u64(limit.spec.burst_tokens);
+            // The unit matters apart from its window: it is what Envoy is told.
+            let unit_tag =
+                limit.unit.and_then(|unit| UNITS.iter().position(|(_, known)| *known == unit));
+            fingerprint.len(unit_tag.map_or(0, |position| position + 1));
+            fingerprint.option_str(limit.name.as_deref());
+        }
+        fingerprint.len(rule.replaces.len());
+        for replaced in &rule.replaces {
+            fingerprint.str(replaced);
+        }
+    }
+}
