@@ -1,5 +1,25 @@
 //! quotamesh: a distributed quota mesh.
 //!
+//! Each node answers Envoy Rate Limit Service questions from memory; later slices lease the
+//! tokens from a Raft-replicated regional ledger (see DESIGN in the repository).
+//!
 //! # Layout
-//! - [`core`]: pure rate-limit math and policy matching (no IO, no clock).
+//! - [`core`]: pure rate-limit math, policy matching and header formatting (no IO, no clock).
+//! - [`actors`]: the tenant-shard actors (ractor) that own per-key state.
+//! - [`api`]: the gRPC services (Envoy RLS v3) and the metrics/health HTTP endpoints.
+//! - [`policy_store`]: loads policy files, swaps them in atomically, reloads on change.
+//! - [`node`]: wires a node together; ordered shutdown.
+//! - [`config`]: the node's TOML configuration.
+//! - [`metrics`]: every Prometheus metric, by name.
+//! - [`clock`]: the only reader of system time.
+//! - [`cli`]: the subcommands of the `quotamesh` binary.
+
+pub mod actors;
+pub mod api;
+pub mod cli;
+pub mod clock;
+pub mod config;
 pub mod core;
+pub mod metrics;
+pub mod node;
+pub mod policy_store;

