@@ -841,7 +841,7 @@ fn error_limit_spec_ranges() {
             "p.yaml:3:35: invalid limit: window must be between 1 ms and 34560000000 ms, got 43200000000 ms",
             "p.yaml:4:35: invalid limit: window must be between 1 ms and 34560000000 ms, got 0 ms",
             "p.yaml:5:60: invalid limit: requests per window must be between 1 and 1000000000000, got 2000000000000",
-            "p.yaml:6:70: invalid limit: burst must be between 1 and 1000000000000, got 2000000000000",
+            "p.yaml:6:70: invalid limit: burst must be between 1 and 1000000000000 tokens, got 2000000000000",
         ]
     );
 }
