@@ -3,13 +3,16 @@
 # constant-OK tonic RLS (`quotamesh bench constant-ok`) loaded by the same h2load command in
 # the same run. Server pinned to core 0 with one tokio worker, h2load to core 1.
 #
-# Prints requests/s, latency and server CPU per request for both, and the ratios.
+# The two servers are loaded in alternation for several rounds (this machine is shared and
+# noisy); each figure is the median of its rounds. Prints requests/s, mean latency and
+# server CPU per request for both, and the ratios.
 # Needs h2load (Debian package nghttp2-client) and a release build:
 #   cargo build --release && benches/grpc_throughput.sh [requests]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 requests=${1:-200000}
+rounds=${2:-3}
 binary=target/release/quotamesh
 command -v h2load >/dev/null || { echo "h2load missing: apt-get install nghttp2-client" >&2; exit 1; }
 [ -x "$binary" ] || { echo "build first: cargo build --release" >&2; exit 1; }
@@ -46,7 +49,7 @@ run() {
   local hz; hz=$(getconf CLK_TCK)
   local cpu_us; cpu_us=$(awk -v t=$((after - before)) -v hz="$hz" -v n="$requests" 'BEGIN {printf "%.2f", t / hz * 1e6 / n}')
   printf '%-12s %10s req/s   mean %8s   server CPU %6s us/request   failed %s\n' "$name" "$rps" "$mean" "$cpu_us" "$failed"
-  echo "$rps $cpu_us" > "$work/$name.result"
+  echo "$rps $cpu_us" >> "$work/$name.result"
 }
 
 TOKIO_WORKER_THREADS=1 taskset -c 0 "$binary" bench constant-ok --rls-addr 127.0.0.1:18091 2>/dev/null &
@@ -59,11 +62,18 @@ for _ in $(seq 100); do
   sleep 0.1
 done
 
-run ceiling 18091 "$ceiling_pid"
-run quotamesh 18081 "$node_pid"
+for _ in $(seq "$rounds"); do
+  run ceiling 18091 "$ceiling_pid"
+  run quotamesh 18081 "$node_pid"
+done
 
-read -r ceiling_rps ceiling_cpu < "$work/ceiling.result"
-read -r node_rps node_cpu < "$work/quotamesh.result"
+median() { sort -g | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
+ceiling_rps=$(cut -d' ' -f1 "$work/ceiling.result" | median)
+ceiling_cpu=$(cut -d' ' -f2 "$work/ceiling.result" | median)
+node_rps=$(cut -d' ' -f1 "$work/quotamesh.result" | median)
+node_cpu=$(cut -d' ' -f2 "$work/quotamesh.result" | median)
+printf 'median of %s rounds: ceiling %s req/s %s us CPU; quotamesh %s req/s %s us CPU\n' \
+  "$rounds" "$ceiling_rps" "$ceiling_cpu" "$node_rps" "$node_cpu"
 awk -v a="$node_rps" -v b="$ceiling_rps" -v c="$node_cpu" -v d="$ceiling_cpu" 'BEGIN {
   printf "throughput ratio quotamesh/ceiling   %.3f\n", a / b
   printf "CPU per request ratio                %.3f\n", c / d
