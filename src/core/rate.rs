@@ -21,10 +21,20 @@
 //! `retry_after_ms`) are still measured from the caller's `now_ms`. Windows are aligned to
 //! multiples of `window_ms` since the epoch, so every node agrees where a window starts.
 //!
+//! # A limit of 0
+//! `requests_per_window = 0` (envoyproxy/ratelimit's "black list", `requests_per_unit: 0`)
+//! refuses every hit, whatever the algorithm: only `hits = 0` is admitted, as a no-op; a
+//! refusal reports `remaining = 0`, `reset_ms = 0` (nothing is ever consumed, so the limit is
+//! always as reset as it gets) and `retry_after_ms = u64::MAX` (never). Such a limit never
+//! reads nor changes its state: every `next` is the state passed in, and every state is
+//! pristine, so shards need not keep one. None of the refill or window math runs for it, so
+//! it cannot divide by its zero rate.
+//!
 //! # Over-admission bounds
 //! With `L = requests_per_window` and `W = window_ms`, the hits admitted by
 //! [`LimitSpec::evaluate`] and [`LimitSpec::acquire_up_to`] within any `D` consecutive
-//! milliseconds (tokens handed back by [`LimitSpec::give_back`] aside) are at most:
+//! milliseconds (tokens handed back by [`LimitSpec::give_back`] aside) are at most the
+//! following, which is 0 for `L = 0` with every algorithm:
 //! - token bucket: `burst_tokens + floor((D - 1) * L / W)`, which is at most
 //!   `burst_tokens + ceil(D * L / W)`: a full bucket plus the refill between the first and the
 //!   last millisecond;
@@ -106,15 +116,22 @@ pub struct LimitSpec {
 /// Why a limit's numbers were refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LimitSpecError {
-    /// `requests_per_window` was 0 or above [`LIMIT_TOKENS_MAX`].
-    #[error("requests per window must be between 1 and {LIMIT_TOKENS_MAX}, got {0}")]
+    /// `requests_per_window` was above [`LIMIT_TOKENS_MAX`].
+    #[error("requests per window must be between 0 and {LIMIT_TOKENS_MAX}, got {0}")]
     Requests(u64),
     /// `window_ms` was 0 or above [`WINDOW_MS_MAX`].
     #[error("window must be between 1 ms and {WINDOW_MS_MAX} ms, got {0} ms")]
     Window(u64),
-    /// `burst_tokens` was 0 or above [`LIMIT_TOKENS_MAX`].
+    /// `burst_tokens` was 0 or above [`LIMIT_TOKENS_MAX`] while `requests_per_window` was
+    /// above 0.
     #[error("burst must be between 1 and {LIMIT_TOKENS_MAX} tokens, got {0}")]
     Burst(u64),
+    /// `burst_tokens` was above 0 while `requests_per_window` was 0.
+    #[error(
+        "a limit of 0 requests per window refuses every hit, so its burst must be 0 or left out, \
+         got {0}"
+    )]
+    BurstOfZeroLimit(u64),
 }
 
 /// Per-key state of one limit, 24 bytes; only the [`LimitSpec`] that produced it can read it.
@@ -160,7 +177,8 @@ pub struct Evaluation {
 pub struct Grant {
     /// min(want, whole tokens available); may be 0.
     pub granted: u64,
-    /// 0 when granted > 0; otherwise exact ms until one whole token is available.
+    /// 0 when granted > 0; otherwise exact ms until one whole token is available, or
+    /// `u64::MAX` when none ever will be (a limit of 0).
     pub retry_after_ms: u64,
     /// Whole tokens still available after the grant.
     pub remaining: u64,
@@ -171,25 +189,43 @@ pub struct Grant {
 impl LimitSpec {
     /// Validates and builds a limit; `burst_tokens` defaults to `requests_per_window`.
     ///
+    /// `requests_per_window = 0` builds a limit that refuses every hit (see the module docs);
+    /// its burst must then be 0 or left out.
+    ///
     /// # Errors
-    /// [`LimitSpecError`] when a number is zero or out of range.
+    /// [`LimitSpecError`] when a number is out of range, the window is 0, the burst is 0 under
+    /// a non-zero limit, or above 0 under a zero one.
     pub fn new(
         algorithm: Algorithm,
         requests_per_window: u64,
         window_ms: u64,
         burst_tokens: Option<u64>,
     ) -> Result<Self, LimitSpecError> {
-        if requests_per_window == 0 || requests_per_window > LIMIT_TOKENS_MAX {
+        if requests_per_window > LIMIT_TOKENS_MAX {
             return Err(LimitSpecError::Requests(requests_per_window));
         }
+        // Checked for a zero limit too: a bad window is a mistake whatever the limit.
         if window_ms == 0 || window_ms > WINDOW_MS_MAX {
             return Err(LimitSpecError::Window(window_ms));
         }
         let burst_tokens = burst_tokens.unwrap_or(requests_per_window);
-        if burst_tokens == 0 || burst_tokens > LIMIT_TOKENS_MAX {
+        if requests_per_window == 0 {
+            // A bucket that never refills would hand out its burst once per key and never
+            // again, which is no rate limit; refuse rather than guess.
+            if burst_tokens > 0 {
+                return Err(LimitSpecError::BurstOfZeroLimit(burst_tokens));
+            }
+        } else if burst_tokens == 0 || burst_tokens > LIMIT_TOKENS_MAX {
             return Err(LimitSpecError::Burst(burst_tokens));
         }
         Ok(Self { algorithm, requests_per_window, window_ms, burst_tokens })
+    }
+
+    /// True for a limit of 0, which refuses every hit and never touches its state. Checked
+    /// first by every public method, so hand-built specs with a burst above 0 behave the same
+    /// and none of the math below meets a zero rate.
+    fn refuses_every_hit(&self) -> bool {
+        self.requests_per_window == 0
     }
 
     /// The state of a key never seen before: full bucket / empty window.
@@ -205,6 +241,15 @@ impl LimitSpec {
     ///
     /// `hits = 0` is an admitted no-op that still reports `remaining` and `reset_ms`.
     pub fn evaluate(&self, state: &LimitState, now_ms: u64, hits: u64) -> Evaluation {
+        if self.refuses_every_hit() {
+            return Evaluation {
+                admitted: hits == 0,
+                remaining: 0,
+                reset_ms: 0,
+                retry_after_ms: if hits == 0 { 0 } else { u64::MAX },
+                next: *state,
+            };
+        }
         let at = self.advance(state, now_ms);
         let available = self.available_tokens(&at);
         if hits <= available {
@@ -229,6 +274,10 @@ impl LimitSpec {
 
     /// Partial: takes up to `want` whole tokens, as many as are available at `now_ms`.
     pub fn acquire_up_to(&self, state: &LimitState, now_ms: u64, want: u64) -> Grant {
+        if self.refuses_every_hit() {
+            // Never a token, so even `want = 0` reports the wait for one: forever.
+            return Grant { granted: 0, retry_after_ms: u64::MAX, remaining: 0, next: *state };
+        }
         let at = self.advance(state, now_ms);
         let available = self.available_tokens(&at);
         let granted = want.min(available);
@@ -254,6 +303,10 @@ impl LimitSpec {
     /// a state cannot tell which window a hit was counted in, and un-counting hits of an
     /// earlier window would let the current one admit more than its limit.
     pub fn give_back(&self, state: &LimitState, now_ms: u64, tokens: u64) -> LimitState {
+        if self.refuses_every_hit() {
+            // Nothing was ever taken, so there is nothing to give back.
+            return *state;
+        }
         let at = self.advance(state, now_ms);
         match self.algorithm {
             Algorithm::TokenBucket => {
@@ -275,9 +328,10 @@ impl LimitSpec {
     /// True when `state` at `now_ms` is indistinguishable from `initial_state(now_ms)`, so the
     /// key can be forgotten without changing any decision at `now_ms` or later: a full bucket,
     /// or windows with no counted hit that still weighs. A state last updated after `now_ms`
-    /// is never pristine, since it treats the time up to its update as not elapsed.
+    /// is never pristine, since it treats the time up to its update as not elapsed. Under a
+    /// limit of 0 every state is pristine: no decision reads it.
     pub fn is_pristine(&self, state: &LimitState, now_ms: u64) -> bool {
-        self.advance(state, now_ms) == self.initial_state(now_ms)
+        self.refuses_every_hit() || self.advance(state, now_ms) == self.initial_state(now_ms)
     }
 
     /// Millisecond time the state was last updated (for least-recently-used eviction).
@@ -286,8 +340,11 @@ impl LimitSpec {
     }
 
     /// Capacity in whole tokens: `burst_tokens` for a token bucket, `requests_per_window`
-    /// otherwise.
+    /// otherwise; 0 for a limit of 0, whatever a hand-built spec's burst says.
     pub fn capacity_tokens(&self) -> u64 {
+        if self.refuses_every_hit() {
+            return 0;
+        }
         match self.algorithm {
             Algorithm::TokenBucket => self.burst_tokens,
             Algorithm::SlidingWindow | Algorithm::FixedWindow => self.requests_per_window,
@@ -323,7 +380,8 @@ impl LimitSpec {
         if missing_units == 0 {
             Some(0)
         } else if rate == 0 {
-            // Only a hand-built spec with requests_per_window = 0 gets here.
+            // Unreachable: a limit of 0 returns before any refill math. Kept so that a
+            // future caller cannot divide by the zero rate.
             None
         } else {
             Some(missing_units.div_ceil(rate))

@@ -268,6 +268,95 @@ fn extreme_inputs_saturate_instead_of_panicking() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// A limit of 0
+// ---------------------------------------------------------------------------------------------
+
+/// Checks every answer of a limit of 0 on `state`: only 0 hits pass, nothing is ever granted,
+/// retry is never, reset is now, and the state is neither read nor changed.
+fn assert_refuses_every_hit(spec: &LimitSpec, state: LimitState) {
+    assert_eq!(spec.capacity_tokens(), 0);
+    for now_ms in [0, 1, 999, 1_000, 1_500, 86_400_000, u64::MAX] {
+        let none = spec.evaluate(&state, now_ms, 0);
+        assert_eq!(
+            (none.admitted, none.remaining, none.reset_ms, none.retry_after_ms),
+            (true, 0, 0, 0)
+        );
+        assert_eq!(none.next, state);
+        for hits in [1, 2, LIMIT_TOKENS_MAX, u64::MAX] {
+            let refused = spec.evaluate(&state, now_ms, hits);
+            assert_eq!(
+                (refused.admitted, refused.remaining, refused.reset_ms, refused.retry_after_ms),
+                (false, 0, 0, u64::MAX),
+                "{hits} hits at {now_ms}"
+            );
+            assert_eq!(refused.next, state);
+        }
+        for want in [0, 1, u64::MAX] {
+            let grant = spec.acquire_up_to(&state, now_ms, want);
+            assert_eq!((grant.granted, grant.remaining, grant.retry_after_ms), (0, 0, u64::MAX));
+            assert_eq!(grant.next, state);
+        }
+        assert_eq!(spec.give_back(&state, now_ms, 5), state);
+        assert!(spec.is_pristine(&state, now_ms));
+    }
+}
+
+#[test]
+fn zero_limit_is_valid_for_every_algorithm_with_no_burst() {
+    // A limit of 0 builds for every algorithm with a burst of 0 or none, and refuses a burst above 0.
+    for algorithm in [Algorithm::TokenBucket, Algorithm::SlidingWindow, Algorithm::FixedWindow] {
+        for burst in [None, Some(0)] {
+            let zero = LimitSpec::new(algorithm, 0, 1_000, burst).expect("a limit of 0 is valid");
+            assert_eq!((zero.requests_per_window, zero.burst_tokens), (0, 0));
+        }
+        let error = LimitSpec::new(algorithm, 0, 1_000, Some(3)).expect_err("burst above 0");
+        assert_eq!(error, LimitSpecError::BurstOfZeroLimit(3));
+        assert_eq!(
+            error.to_string(),
+            "a limit of 0 requests per window refuses every hit, so its burst must be 0 or left \
+             out, got 3"
+        );
+        assert_eq!(LimitSpec::new(algorithm, 0, 0, None), Err(LimitSpecError::Window(0)));
+    }
+    assert_eq!(
+        LimitSpec::new(Algorithm::TokenBucket, 5, 1_000, Some(0)),
+        Err(LimitSpecError::Burst(0))
+    );
+    assert_eq!(
+        LimitSpecError::Requests(LIMIT_TOKENS_MAX + 1).to_string(),
+        "requests per window must be between 0 and 1000000000000, got 1000000000001"
+    );
+}
+
+#[test]
+fn zero_limit_token_bucket_refuses_every_hit() {
+    // A token bucket of 0 never holds a token, fresh, late or stepped back, even if hand-built with a burst.
+    let bucket = spec(Algorithm::TokenBucket, 0, 1_000, None);
+    assert_refuses_every_hit(&bucket, bucket.initial_state(1_000));
+    assert_refuses_every_hit(&bucket, LimitState { updated_ms: 7, level: u64::MAX, carry: 3 });
+    let hand_built = LimitSpec { burst_tokens: 5, ..bucket };
+    assert_refuses_every_hit(&hand_built, hand_built.initial_state(1_000));
+}
+
+#[test]
+fn zero_limit_fixed_window_refuses_every_hit() {
+    // A fixed window of 0 refuses in every window, before and after its boundaries.
+    let window = spec(Algorithm::FixedWindow, 0, 1_000, None);
+    assert_refuses_every_hit(&window, window.initial_state(1_500));
+    assert_refuses_every_hit(&window, LimitState { updated_ms: u64::MAX, level: 9, carry: 9 });
+}
+
+#[test]
+fn zero_limit_sliding_window_refuses_every_hit() {
+    // A sliding window of 0 refuses whatever the previous window's weight, at any time.
+    let sliding = spec(Algorithm::SlidingWindow, 0, 1_000, None);
+    assert_refuses_every_hit(&sliding, sliding.initial_state(500));
+    assert_refuses_every_hit(&sliding, LimitState { updated_ms: 1_999, level: 0, carry: 4 });
+    let one_ms = spec(Algorithm::SlidingWindow, 0, 1, None);
+    assert_refuses_every_hit(&one_ms, one_ms.initial_state(0));
+}
+
+// ---------------------------------------------------------------------------------------------
 // Reference models
 // ---------------------------------------------------------------------------------------------
 
@@ -314,12 +403,26 @@ impl BucketModel {
         saturate(self.units / u128::from(self.spec.window_ms))
     }
 
-    /// Ms from `now_ms` until the bucket holds `target_units`.
+    /// Ms from `now_ms` until the bucket holds `target_units`; `u64::MAX` if it never will.
     fn wait_ms(&self, now_ms: u64, target_units: u128) -> u64 {
-        let refill_ms = target_units
-            .saturating_sub(self.units)
-            .div_ceil(u128::from(self.spec.requests_per_window));
+        let missing_units = target_units.saturating_sub(self.units);
+        let rate = u128::from(self.spec.requests_per_window);
+        if rate == 0 && missing_units > 0 {
+            // A limit of 0 never refills.
+            return u64::MAX;
+        }
+        let refill_ms = missing_units.div_ceil(rate.max(1));
         saturate(u128::from(self.last_ms - now_ms) + refill_ms)
+    }
+
+    /// Ms from `now_ms` until the bucket is full; 0 for a limit of 0, which holds nothing to
+    /// refill.
+    fn reset_ms(&self, now_ms: u64) -> u64 {
+        if self.spec.requests_per_window == 0 {
+            0
+        } else {
+            self.wait_ms(now_ms, self.capacity_units())
+        }
     }
 
     fn evaluate(&mut self, now_ms: u64, hits: u64) -> Observed {
@@ -327,15 +430,14 @@ impl BucketModel {
         let window = u128::from(self.spec.window_ms);
         if hits <= self.spec.burst_tokens && self.units >= u128::from(hits) * window {
             self.units -= u128::from(hits) * window;
-            let reset_ms = self.wait_ms(now_ms, self.capacity_units());
-            (true, self.whole_tokens(), reset_ms, 0)
+            (true, self.whole_tokens(), self.reset_ms(now_ms), 0)
         } else {
             let retry_ms = if hits > self.spec.burst_tokens {
                 u64::MAX
             } else {
                 self.wait_ms(now_ms, u128::from(hits) * window)
             };
-            (false, self.whole_tokens(), self.wait_ms(now_ms, self.capacity_units()), retry_ms)
+            (false, self.whole_tokens(), self.reset_ms(now_ms), retry_ms)
         }
     }
 
@@ -413,7 +515,12 @@ impl WindowModel {
         saturate(fit_ms - u128::from(now_ms))
     }
 
+    /// Ms from `now_ms` to the end of the model's window; 0 for a limit of 0, which never
+    /// counts anything that a window end could reset.
     fn reset_ms(&self, now_ms: u64) -> u64 {
+        if self.spec.requests_per_window == 0 {
+            return 0;
+        }
         let end_ms = (u128::from(self.last_ms) / self.window() + 1) * self.window();
         saturate(end_ms - u128::from(now_ms))
     }
@@ -489,27 +596,39 @@ fn algorithm() -> impl Strategy<Value = Algorithm> {
     ]
 }
 
-/// Specs small enough that windows roll and buckets drain within a short history.
+/// Specs small enough that windows roll and buckets drain within a short history; now and
+/// then a limit of 0, whose burst is then 0 or left out.
 fn small_spec_of(algorithm: Algorithm) -> impl Strategy<Value = LimitSpec> {
-    (1u64..=12, 1u64..=40, 1u64..=24).prop_map(move |(requests, window_ms, burst)| {
-        spec(algorithm, requests, window_ms, Some(burst))
-    })
+    let requests = prop_oneof![1 => Just(0u64), 12 => 1u64..=12];
+    (requests, 1u64..=40, 1u64..=24, any::<bool>()).prop_map(
+        move |(requests, window_ms, burst, default_burst)| {
+            let burst = match (requests, default_burst) {
+                (_, true) => None,
+                (0, false) => Some(0),
+                (_, false) => Some(burst),
+            };
+            spec(algorithm, requests, window_ms, burst)
+        },
+    )
 }
 
 fn small_spec() -> impl Strategy<Value = LimitSpec> {
     algorithm().prop_flat_map(small_spec_of)
 }
 
-/// Small specs mixed with ones anywhere in the valid range, extremes included.
+/// Small specs mixed with ones anywhere in the valid range, extremes and limits of 0 included.
 fn any_valid_spec() -> impl Strategy<Value = LimitSpec> {
     let tokens = || prop_oneof![Just(1u64), 1..=LIMIT_TOKENS_MAX, Just(LIMIT_TOKENS_MAX)];
     let window_ms = prop_oneof![Just(1u64), 1..=WINDOW_MS_MAX, Just(WINDOW_MS_MAX)];
     prop_oneof![
-        2 => small_spec(),
-        1 => (algorithm(), tokens(), window_ms, tokens())
+        8 => small_spec(),
+        4 => (algorithm(), tokens(), window_ms.clone(), tokens())
             .prop_map(|(algorithm, requests, window_ms, burst)| {
                 spec(algorithm, requests, window_ms, Some(burst))
             }),
+        1 => (algorithm(), window_ms).prop_map(|(algorithm, window_ms)| {
+            spec(algorithm, 0, window_ms, None)
+        }),
     ]
 }
 
@@ -663,13 +782,17 @@ proptest! {
         }
         if !evaluation.admitted {
             prop_assert!(evaluation.retry_after_ms > 0);
-            if let Some(retry_at_ms) = now_ms.checked_add(evaluation.retry_after_ms) {
+            // u64::MAX means never, even from now_ms = 0.
+            if evaluation.retry_after_ms < u64::MAX
+                && let Some(retry_at_ms) = now_ms.checked_add(evaluation.retry_after_ms)
+            {
                 prop_assert!(spec.evaluate(&state, retry_at_ms, hits).admitted);
                 prop_assert!(!spec.evaluate(&state, retry_at_ms - 1, hits).admitted);
             }
         }
         let grant = spec.acquire_up_to(&state, now_ms, hits.max(1));
         if grant.granted == 0
+            && grant.retry_after_ms < u64::MAX
             && let Some(retry_at_ms) = now_ms.checked_add(grant.retry_after_ms)
         {
             prop_assert_eq!(spec.acquire_up_to(&state, retry_at_ms, 1).granted, 1);
@@ -690,6 +813,11 @@ proptest! {
         let now_ms = last_ms.saturating_add_signed(delta_ms);
         let evaluation = spec.evaluate(&state, now_ms, hits);
         let next = evaluation.next;
+        if spec.requests_per_window == 0 {
+            // Nothing to reset, and no time in the state that counts.
+            prop_assert_eq!(evaluation.reset_ms, 0);
+            return Ok(());
+        }
         let state_ms = spec.last_touched_ms(&next);
         prop_assert!(evaluation.reset_ms >= state_ms - now_ms);
         let Some(reset_at_ms) = now_ms.checked_add(evaluation.reset_ms) else {
@@ -810,7 +938,9 @@ proptest! {
         prop_assert_eq!(earlier.admitted, then.admitted);
         prop_assert_eq!(earlier.remaining, then.remaining);
         prop_assert_eq!(earlier.next, then.next);
-        prop_assert_eq!(earlier.reset_ms, then.reset_ms.saturating_add(gap_ms));
+        // A limit of 0 reports reset 0 at any time, since it has nothing to reset.
+        let reset_gap_ms = if spec.requests_per_window == 0 { 0 } else { gap_ms };
+        prop_assert_eq!(earlier.reset_ms, then.reset_ms.saturating_add(reset_gap_ms));
         if !then.admitted {
             prop_assert_eq!(earlier.retry_after_ms, then.retry_after_ms.saturating_add(gap_ms));
         }
@@ -901,6 +1031,11 @@ proptest! {
         let mut kept = state;
         let mut fresh = spec.initial_state(now_ms);
         let mut at_ms = now_ms;
+        // A limit of 0 hands back the state it is given, so kept and fresh states keep their
+        // different times, which no decision reads; there only the answers must agree.
+        let states_agree = |kept: &LimitState, fresh: &LimitState| {
+            spec.requests_per_window == 0 || kept == fresh
+        };
         for step in future {
             // The clock may step back, but not before the time the key was forgotten.
             at_ms = at_ms.saturating_add_signed(step.delta_ms).max(now_ms);
@@ -908,19 +1043,24 @@ proptest! {
                 Call::Evaluate(hits) => {
                     let (from_kept, from_fresh) =
                         (spec.evaluate(&kept, at_ms, hits), spec.evaluate(&fresh, at_ms, hits));
-                    prop_assert_eq!(from_kept, from_fresh);
+                    prop_assert_eq!(observed(&from_kept), observed(&from_fresh));
+                    prop_assert!(states_agree(&from_kept.next, &from_fresh.next));
                     (kept, fresh) = (from_kept.next, from_fresh.next);
                 }
                 Call::Acquire(want) => {
                     let (from_kept, from_fresh) =
                         (spec.acquire_up_to(&kept, at_ms, want), spec.acquire_up_to(&fresh, at_ms, want));
-                    prop_assert_eq!(from_kept, from_fresh);
+                    prop_assert_eq!(
+                        (from_kept.granted, from_kept.remaining, from_kept.retry_after_ms),
+                        (from_fresh.granted, from_fresh.remaining, from_fresh.retry_after_ms)
+                    );
+                    prop_assert!(states_agree(&from_kept.next, &from_fresh.next));
                     (kept, fresh) = (from_kept.next, from_fresh.next);
                 }
                 Call::GiveBack(tokens) => {
                     kept = spec.give_back(&kept, at_ms, tokens);
                     fresh = spec.give_back(&fresh, at_ms, tokens);
-                    prop_assert_eq!(kept, fresh);
+                    prop_assert!(states_agree(&kept, &fresh));
                 }
             }
         }

@@ -552,16 +552,13 @@ impl Loader {
                 name: name.map(|name| name.text),
             })),
             Err(error) => {
-                let (culprit, hint) = match error {
-                    LimitSpecError::Requests(0) => {
-                        (requests_per_unit, " (a limit that refuses every hit is not supported)")
-                    }
-                    LimitSpecError::Requests(_) => (requests_per_unit, ""),
-                    LimitSpecError::Window(_) => (unit.or(window), ""),
-                    LimitSpecError::Burst(_) => (burst, ""),
+                let culprit = match error {
+                    LimitSpecError::Requests(_) => requests_per_unit,
+                    LimitSpecError::Window(_) => unit.or(window),
+                    LimitSpecError::Burst(_) | LimitSpecError::BurstOfZeroLimit(_) => burst,
                 };
                 let position = culprit.map_or(anchor, |entry| entry.value.position);
-                self.error(file, position, format!("invalid limit: {error}{hint}"));
+                self.error(file, position, format!("invalid limit: {error}"));
                 None
             }
         }

@@ -138,10 +138,10 @@ fn readme_example_2_nested_and_key_only() {
 }
 
 #[test]
-fn readme_example_3_as_written_is_refused_at_the_zero() {
-    // The README's "black list" limit of 0 cannot be expressed as a LimitSpec; the load
-    // error points at the 0 and says why, instead of silently admitting everything.
-    let lines = [
+fn readme_example_3_as_written_loads_with_a_limit_of_zero() {
+    // The README's "black list" loads as in envoyproxy/ratelimit: the listed address matches
+    // its key+value rule, whose limit of 0 refuses every hit, and other addresses get 10/s.
+    let set = parse(&[
         "domain: edge_proxy_per_ip",
         "descriptors:",
         "  - key: remote_address",
@@ -155,14 +155,41 @@ fn readme_example_3_as_written_is_refused_at_the_zero() {
         "    rate_limit:",
         "      unit: second",
         "      requests_per_unit: 0",
-    ];
+    ]);
+    let black_listed = matched(&set, "edge_proxy_per_ip", &[("remote_address", "50.0.0.5")]);
+    assert_eq!(black_listed.path, "remote_address_50.0.0.5");
+    assert_eq!(numbers(black_listed), (0, SECOND_MS));
+    let spec = black_listed.limits[0].spec;
+    assert_eq!((spec.algorithm, spec.burst_tokens), (Algorithm::TokenBucket, 0));
+    assert!(!spec.evaluate(&spec.initial_state(0), 0, 1).admitted);
     assert_eq!(
-        errors(&lines),
-        [
-            "p.yaml:13:26: invalid limit: requests per window must be between 1 and 1000000000000, got 0 \
-         (a limit that refuses every hit is not supported)"
-        ]
+        numbers(matched(&set, "edge_proxy_per_ip", &[("remote_address", "50.0.0.1")])),
+        (10, SECOND_MS)
     );
+}
+
+#[test]
+fn limit_of_zero_loads_with_every_algorithm() {
+    // `requests_per_unit: 0` loads with any algorithm or window, and with `burst: 0` too.
+    let set = parse(&[
+        "domain: rl",
+        "descriptors:",
+        "  - {key: a, rate_limit: {unit: hour, requests_per_unit: 0, burst: 0}}",
+        "  - {key: b, rate_limit: {window: 5m, requests_per_unit: 0, algorithm: fixed_window}}",
+        "  - {key: c, rate_limit: {unit: day, requests_per_unit: 0, algorithm: sliding_window}}",
+    ]);
+    let spec_of = |key| matched(&set, "rl", &[(key, "x")]).limits[0].spec;
+    assert_eq!(numbers(matched(&set, "rl", &[("a", "x")])), (0, 3_600_000));
+    assert_eq!(spec_of("a").burst_tokens, 0);
+    assert_eq!((spec_of("b").algorithm, spec_of("b").window_ms), (Algorithm::FixedWindow, 300_000));
+    assert_eq!(
+        (spec_of("c").algorithm, spec_of("c").window_ms),
+        (Algorithm::SlidingWindow, DAY_MS)
+    );
+    for key in ["a", "b", "c"] {
+        assert_eq!(spec_of(key).requests_per_window, 0, "{key}");
+        assert_eq!(spec_of(key).capacity_tokens(), 0, "{key}");
+    }
 }
 
 #[test]
@@ -836,12 +863,14 @@ fn error_limit_spec_ranges() {
             "  - {key: b, rate_limit: {window: 0s, requests_per_unit: 1}}",
             "  - {key: c, rate_limit: {unit: second, requests_per_unit: 2000000000000}}",
             "  - {key: d, rate_limit: {unit: second, requests_per_unit: 1, burst: 2000000000000}}",
+            "  - {key: e, rate_limit: {unit: second, requests_per_unit: 0, burst: 5}}",
         ]),
         [
             "p.yaml:3:35: invalid limit: window must be between 1 ms and 34560000000 ms, got 43200000000 ms",
             "p.yaml:4:35: invalid limit: window must be between 1 ms and 34560000000 ms, got 0 ms",
-            "p.yaml:5:60: invalid limit: requests per window must be between 1 and 1000000000000, got 2000000000000",
+            "p.yaml:5:60: invalid limit: requests per window must be between 0 and 1000000000000, got 2000000000000",
             "p.yaml:6:70: invalid limit: burst must be between 1 and 1000000000000 tokens, got 2000000000000",
+            "p.yaml:7:70: invalid limit: a limit of 0 requests per window refuses every hit, so its burst must be 0 or left out, got 5",
         ]
     );
 }
