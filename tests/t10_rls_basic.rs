@@ -24,6 +24,9 @@ descriptors:
       - {unit: hour, requests_per_unit: 2, name: per-hour}
   - key: open
     rate_limit: {unlimited: true}
+  - key: client
+    value: banned
+    rate_limit: {unit: second, requests_per_unit: 0}
   - key: tenant
     descriptors:
       - key: path
@@ -224,6 +227,40 @@ async fn unmatched_and_unlimited_are_ok() -> anyhow::Result<()> {
     assert_eq!(
         metric_value(&metrics, "quotamesh_rls_unmatched_total{reason=\"domain_not_found\"}"),
         1.0
+    );
+    Ok(())
+}
+
+/// A limit of 0 (envoyproxy/ratelimit's black list) refuses every hit; a descriptor's limit
+/// override replaces the configured limit.
+#[tokio::test]
+async fn zero_limit_and_overrides() -> anyhow::Result<()> {
+    use quotamesh::api::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+    let (node, _dir) = start();
+    let mut client = node.client().await?;
+    let banned = client
+        .should_rate_limit(request("t10", vec![descriptor(&[("client", "banned")])]))
+        .await?
+        .into_inner();
+    assert_eq!(banned.overall_code(), Code::OverLimit);
+    assert_eq!(banned.statuses[0].current_limit.as_ref().expect("limit").requests_per_unit, 0);
+    let fine = client
+        .should_rate_limit(request("t10", vec![descriptor(&[("client", "fine")])]))
+        .await?
+        .into_inner();
+    assert_eq!(fine.overall_code(), Code::Ok, "no rule for other clients");
+
+    let overridden = || {
+        let mut item = descriptor(&[("api_key", "gina")]);
+        item.limit = Some(RateLimitOverride { requests_per_unit: 1, unit: 3 /* HOUR */ });
+        request("t10", vec![item])
+    };
+    let first = client.should_rate_limit(overridden()).await?.into_inner();
+    let limit = first.statuses[0].current_limit.as_ref().expect("limit");
+    assert_eq!((limit.requests_per_unit, limit.unit()), (1, Unit::Hour));
+    assert_eq!(
+        client.should_rate_limit(overridden()).await?.into_inner().overall_code(),
+        Code::OverLimit
     );
     Ok(())
 }

@@ -35,11 +35,11 @@ async fn malformed_requests_are_refused() -> anyhow::Result<()> {
             request(
                 "t30",
                 vec![RateLimitDescriptor {
-                    limit: Some(RateLimitOverride { requests_per_unit: 0, unit: 1 }),
+                    limit: Some(RateLimitOverride { requests_per_unit: 5, unit: 0 }),
                     ..descriptor(&[("k", "v")])
                 }],
             ),
-            "limit override",
+            "limit override has unknown unit 0",
         ),
     ];
     for (bad, expected) in cases {
