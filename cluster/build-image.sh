@@ -7,9 +7,11 @@ cd "$(dirname "$0")/.."
 cargo build --release --bin quotamesh
 binary=target/release/quotamesh
 root=target/docker/rootfs
-rm -rf "$root"
-mkdir -p "$root/data"
-touch "$root/data/.keep"
+# The data directory is staged apart, so the image can hand it to the unprivileged user.
+owned=target/docker/owned
+rm -rf "$root" "$owned"
+mkdir -p "$root" "$owned/data"
+touch "$owned/data/.keep"
 cp "$binary" "$root/quotamesh"
 for library in $(ldd "$binary" | grep -oE '/[^ ]+'); do
   mkdir -p "$root$(dirname "$library")"
