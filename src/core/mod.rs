@@ -5,5 +5,6 @@
 //! property tests and (later) inside the Raft state machine. The actors (`crate::actors`)
 //! and the gRPC services (`crate::api`) wrap it.
 
+pub mod ledger;
 pub mod policy;
 pub mod rate;
