@@ -1,6 +1,56 @@
-//! Rate-limit math on fixed-point tokens: token bucket, sliding-window counter, fixed window.
+//! Rate-limit math for one limit and one key: token bucket, sliding-window counter and fixed
+//! window, on fixed-point integers.
 //!
-//! SKELETON: types only; the algorithms are being written.
+//! This file owns how a [`LimitState`] refills or rolls over with time, whether hits are
+//! admitted, the exact retry and reset times, partial grants (for leases) and give-backs. It
+//! does no IO and reads no clock: every function takes `now_ms` (milliseconds since the Unix
+//! epoch) from its caller and returns the next state as a value. Keeping states in a map,
+//! evicting them, sizing leases and replicating through Raft belong to the shard actors
+//! (`src/actors/`) and the ledger (`src/ledger/`), which store what this file returns.
+//!
+//! # Arithmetic
+//! Tokens are integers: a token bucket holds micro-tokens ([`MICRO_TOKENS_PER_TOKEN`] per
+//! token) in a `u64`, plus the refill remainder below one micro-token in units of
+//! `1 / window_ms` micro-token. Refill is computed in `u128`, so the bucket is exact: many short
+//! steps credit what one long step would, and no gap or `u64` input can overflow. No function
+//! here panics, for any state and any `u64` input; results that do not fit a `u64` saturate.
+//!
+//! # Time
+//! A `now_ms` older than the state's last update counts as no time elapsed, so a clock that
+//! steps back never mints tokens nor reopens a window. Durations returned (`reset_ms`,
+//! `retry_after_ms`) are still measured from the caller's `now_ms`. Windows are aligned to
+//! multiples of `window_ms` since the epoch, so every node agrees where a window starts.
+//!
+//! # Over-admission bounds
+//! With `L = requests_per_window` and `W = window_ms`, the hits admitted by
+//! [`LimitSpec::evaluate`] and [`LimitSpec::acquire_up_to`] within any `D` consecutive
+//! milliseconds (tokens handed back by [`LimitSpec::give_back`] aside) are at most:
+//! - token bucket: `burst_tokens + floor((D - 1) * L / W)`, which is at most
+//!   `burst_tokens + ceil(D * L / W)`: a full bucket plus the refill between the first and the
+//!   last millisecond;
+//! - fixed window: `L` times the number of aligned windows the `D` ms touch; for `D = W` that
+//!   is `2 * L` (the two sides of a boundary);
+//! - sliding window, for `D = W`: `L + floor(L * (W - 2) / W)` (just `L` when `W <= 2`),
+//!   below `2 * L`. Why: an aligned interval is one window, at most `L`. An interval of `W` ms
+//!   starting at offset `y >= 1` of window `k - 1` holds at most all `n` hits of window
+//!   `k - 1` plus the hits of window `k` up to offset `y - 1`; each of those was admitted while
+//!   window `k - 1` still weighed at least `(W - y + 1) / W`, so they number at most
+//!   `L - ceil(n * (W - y + 1) / W)`. The sum is `L + floor(n * (y - 1) / W)`, largest for
+//!   `n = L`, `y = W - 1`, and reached when all `L` hits of a window land on its last
+//!   millisecond.
+//!
+//! ```
+//! use quotamesh::core::rate::{Algorithm, LimitSpec};
+//!
+//! // 10 requests per second, bursts up to 20.
+//! let spec = LimitSpec::new(Algorithm::TokenBucket, 10, 1_000, Some(20)).expect("valid");
+//! let fresh = spec.initial_state(5_000);
+//! let decision = spec.evaluate(&fresh, 5_000, 20);
+//! assert!(decision.admitted);
+//! let refused = spec.evaluate(&decision.next, 5_000, 1);
+//! assert!(!refused.admitted);
+//! assert_eq!(refused.retry_after_ms, 100); // one token refills every 100 ms
+//! ```
 
 use serde::{Deserialize, Serialize};
 
@@ -10,6 +60,21 @@ pub const MICRO_TOKENS_PER_TOKEN: u64 = 1_000_000;
 pub const LIMIT_TOKENS_MAX: u64 = 1_000_000_000_000;
 /// Longest window a limit may declare: 400 days.
 pub const WINDOW_MS_MAX: u64 = 400 * 24 * 3600 * 1000;
+
+// The largest bucket fits a u64 of micro-tokens, so `LimitState` needs no wider field.
+const _: () = assert!(LIMIT_TOKENS_MAX.checked_mul(MICRO_TOKENS_PER_TOKEN).is_some());
+// Refill over any gap (up to u64::MAX ms) at the highest rate fits the u128 intermediate.
+const _: () = assert!(
+    (u64::MAX as u128)
+        .checked_mul(LIMIT_TOKENS_MAX as u128 * MICRO_TOKENS_PER_TOKEN as u128)
+        .is_some()
+);
+// So does the largest bucket counted in 1/window_ms micro-token units.
+const _: () = assert!(
+    (LIMIT_TOKENS_MAX as u128 * MICRO_TOKENS_PER_TOKEN as u128)
+        .checked_mul(WINDOW_MS_MAX as u128)
+        .is_some()
+);
 
 /// How a limit counts hits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
@@ -34,6 +99,7 @@ pub struct LimitSpec {
     /// Window length in milliseconds.
     pub window_ms: u64,
     /// Token-bucket capacity; equal to `requests_per_window` unless a burst is configured.
+    /// The window algorithms ignore it.
     pub burst_tokens: u64,
 }
 
@@ -46,9 +112,60 @@ pub enum LimitSpecError {
     /// `window_ms` was 0 or above [`WINDOW_MS_MAX`].
     #[error("window must be between 1 ms and {WINDOW_MS_MAX} ms, got {0} ms")]
     Window(u64),
-    /// `burst_tokens` was below `requests_per_window`... or above the maximum.
-    #[error("burst must be between 1 and {LIMIT_TOKENS_MAX}, got {0}")]
+    /// `burst_tokens` was 0 or above [`LIMIT_TOKENS_MAX`].
+    #[error("burst must be between 1 and {LIMIT_TOKENS_MAX} tokens, got {0}")]
     Burst(u64),
+}
+
+/// Per-key state of one limit, 24 bytes; only the [`LimitSpec`] that produced it can read it.
+///
+/// What the fields mean depends on the algorithm, which is why they are private:
+///
+/// | field | token bucket | sliding window | fixed window |
+/// |---|---|---|---|
+/// | `updated_ms` | last refill | last update; names the current window | same |
+/// | `level` | micro-tokens available | hits in the current window | same |
+/// | `carry` | refill remainder, in `1 / window_ms` micro-tokens | hits in the previous window | 0 |
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct LimitState {
+    updated_ms: u64,
+    level: u64,
+    carry: u64,
+}
+
+// Shards keep one state per key and limit in memory; keep it small.
+const _: () = assert!(size_of::<LimitState>() <= 24);
+
+/// Outcome of evaluating `hits` against one limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Evaluation {
+    /// Whether all `hits` were admitted (never a part of them).
+    pub admitted: bool,
+    /// Whole tokens (hits) still available after this evaluation (after consuming when admitted).
+    pub remaining: u64,
+    /// Milliseconds until the limit is fully reset (token bucket: until full; windows: until
+    /// the current window ends). Used for RateLimit-Reset / duration_until_reset.
+    pub reset_ms: u64,
+    /// 0 when admitted; when rejected, exact ms until `hits` could be admitted (assuming no
+    /// other traffic), or `u64::MAX` when `hits` exceeds what the limit can ever admit at once
+    /// (or the wait does not fit a `u64`).
+    pub retry_after_ms: u64,
+    /// The state to store if the caller commits this evaluation. When rejected it is the state
+    /// with no hit consumed (rejected hits never consume quota).
+    pub next: LimitState,
+}
+
+/// Outcome of a partial acquisition (used by the ledger to grant leases).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grant {
+    /// min(want, whole tokens available); may be 0.
+    pub granted: u64,
+    /// 0 when granted > 0; otherwise exact ms until one whole token is available.
+    pub retry_after_ms: u64,
+    /// Whole tokens still available after the grant.
+    pub remaining: u64,
+    /// The state to store if the caller commits this grant.
+    pub next: LimitState,
 }
 
 impl LimitSpec {
@@ -74,4 +191,320 @@ impl LimitSpec {
         }
         Ok(Self { algorithm, requests_per_window, window_ms, burst_tokens })
     }
+
+    /// The state of a key never seen before: full bucket / empty window.
+    pub fn initial_state(&self, now_ms: u64) -> LimitState {
+        let level = match self.algorithm {
+            Algorithm::TokenBucket => self.capacity_micro_tokens(),
+            Algorithm::SlidingWindow | Algorithm::FixedWindow => 0,
+        };
+        LimitState { updated_ms: now_ms, level, carry: 0 }
+    }
+
+    /// All-or-nothing: admits `hits` if that many whole tokens are available at `now_ms`.
+    ///
+    /// `hits = 0` is an admitted no-op that still reports `remaining` and `reset_ms`.
+    pub fn evaluate(&self, state: &LimitState, now_ms: u64, hits: u64) -> Evaluation {
+        let at = self.advance(state, now_ms);
+        let available = self.available_tokens(&at);
+        if hits <= available {
+            let next = self.consume(&at, hits);
+            Evaluation {
+                admitted: true,
+                remaining: available - hits,
+                reset_ms: ms_until(now_ms, self.reset_at_ms(&next)),
+                retry_after_ms: 0,
+                next,
+            }
+        } else {
+            Evaluation {
+                admitted: false,
+                remaining: available,
+                reset_ms: ms_until(now_ms, self.reset_at_ms(&at)),
+                retry_after_ms: self.retry_after_ms(&at, now_ms, hits),
+                next: at,
+            }
+        }
+    }
+
+    /// Partial: takes up to `want` whole tokens, as many as are available at `now_ms`.
+    pub fn acquire_up_to(&self, state: &LimitState, now_ms: u64, want: u64) -> Grant {
+        let at = self.advance(state, now_ms);
+        let available = self.available_tokens(&at);
+        let granted = want.min(available);
+        if granted > 0 {
+            Grant {
+                granted,
+                retry_after_ms: 0,
+                remaining: available - granted,
+                next: self.consume(&at, granted),
+            }
+        } else {
+            // Nothing granted with a token available means `want` was 0: no wait.
+            let retry_after_ms =
+                if available > 0 { 0 } else { self.retry_after_ms(&at, now_ms, 1) };
+            Grant { granted: 0, retry_after_ms, remaining: available, next: at }
+        }
+    }
+
+    /// Gives back unspent tokens (lease returns), never above capacity; for the windows it
+    /// un-counts hits in the current window, never below 0.
+    ///
+    /// The caller gives back only tokens acquired in the window that is current at `now_ms`:
+    /// a state cannot tell which window a hit was counted in, and un-counting hits of an
+    /// earlier window would let the current one admit more than its limit.
+    pub fn give_back(&self, state: &LimitState, now_ms: u64, tokens: u64) -> LimitState {
+        let at = self.advance(state, now_ms);
+        match self.algorithm {
+            Algorithm::TokenBucket => {
+                let capacity_micro_tokens = self.capacity_micro_tokens();
+                let level = at.level.saturating_add(tokens.saturating_mul(MICRO_TOKENS_PER_TOKEN));
+                if level >= capacity_micro_tokens {
+                    // A full bucket has no remainder, exactly like a fresh one.
+                    LimitState { level: capacity_micro_tokens, carry: 0, ..at }
+                } else {
+                    LimitState { level, ..at }
+                }
+            }
+            Algorithm::SlidingWindow | Algorithm::FixedWindow => {
+                LimitState { level: at.level.saturating_sub(tokens), ..at }
+            }
+        }
+    }
+
+    /// True when `state` at `now_ms` is indistinguishable from `initial_state(now_ms)`, so the
+    /// key can be forgotten without changing any decision at `now_ms` or later: a full bucket,
+    /// or windows with no counted hit that still weighs. A state last updated after `now_ms`
+    /// is never pristine, since it treats the time up to its update as not elapsed.
+    pub fn is_pristine(&self, state: &LimitState, now_ms: u64) -> bool {
+        self.advance(state, now_ms) == self.initial_state(now_ms)
+    }
+
+    /// Millisecond time the state was last updated (for least-recently-used eviction).
+    pub fn last_touched_ms(&self, state: &LimitState) -> u64 {
+        state.updated_ms
+    }
+
+    /// Capacity in whole tokens: `burst_tokens` for a token bucket, `requests_per_window`
+    /// otherwise.
+    pub fn capacity_tokens(&self) -> u64 {
+        match self.algorithm {
+            Algorithm::TokenBucket => self.burst_tokens,
+            Algorithm::SlidingWindow | Algorithm::FixedWindow => self.requests_per_window,
+        }
+    }
+
+    /// Bucket capacity in micro-tokens; saturates only for a hand-built spec that
+    /// [`LimitSpec::new`] would refuse.
+    fn capacity_micro_tokens(&self) -> u64 {
+        self.burst_tokens.saturating_mul(MICRO_TOKENS_PER_TOKEN)
+    }
+
+    /// `window_ms`, but never 0: the fields are public, and a hand-built spec must not make
+    /// the math divide by zero.
+    fn window_ms_nonzero(&self) -> u64 {
+        self.window_ms.max(1)
+    }
+
+    /// Bucket refill per elapsed millisecond, in `1 / window_ms` micro-token units.
+    fn refill_units_per_ms(&self) -> u128 {
+        u128::from(self.requests_per_window) * u128::from(MICRO_TOKENS_PER_TOKEN)
+    }
+
+    /// Bucket contents in `1 / window_ms` micro-token units, the exact amount refill adds to.
+    fn bucket_units(&self, at: &LimitState) -> u128 {
+        u128::from(at.level) * u128::from(self.window_ms_nonzero()) + u128::from(at.carry)
+    }
+
+    /// Whole milliseconds of refill that cover `missing_units` (rounded up: the first
+    /// millisecond at which the bucket holds enough); `None` if the bucket never refills.
+    fn refill_wait_ms(&self, missing_units: u128) -> Option<u128> {
+        let rate = self.refill_units_per_ms();
+        if missing_units == 0 {
+            Some(0)
+        } else if rate == 0 {
+            // Only a hand-built spec with requests_per_window = 0 gets here.
+            None
+        } else {
+            Some(missing_units.div_ceil(rate))
+        }
+    }
+
+    /// Brings `state` forward to `max(state time, now_ms)`: refills the bucket, or rolls the
+    /// windows over. Never moves time back, so it never mints tokens or reopens a window.
+    fn advance(&self, state: &LimitState, now_ms: u64) -> LimitState {
+        let at_ms = state.updated_ms.max(now_ms);
+        let window_ms = self.window_ms_nonzero();
+        match self.algorithm {
+            Algorithm::TokenBucket => {
+                let capacity_micro_tokens = self.capacity_micro_tokens();
+                let elapsed_ms = at_ms.saturating_sub(state.updated_ms);
+                // Refill plus the remainder carried from earlier steps, in 1/window_ms
+                // micro-tokens: dividing once keeps the result exact however often we step.
+                let refill_units = u128::from(elapsed_ms)
+                    .saturating_mul(self.refill_units_per_ms())
+                    .saturating_add(u128::from(state.carry));
+                let window = u128::from(window_ms);
+                let level = u128::from(state.level.min(capacity_micro_tokens))
+                    .saturating_add(refill_units / window);
+                if level >= u128::from(capacity_micro_tokens) {
+                    // Refill beyond capacity is lost, remainder included.
+                    LimitState { updated_ms: at_ms, level: capacity_micro_tokens, carry: 0 }
+                } else {
+                    LimitState {
+                        updated_ms: at_ms,
+                        level: u64::try_from(level).expect("below capacity, which is a u64"),
+                        carry: u64::try_from(refill_units % window)
+                            .expect("below window_ms, which is a u64"),
+                    }
+                }
+            }
+            Algorithm::SlidingWindow | Algorithm::FixedWindow => {
+                let windows_passed =
+                    (at_ms / window_ms).saturating_sub(state.updated_ms / window_ms);
+                let (current, previous) = match windows_passed {
+                    0 => (state.level, state.carry),
+                    1 => (0, state.level),
+                    _ => (0, 0),
+                };
+                let carry = match self.algorithm {
+                    Algorithm::SlidingWindow => previous,
+                    // A fixed window forgets the previous one.
+                    Algorithm::TokenBucket | Algorithm::FixedWindow => 0,
+                };
+                LimitState { updated_ms: at_ms, level: current, carry }
+            }
+        }
+    }
+
+    /// Whole tokens available in an advanced state.
+    fn available_tokens(&self, at: &LimitState) -> u64 {
+        match self.algorithm {
+            Algorithm::TokenBucket => at.level / MICRO_TOKENS_PER_TOKEN,
+            Algorithm::FixedWindow => self.requests_per_window.saturating_sub(at.level),
+            Algorithm::SlidingWindow => {
+                let room =
+                    u128::from(self.requests_per_window).saturating_sub(self.sliding_estimate(at));
+                u64::try_from(room).expect("at most requests_per_window, which is a u64")
+            }
+        }
+    }
+
+    /// Hits a sliding window counts at the state's time: the previous window weighted by the
+    /// share of it still inside the sliding window, rounded up so that it never under-counts,
+    /// plus the current window.
+    fn sliding_estimate(&self, at: &LimitState) -> u128 {
+        let window_ms = self.window_ms_nonzero();
+        let still_inside_ms = u128::from(window_ms - at.updated_ms % window_ms);
+        let weighted_previous =
+            (u128::from(at.carry) * still_inside_ms).div_ceil(u128::from(window_ms));
+        weighted_previous + u128::from(at.level)
+    }
+
+    /// Takes `tokens` (at most the available ones) from an advanced state.
+    fn consume(&self, at: &LimitState, tokens: u64) -> LimitState {
+        let level = match self.algorithm {
+            Algorithm::TokenBucket => {
+                at.level.saturating_sub(tokens.saturating_mul(MICRO_TOKENS_PER_TOKEN))
+            }
+            Algorithm::SlidingWindow | Algorithm::FixedWindow => at.level.saturating_add(tokens),
+        };
+        LimitState { level, ..*at }
+    }
+
+    /// Milliseconds from `now_ms` until `hits` fit, or `u64::MAX` if they never can.
+    fn retry_after_ms(&self, at: &LimitState, now_ms: u64, hits: u64) -> u64 {
+        self.admit_at_ms(at, hits).map_or(u64::MAX, |admit_ms| ms_until(now_ms, admit_ms))
+    }
+
+    /// Earliest time, at or after the advanced state's, at which `hits` fit with no other
+    /// traffic; `None` when they exceed the capacity. A `u128`, since it may lie past
+    /// `u64::MAX`.
+    fn admit_at_ms(&self, at: &LimitState, hits: u64) -> Option<u128> {
+        if hits > self.capacity_tokens() {
+            return None;
+        }
+        let at_ms = u128::from(at.updated_ms);
+        match self.algorithm {
+            Algorithm::TokenBucket => {
+                let needed_units = u128::from(hits)
+                    .saturating_mul(u128::from(MICRO_TOKENS_PER_TOKEN))
+                    .saturating_mul(u128::from(self.window_ms_nonzero()));
+                let missing_units = needed_units.saturating_sub(self.bucket_units(at));
+                Some(at_ms + self.refill_wait_ms(missing_units)?)
+            }
+            Algorithm::FixedWindow => {
+                if u128::from(at.level) + u128::from(hits) <= u128::from(self.requests_per_window) {
+                    Some(at_ms)
+                } else {
+                    Some(self.window_end_ms(at))
+                }
+            }
+            Algorithm::SlidingWindow => Some(self.sliding_admit_at_ms(at, hits)),
+        }
+    }
+
+    /// [`Self::admit_at_ms`] for a sliding window and `hits <= requests_per_window`.
+    ///
+    /// The estimate only falls while nothing is admitted: the previous window's weight shrinks
+    /// every millisecond, and at a boundary the current count becomes the previous one at full
+    /// weight. So the answer is the first fitting offset in this window, else in the next,
+    /// else the start of the one after, when both counts have expired.
+    fn sliding_admit_at_ms(&self, at: &LimitState, hits: u64) -> u128 {
+        let limit = u128::from(self.requests_per_window);
+        let hits = u128::from(hits);
+        let window = u128::from(self.window_ms_nonzero());
+        let start_ms = self.window_end_ms(at) - window;
+        let current = u128::from(at.level);
+        if let Some(room) = limit.checked_sub(current + hits) {
+            let offset_ms = first_offset_ms(u128::from(at.carry), room, window)
+                .max(u128::from(at.updated_ms) - start_ms);
+            if offset_ms < window {
+                return start_ms + offset_ms;
+            }
+        }
+        let room = limit.saturating_sub(hits);
+        let offset_ms = first_offset_ms(current, room, window);
+        if offset_ms < window {
+            return start_ms + window + offset_ms;
+        }
+        start_ms + 2 * window
+    }
+
+    /// When an advanced state is fully reset: a full bucket, or the end of the current window.
+    fn reset_at_ms(&self, at: &LimitState) -> u128 {
+        match self.algorithm {
+            Algorithm::TokenBucket => {
+                let full_units =
+                    u128::from(self.capacity_micro_tokens()) * u128::from(self.window_ms_nonzero());
+                let missing_units = full_units.saturating_sub(self.bucket_units(at));
+                self.refill_wait_ms(missing_units)
+                    .map_or(u128::MAX, |wait_ms| u128::from(at.updated_ms) + wait_ms)
+            }
+            Algorithm::SlidingWindow | Algorithm::FixedWindow => self.window_end_ms(at),
+        }
+    }
+
+    /// End (exclusive) of the aligned window holding the state's time; may pass `u64::MAX`.
+    fn window_end_ms(&self, at: &LimitState) -> u128 {
+        let window_ms = self.window_ms_nonzero();
+        u128::from(at.updated_ms - at.updated_ms % window_ms) + u128::from(window_ms)
+    }
 }
+
+/// First offset into a window at which `ceil(previous * (window - offset) / window) <= room`,
+/// or `window` when no offset inside the window qualifies.
+fn first_offset_ms(previous: u128, room: u128, window: u128) -> u128 {
+    // ceil(p * (W - x) / W) <= room  <=>  p * (W - x) <= room * W  <=>
+    // W - x <= floor(room * W / p), since room and W - x are integers.
+    (room * window).checked_div(previous).map_or(0, |span_ms| window.saturating_sub(span_ms))
+}
+
+/// Milliseconds from `now_ms` to `at_ms`, saturating at `u64::MAX`.
+fn ms_until(now_ms: u64, at_ms: u128) -> u64 {
+    u64::try_from(at_ms.saturating_sub(u128::from(now_ms))).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+#[path = "rate_tests.rs"]
+mod tests;
