@@ -25,7 +25,7 @@
 //! - [`network`]: the client side of the transport (`RaftNetworkFactory`).
 //! - [`service`]: the server side, one tonic service routing to every group of the process.
 //! - [`group`]: [`RaftGroup`], the handle a node uses: open, initialize, write, read, members.
-//! - `quota` (next): the quota group's type configuration over `crate::core::ledger`.
+//! - [`quota`]: the quota group's type configuration over `crate::core::ledger`.
 
 // openraft's error types are fixed by its traits and are large; boxing ours alone gains nothing.
 #![allow(clippy::result_large_err)]
@@ -33,6 +33,7 @@
 pub mod group;
 pub mod log_store;
 pub mod network;
+pub mod quota;
 pub mod service;
 pub mod state_store;
 
@@ -40,8 +41,9 @@ use std::io::Cursor;
 
 pub use crate::core::ledger::NodeId;
 pub use group::{GroupSettings, MembershipError, OpenError, RaftGroup, WriteError};
-pub use network::PeerNetwork;
+pub use network::{PeerChannels, PeerNetwork};
 pub use openraft::BasicNode;
+pub use quota::{QUOTA_GROUP_NAME, QuotaGroup};
 pub use service::RaftPeerService;
 
 /// Generated code for `proto/quotamesh/raft/v1/raft.proto`.
