@@ -16,6 +16,7 @@
 //! moves (`Cursor<Vec<u8>>`), bounded by [`SNAPSHOT_BYTES_MAX`].
 
 use std::io::{Cursor, Write};
+use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -376,12 +377,13 @@ fn snapshot_error(
 }
 
 /// A snapshot's content captured at one applied index, written to a file by the builder.
-pub struct SnapshotBuilder {
+pub struct SnapshotBuilder<C> {
     body: Option<SnapshotBody>,
     snapshots: Arc<SnapshotFiles>,
+    _config: PhantomData<fn() -> C>,
 }
 
-impl<C: GroupConfig> RaftSnapshotBuilder<C> for SnapshotBuilder {
+impl<C: GroupConfig> RaftSnapshotBuilder<C> for SnapshotBuilder<C> {
     async fn build_snapshot(&mut self) -> Result<Snapshot<C>, StorageError<NodeId>> {
         let body = self.body.take().ok_or_else(|| {
             snapshot_error(
@@ -429,7 +431,7 @@ impl<C: GroupConfig> RaftSnapshotBuilder<C> for SnapshotBuilder {
 }
 
 impl<C: GroupConfig> RaftStateMachine<C> for StateStore<C> {
-    type SnapshotBuilder = SnapshotBuilder;
+    type SnapshotBuilder = SnapshotBuilder<C>;
 
     async fn applied_state(
         &mut self,
@@ -504,6 +506,7 @@ impl<C: GroupConfig> RaftStateMachine<C> for StateStore<C> {
         SnapshotBuilder {
             body,
             snapshots: Arc::clone(&self.snapshots),
+            _config: PhantomData,
         }
     }
 
