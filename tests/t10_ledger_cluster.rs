@@ -75,7 +75,7 @@ async fn start_node(
 impl TestNode {
     /// Stops the Raft node and its server and releases its storage.
     async fn stop(self) -> Result<(NodeId, String, PathBuf)> {
-        self.group.shutdown().await.map_err(anyhow::Error::msg)?;
+        self.group.shutdown().await?;
         let _ = self.stop_server.send(());
         self.server.await?;
         let TestNode {
@@ -282,11 +282,16 @@ async fn a_follower_behind_a_compacted_log_catches_up_from_a_snapshot() -> Resul
             )
             .await?;
     }
-    let metrics = nodes[writer].group.metrics();
-    assert!(
-        metrics.purged.is_some(),
-        "the leader purged its log after a snapshot: {metrics:?}"
-    );
+    // Purging follows the snapshot asynchronously.
+    nodes[writer]
+        .group
+        .raft()
+        .wait(Some(WAIT))
+        .metrics(
+            |metrics| metrics.purged.is_some(),
+            "the leader purged its log after a snapshot",
+        )
+        .await?;
 
     let listener = TcpListener::bind(&address).await?;
     nodes.insert(down, start_node(id, listener, directory, 5).await?);

@@ -16,7 +16,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use openraft::error::{ClientWriteError, InitializeError, RaftError};
@@ -36,6 +36,8 @@ const LEADER_POLL: Duration = Duration::from_millis(20);
 /// Most log entries in one `AppendEntries` call; a quota command carries up to a few
 /// thousand lease requests, so a bounded count keeps calls well under the message limit.
 const APPEND_ENTRIES_PER_CALL_MAX: u64 = 64;
+/// How long [`RaftGroup::shutdown`] waits for openraft's tasks to drop the storage.
+const STORAGE_RELEASE_TIMEOUT: Duration = Duration::from_secs(10);
 /// File name of the Raft log inside a group's directory.
 const LOG_FILE_NAME: &str = "raft-log.redb";
 
@@ -246,6 +248,39 @@ pub struct RaftGroup<C: GroupConfig> {
     raft: Raft<C>,
     view: MachineView<C::Machine>,
     channels: PeerChannels,
+    storage: StorageLiveness,
+}
+
+/// Weak handles on the storage openraft owns, to know when it let go of the files.
+#[derive(Clone)]
+struct StorageLiveness {
+    log: Weak<redb::Database>,
+    state: Weak<sled::Db>,
+}
+
+impl StorageLiveness {
+    fn released(&self) -> bool {
+        self.log.strong_count() == 0 && self.state.strong_count() == 0
+    }
+}
+
+/// Why a group did not stop cleanly.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ShutdownError {
+    /// openraft's core task failed while stopping.
+    #[error("the Raft core failed while stopping: {0}")]
+    Raft(String),
+    /// openraft's tasks still held the storage after [`STORAGE_RELEASE_TIMEOUT`]; reopening
+    /// the directory in this process would fail on sled's lock.
+    #[error("the group's storage was still in use {STORAGE_RELEASE_TIMEOUT:?} after shutdown")]
+    StorageBusy,
+}
+
+impl ShutdownError {
+    /// Shutting down again will not help.
+    pub fn retry_may_help(&self) -> bool {
+        false
+    }
 }
 
 impl<C: GroupConfig> Clone for RaftGroup<C> {
@@ -256,6 +291,7 @@ impl<C: GroupConfig> Clone for RaftGroup<C> {
             raft: self.raft.clone(),
             view: self.view.clone(),
             channels: self.channels.clone(),
+            storage: self.storage.clone(),
         }
     }
 }
@@ -295,6 +331,10 @@ impl<C: GroupConfig> RaftGroup<C> {
         })?;
         let (log_store, state_store) = open_stores::<C>(&directory).await?;
         let view = state_store.view();
+        let storage = StorageLiveness {
+            log: log_store.liveness(),
+            state: state_store.liveness(),
+        };
         let name: Arc<str> = Arc::from(settings.group.as_str());
         let network = PeerNetwork::new(Arc::clone(&name), settings.node_id, channels.clone());
         let raft = Raft::new(
@@ -315,6 +355,7 @@ impl<C: GroupConfig> RaftGroup<C> {
             raft,
             view,
             channels,
+            storage,
         })
     }
 
@@ -567,12 +608,25 @@ impl<C: GroupConfig> RaftGroup<C> {
         let _changed = tokio::time::timeout(at_most, metrics.changed()).await;
     }
 
-    /// Stops the Raft node; the storage is closed when the last clone is dropped.
+    /// Stops the Raft node and waits until its storage is closed, so the same directory can
+    /// be opened again (a restart in the same process).
     ///
     /// # Errors
-    /// A message when openraft's core task failed while stopping.
-    pub async fn shutdown(&self) -> Result<(), String> {
-        self.raft.shutdown().await.map_err(|e| e.to_string())
+    /// [`ShutdownError`] when openraft failed while stopping or kept the storage open.
+    pub async fn shutdown(&self) -> Result<(), ShutdownError> {
+        self.raft
+            .shutdown()
+            .await
+            .map_err(|e| ShutdownError::Raft(e.to_string()))?;
+        // openraft's worker tasks drop the stores shortly after the core stops.
+        let deadline = Instant::now() + STORAGE_RELEASE_TIMEOUT;
+        while !self.storage.released() {
+            if Instant::now() >= deadline {
+                return Err(ShutdownError::StorageBusy);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        Ok(())
     }
 }
 

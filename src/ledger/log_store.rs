@@ -87,6 +87,11 @@ impl<C: GroupConfig> LogStore<C> {
         })
     }
 
+    /// Dies when the last handle on the log file is dropped, so the file can be reopened.
+    pub fn liveness(&self) -> std::sync::Weak<redb::Database> {
+        Arc::downgrade(&self.db)
+    }
+
     /// Runs one write transaction on the blocking pool and commits it durably.
     async fn write<F>(
         &self,

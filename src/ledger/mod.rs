@@ -40,7 +40,7 @@ pub mod state_store;
 use std::io::Cursor;
 
 pub use crate::core::ledger::NodeId;
-pub use group::{GroupSettings, MembershipError, OpenError, RaftGroup, WriteError};
+pub use group::{GroupSettings, MembershipError, OpenError, RaftGroup, ShutdownError, WriteError};
 pub use network::{PeerChannels, PeerNetwork};
 pub use openraft::BasicNode;
 pub use quota::{QUOTA_GROUP_NAME, QuotaGroup};

@@ -40,6 +40,8 @@ type Meta = SnapshotMeta<NodeId, BasicNode>;
 /// and resident memory runs well above it (dependencies.md section 2), so keep it small:
 /// the machine's working state is in memory anyway.
 const SLED_CACHE_BYTES: u64 = 64 * 1024 * 1024;
+/// How long opening waits for sled's directory lock (see `open_sled`).
+const SLED_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 /// Key prefix of the machine's records in sled.
 const RECORD_PREFIX: &[u8] = b"r/";
 /// sled key of the applied log id (postcard `Option<LogId>`).
@@ -213,7 +215,8 @@ impl SnapshotFiles {
 
 /// The state machine store of one group (openraft's `RaftStateMachine`).
 pub struct StateStore<C: GroupConfig> {
-    db: sled::Db,
+    // In an `Arc` only so the group can tell when openraft dropped the store (`liveness`).
+    db: Arc<sled::Db>,
     applied: Arc<RwLock<Applied<C::Machine>>>,
     snapshots: Arc<SnapshotFiles>,
 }
@@ -265,10 +268,7 @@ impl<C: GroupConfig> StateStore<C> {
             temporary_sequence: AtomicU64::new(0),
         });
 
-        let db = sled::Config::new()
-            .path(directory.join("state"))
-            .cache_capacity(SLED_CACHE_BYTES)
-            .open()?;
+        let db = open_sled(&directory.join("state"))?;
         let sled_applied: Option<LogId<NodeId>> = match db.get(KEY_APPLIED)? {
             Some(bytes) => postcard::from_bytes(&bytes)
                 .map_err(|e| StateOpenError::CorruptState(format!("applied id: {e}")))?,
@@ -294,16 +294,46 @@ impl<C: GroupConfig> StateStore<C> {
         }
         let applied = load_applied::<C::Machine>(&db)?;
         Ok(Self {
-            db,
+            db: Arc::new(db),
             applied: Arc::new(RwLock::new(applied)),
             snapshots,
         })
+    }
+
+    /// Dies when the store is dropped: sled holds a lock on its directory until then.
+    pub fn liveness(&self) -> std::sync::Weak<sled::Db> {
+        Arc::downgrade(&self.db)
     }
 
     /// A read handle on the machine, for the group's handle.
     pub fn view(&self) -> MachineView<C::Machine> {
         MachineView {
             applied: Arc::clone(&self.applied),
+        }
+    }
+}
+
+/// Opens sled, waiting out a directory lock for up to [`SLED_LOCK_WAIT`].
+///
+/// sled releases its lock only when its background threads finish with the dropped
+/// database, a moment after the last handle is gone; a group restarted in the same process
+/// can arrive first. A lock still held after the wait is another live process's.
+fn open_sled(path: &Path) -> Result<sled::Db, sled::Error> {
+    let deadline = std::time::Instant::now() + SLED_LOCK_WAIT;
+    loop {
+        match sled::Config::new()
+            .path(path)
+            .cache_capacity(SLED_CACHE_BYTES)
+            .open()
+        {
+            // sled 0.34 reports a held lock as `ErrorKind::Other` with this message.
+            Err(sled::Error::Io(error))
+                if error.to_string().starts_with("could not acquire lock")
+                    && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            opened => return opened,
         }
     }
 }
