@@ -37,8 +37,9 @@ impl StoreBuilder<QuotaGroup, LogStore<QuotaGroup>, StateStore<QuotaGroup>, temp
 
 // Proves the redb log store and the sled state store meet every rule openraft's suite checks.
 #[test]
-fn openraft_storage_suite_passes() -> Result<(), StorageError<NodeId>> {
-    Suite::test_all(TempStores)
+fn openraft_storage_suite_passes() -> anyhow::Result<()> {
+    Suite::test_all(TempStores)?;
+    Ok(())
 }
 
 fn log_id(term: u64, index: u64) -> LogId<NodeId> {
