@@ -52,7 +52,7 @@ async fn start_node(
     .await
     .with_context(|| format!("open node {id}"))?;
     let service = RaftPeerService::new();
-    service.register(QUOTA_GROUP_NAME, group.raft().clone())?;
+    service.register_group(&group)?;
     let (stop_server, stopped) = oneshot::channel::<()>();
     let server = tokio::spawn(async move {
         let shutdown = async {

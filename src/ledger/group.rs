@@ -37,7 +37,7 @@ const LEADER_POLL: Duration = Duration::from_millis(20);
 /// thousand lease requests, so a bounded count keeps calls well under the message limit.
 const APPEND_ENTRIES_PER_CALL_MAX: u64 = 64;
 /// How long [`RaftGroup::shutdown`] waits for openraft's tasks to drop the storage.
-const STORAGE_RELEASE_TIMEOUT: Duration = Duration::from_secs(10);
+pub const STORAGE_RELEASE_TIMEOUT: Duration = Duration::from_secs(10);
 /// File name of the Raft log inside a group's directory.
 const LOG_FILE_NAME: &str = "raft-log.redb";
 

@@ -15,9 +15,9 @@
 //!                                                                    └─▶ that group's Raft
 //!
 //!  storage per group, in its own directory:
-//!    log/   redb: log entries, vote, committed, purge marker   (source of truth, fsync'd)
-//!    state/ sled: the machine's records + applied id + membership (rebuildable)
-//!    snapshots/ one fsync'd file, the latest snapshot            (rebuilds sled after a crash)
+//!    raft-log.redb  redb: entries, vote, committed, purge marker  (source of truth, fsync'd)
+//!    state/         sled: the machine's records, applied id, membership  (rebuildable)
+//!    snapshots/     the latest snapshot, one fsync'd file     (rebuilds sled after a crash)
 //! ```
 //!
 //! - [`log_store`]: the Raft log in redb (`RaftLogStorage`).

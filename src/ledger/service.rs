@@ -20,7 +20,7 @@ use tonic::{Request, Response, Status};
 
 use super::proto::raft_peer_server::{RaftPeer, RaftPeerServer};
 use super::proto::{GroupReply, GroupRequest};
-use super::{BasicNode, COMMAND_BYTES_MAX, GroupConfig, NodeId, PEER_MESSAGE_BYTES_MAX};
+use super::{BasicNode, COMMAND_BYTES_MAX, GroupConfig, NodeId, PEER_MESSAGE_BYTES_MAX, RaftGroup};
 
 /// Most groups one process hosts (quota, billing, and room for multi-raft shards).
 pub const GROUPS_PER_PROCESS_MAX: usize = 64;
@@ -137,6 +137,17 @@ impl RaftPeerService {
         }
         groups.insert(group.to_owned(), Arc::new(Endpoint { raft }));
         Ok(())
+    }
+
+    /// Routes requests for `group`'s name to it: [`Self::register`] for a [`RaftGroup`].
+    ///
+    /// # Errors
+    /// [`RegisterError`] when the name is taken or the process hosts too many groups.
+    pub fn register_group<C: GroupConfig>(
+        &self,
+        group: &RaftGroup<C>,
+    ) -> Result<(), RegisterError> {
+        self.register(group.name(), group.raft().clone())
     }
 
     /// Stops routing requests to `group` (peers then see it as unreachable).
