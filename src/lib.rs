@@ -6,6 +6,7 @@
 //! # Layout
 //! - [`core`]: pure rate-limit math, policy matching and header formatting (no IO, no clock).
 //! - [`actors`]: the tenant-shard actors (ractor) that own per-key state.
+//! - [`ledger`]: the Raft groups of a region (openraft, redb log, sled state, gRPC transport).
 //! - [`api`]: the gRPC services (Envoy RLS v3) and the metrics/health HTTP endpoints.
 //! - [`policy_store`]: loads policy files, swaps them in atomically, reloads on change.
 //! - [`node`]: wires a node together; ordered shutdown.
@@ -20,6 +21,7 @@ pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod core;
+pub mod ledger;
 pub mod metrics;
 pub mod node;
 pub mod policy_store;

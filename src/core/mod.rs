@@ -6,5 +6,6 @@
 //! and the gRPC services (`crate::api`) wrap it.
 
 pub mod headers;
+pub mod ledger;
 pub mod policy;
 pub mod rate;

@@ -1,0 +1,657 @@
+//! [`RaftGroup`]: the handle a node holds for one Raft group it runs.
+//!
+//! It opens the group's storage in its own directory, starts openraft, and offers what a
+//! node needs: bootstrap and membership changes, writes with a deadline (forwarded to the
+//! leader when this node is not it), local reads of the machine, and metrics.
+//!
+//! ```text
+//!  write(cmd, timeout)
+//!    ├─ this node leads ─────────▶ raft.client_write ──▶ response
+//!    │                                  └─ ForwardToLeader (lost leadership) ─┐
+//!    ├─ another node leads ──Forward RPC──▶ its raft.client_write ──▶ response │
+//!    │                                  └─ ForwardToLeader ───────────────────┤
+//!    └─ no leader known ── wait for the metrics to name one ◀─────────────────┘
+//!  until the deadline; a call whose outcome is unknown is never repeated.
+//! ```
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use openraft::error::{ClientWriteError, InitializeError, RaftError};
+use openraft::{Config, ConfigError, Raft, RaftMetrics, SnapshotPolicy};
+use tokio::time::Instant;
+
+use super::log_store::{LogOpenError, LogStore};
+use super::network::{PeerCallError, PeerChannels, PeerNetwork, Rpc};
+use super::state_store::{MachineView, StateOpenError, StateStore};
+use super::{
+    BasicNode, COMMAND_BYTES_MAX, GROUP_NAME_BYTES_MAX, GroupConfig, GroupMachine, NodeId,
+    SNAPSHOT_CHUNK_BYTES,
+};
+
+/// How long a write waits between looks for a leader while none is known.
+const LEADER_POLL: Duration = Duration::from_millis(20);
+/// Most log entries in one `AppendEntries` call; a quota command carries up to a few
+/// thousand lease requests, so a bounded count keeps calls well under the message limit.
+const APPEND_ENTRIES_PER_CALL_MAX: u64 = 64;
+/// How long [`RaftGroup::shutdown`] waits for openraft's tasks to drop the storage.
+pub const STORAGE_RELEASE_TIMEOUT: Duration = Duration::from_secs(10);
+/// File name of the Raft log inside a group's directory.
+const LOG_FILE_NAME: &str = "raft-log.redb";
+
+/// How to run one group on one node. [`GroupSettings::new`] gives the defaults.
+#[derive(Debug, Clone)]
+pub struct GroupSettings {
+    /// The group's name, routing key on the transport: `[a-z0-9_-]`, at most
+    /// [`GROUP_NAME_BYTES_MAX`] bytes.
+    pub group: String,
+    /// This node's id; stable for the life of its directory.
+    pub node_id: NodeId,
+    /// The group's own directory (log, state, snapshots).
+    pub directory: PathBuf,
+    /// Leader heartbeat period.
+    pub heartbeat_interval_ms: u64,
+    /// Election timeout range; a follower that hears no leader for a random time in it
+    /// starts an election.
+    pub election_timeout_min_ms: u64,
+    /// Upper end of the election timeout range.
+    pub election_timeout_max_ms: u64,
+    /// A snapshot is built once this many entries were applied since the last one.
+    pub snapshot_every_logs: u64,
+    /// Entries kept in the log behind a snapshot, so a briefly lagging follower catches up
+    /// from the log rather than from a snapshot.
+    pub logs_kept_after_snapshot: u64,
+}
+
+impl GroupSettings {
+    /// Defaults for a group on a regional network: heartbeat 50 ms, elections after 300 to
+    /// 600 ms of silence, a snapshot every 10,000 entries keeping 1,000 behind it.
+    pub fn new(group: impl Into<String>, node_id: NodeId, directory: impl Into<PathBuf>) -> Self {
+        Self {
+            group: group.into(),
+            node_id,
+            directory: directory.into(),
+            heartbeat_interval_ms: 50,
+            election_timeout_min_ms: 300,
+            election_timeout_max_ms: 600,
+            snapshot_every_logs: 10_000,
+            logs_kept_after_snapshot: 1_000,
+        }
+    }
+
+    fn raft_config(&self) -> Result<Config, ConfigError> {
+        Config {
+            cluster_name: self.group.clone(),
+            heartbeat_interval: self.heartbeat_interval_ms,
+            election_timeout_min: self.election_timeout_min_ms,
+            election_timeout_max: self.election_timeout_max_ms,
+            snapshot_policy: SnapshotPolicy::LogsSinceLast(self.snapshot_every_logs),
+            max_in_snapshot_log_to_keep: self.logs_kept_after_snapshot,
+            max_payload_entries: APPEND_ENTRIES_PER_CALL_MAX,
+            snapshot_max_chunk_size: SNAPSHOT_CHUNK_BYTES as u64,
+            ..Config::default()
+        }
+        .validate()
+    }
+}
+
+/// Why a group could not be opened. None of these goes away by retrying as is.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// The group name is empty, too long or has characters outside `[a-z0-9_-]`.
+    #[error("invalid group name {0:?}: use 1 to {GROUP_NAME_BYTES_MAX} characters of [a-z0-9_-]")]
+    GroupName(String),
+    /// The Raft timings or snapshot settings are inconsistent.
+    #[error("invalid Raft settings for group {group:?}: {source}")]
+    Settings {
+        /// The group.
+        group: String,
+        /// openraft's reason.
+        #[source]
+        source: ConfigError,
+    },
+    /// The group's directory could not be created.
+    #[error("cannot create the group directory {path}: {source}")]
+    Directory {
+        /// The directory.
+        path: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The Raft log could not be opened.
+    #[error(transparent)]
+    Log(#[from] LogOpenError),
+    /// The state machine store could not be opened.
+    #[error(transparent)]
+    State(#[from] StateOpenError),
+    /// openraft refused to start on this storage.
+    #[error("Raft group {group:?} failed to start: {reason}")]
+    Start {
+        /// The group.
+        group: String,
+        /// openraft's reason.
+        reason: String,
+    },
+}
+
+impl OpenError {
+    /// Retrying the same open will not help: settings or the directory need an operator.
+    pub fn retry_may_help(&self) -> bool {
+        false
+    }
+}
+
+/// Why a write was not acknowledged.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WriteError {
+    /// The encoded command is larger than [`COMMAND_BYTES_MAX`]; it was not sent.
+    #[error("command of {bytes} bytes exceeds the limit of {COMMAND_BYTES_MAX}")]
+    TooLarge {
+        /// The command's encoded size.
+        bytes: usize,
+    },
+    /// No reachable leader was found before the deadline; the command was not applied.
+    #[error("no reachable leader within the deadline; the command was not applied")]
+    NoLeader,
+    /// The deadline passed after the command was handed to a leader: it may or may not be
+    /// applied. Retrying may apply it twice.
+    #[error("no answer within the deadline; the command may or may not have been applied")]
+    Timeout,
+    /// The leader was lost after the command was handed to it: it may or may not be applied.
+    #[error(
+        "lost the leader {leader} after sending; the command may or may not have been applied: {reason}"
+    )]
+    LeaderLost {
+        /// The node the command was sent to.
+        leader: NodeId,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The leader could not read the command (nodes on different versions); not applied.
+    #[error("the leader {leader} refused the command: {reason}")]
+    Refused {
+        /// The node that refused it.
+        leader: NodeId,
+        /// Its reason.
+        reason: String,
+    },
+    /// This node's Raft group has stopped (shutdown or a storage failure).
+    #[error("the Raft group on this node has stopped: {0}")]
+    Stopped(String),
+}
+
+impl WriteError {
+    /// Whether sending the same command again may succeed.
+    pub fn retry_may_help(&self) -> bool {
+        matches!(
+            self,
+            Self::NoLeader | Self::Timeout | Self::LeaderLost { .. }
+        )
+    }
+
+    /// Whether the command may have been applied although no answer came back.
+    pub fn may_have_applied(&self) -> bool {
+        matches!(self, Self::Timeout | Self::LeaderLost { .. })
+    }
+}
+
+/// Why a bootstrap or membership change failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MembershipError {
+    /// The group already has a membership (it was initialized before, here or by a peer).
+    #[error("the group is already initialized")]
+    AlreadyInitialized,
+    /// Membership changes run on the leader; this node is not it.
+    #[error("this node is not the leader (leader: {leader:?})")]
+    NotLeader {
+        /// The leader this node knows of, if any.
+        leader: Option<NodeId>,
+    },
+    /// openraft refused the change (another change in progress, unknown learner, ...).
+    #[error("membership change refused: {0}")]
+    Refused(String),
+    /// This node's Raft group has stopped.
+    #[error("the Raft group on this node has stopped: {0}")]
+    Stopped(String),
+}
+
+impl MembershipError {
+    /// Whether the same change may succeed later (or on the leader).
+    pub fn retry_may_help(&self) -> bool {
+        matches!(self, Self::NotLeader { .. } | Self::Refused(_))
+    }
+}
+
+fn membership_error(
+    error: RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>,
+) -> MembershipError {
+    match error {
+        RaftError::APIError(ClientWriteError::ForwardToLeader(forward)) => {
+            MembershipError::NotLeader {
+                leader: forward.leader_id,
+            }
+        }
+        RaftError::APIError(ClientWriteError::ChangeMembershipError(refused)) => {
+            MembershipError::Refused(refused.to_string())
+        }
+        RaftError::Fatal(fatal) => MembershipError::Stopped(fatal.to_string()),
+    }
+}
+
+/// A running Raft group on this node; cheap to clone.
+pub struct RaftGroup<C: GroupConfig> {
+    name: Arc<str>,
+    node_id: NodeId,
+    raft: Raft<C>,
+    view: MachineView<C::Machine>,
+    channels: PeerChannels,
+    storage: StorageLiveness,
+}
+
+/// Weak handles on the storage openraft owns, to know when it let go of the files.
+#[derive(Clone)]
+struct StorageLiveness {
+    log: Weak<redb::Database>,
+    state: Weak<sled::Db>,
+}
+
+impl StorageLiveness {
+    fn released(&self) -> bool {
+        self.log.strong_count() == 0 && self.state.strong_count() == 0
+    }
+}
+
+/// Why a group did not stop cleanly.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ShutdownError {
+    /// openraft's core task failed while stopping.
+    #[error("the Raft core failed while stopping: {0}")]
+    Raft(String),
+    /// openraft's tasks still held the storage after [`STORAGE_RELEASE_TIMEOUT`]; reopening
+    /// the directory in this process would fail on sled's lock.
+    #[error("the group's storage was still in use {STORAGE_RELEASE_TIMEOUT:?} after shutdown")]
+    StorageBusy,
+}
+
+impl ShutdownError {
+    /// Shutting down again will not help.
+    pub fn retry_may_help(&self) -> bool {
+        false
+    }
+}
+
+impl<C: GroupConfig> Clone for RaftGroup<C> {
+    fn clone(&self) -> Self {
+        Self {
+            name: Arc::clone(&self.name),
+            node_id: self.node_id,
+            raft: self.raft.clone(),
+            view: self.view.clone(),
+            channels: self.channels.clone(),
+            storage: self.storage.clone(),
+        }
+    }
+}
+
+fn valid_group_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= GROUP_NAME_BYTES_MAX
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+}
+
+impl<C: GroupConfig> RaftGroup<C> {
+    /// Opens the group's storage under `settings.directory` and starts its Raft node, which
+    /// talks to peers over `channels`. A fresh directory gives an uninitialized node: call
+    /// [`Self::initialize`] on one node of a new group, or add it from the leader.
+    ///
+    /// Register the returned group with the process's
+    /// [`RaftPeerService`](super::RaftPeerService) so peers can reach it.
+    ///
+    /// # Errors
+    /// [`OpenError`] when the settings are invalid or the storage cannot be opened.
+    pub async fn open(settings: &GroupSettings, channels: PeerChannels) -> Result<Self, OpenError> {
+        if !valid_group_name(&settings.group) {
+            return Err(OpenError::GroupName(settings.group.clone()));
+        }
+        let config = settings
+            .raft_config()
+            .map_err(|source| OpenError::Settings {
+                group: settings.group.clone(),
+                source,
+            })?;
+        let directory = settings.directory.clone();
+        std::fs::create_dir_all(&directory).map_err(|source| OpenError::Directory {
+            path: directory.display().to_string(),
+            source,
+        })?;
+        let (log_store, state_store) = open_stores::<C>(&directory).await?;
+        let view = state_store.view();
+        let storage = StorageLiveness {
+            log: log_store.liveness(),
+            state: state_store.liveness(),
+        };
+        let name: Arc<str> = Arc::from(settings.group.as_str());
+        let network = PeerNetwork::new(Arc::clone(&name), settings.node_id, channels.clone());
+        let raft = Raft::new(
+            settings.node_id,
+            Arc::new(config),
+            network,
+            log_store,
+            state_store,
+        )
+        .await
+        .map_err(|fatal| OpenError::Start {
+            group: settings.group.clone(),
+            reason: fatal.to_string(),
+        })?;
+        Ok(Self {
+            name,
+            node_id: settings.node_id,
+            raft,
+            view,
+            channels,
+            storage,
+        })
+    }
+
+    /// The group's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// This node's id.
+    pub fn node_id(&self) -> NodeId {
+        self.node_id
+    }
+
+    /// The openraft handle, for what this wrapper does not cover (waits, triggers).
+    pub fn raft(&self) -> &Raft<C> {
+        &self.raft
+    }
+
+    /// Forms a new group from `members` (voters with their Raft addresses). Call it on one
+    /// node of a brand-new group, which must be among `members`.
+    ///
+    /// # Errors
+    /// [`MembershipError::AlreadyInitialized`] when the group has a membership already.
+    pub async fn initialize(
+        &self,
+        members: BTreeMap<NodeId, BasicNode>,
+    ) -> Result<(), MembershipError> {
+        match self.raft.initialize(members).await {
+            Ok(()) => Ok(()),
+            Err(RaftError::APIError(InitializeError::NotAllowed(_))) => {
+                Err(MembershipError::AlreadyInitialized)
+            }
+            Err(RaftError::APIError(InitializeError::NotInMembers(refused))) => {
+                Err(MembershipError::Refused(refused.to_string()))
+            }
+            Err(RaftError::Fatal(fatal)) => Err(MembershipError::Stopped(fatal.to_string())),
+        }
+    }
+
+    /// Adds a non-voting member (a learner, or a gateway that only leases) and waits until it
+    /// has caught up with the log. Run it on the leader.
+    ///
+    /// # Errors
+    /// [`MembershipError`] when this node is not the leader or the change is refused.
+    pub async fn add_learner(
+        &self,
+        node_id: NodeId,
+        node: BasicNode,
+    ) -> Result<(), MembershipError> {
+        self.raft
+            .add_learner(node_id, node, true)
+            .await
+            .map(|_| ())
+            .map_err(membership_error)
+    }
+
+    /// Makes `voters` the voting members (each must be a member already, e.g. a learner);
+    /// removed voters stay as learners. Run it on the leader.
+    ///
+    /// # Errors
+    /// [`MembershipError`] when this node is not the leader or the change is refused.
+    pub async fn change_voters(&self, voters: BTreeSet<NodeId>) -> Result<(), MembershipError> {
+        self.raft
+            .change_membership(voters, true)
+            .await
+            .map(|_| ())
+            .map_err(membership_error)
+    }
+
+    /// The group's Raft metrics as this node sees them (leader, term, log and applied
+    /// indexes, membership, replication lag when leading).
+    pub fn metrics(&self) -> RaftMetrics<NodeId, BasicNode> {
+        self.raft.metrics().borrow().clone()
+    }
+
+    /// The leader this node knows of.
+    pub fn leader(&self) -> Option<NodeId> {
+        self.raft.metrics().borrow().current_leader
+    }
+
+    /// Runs `read` on the machine as applied on this node so far; it may be behind the leader.
+    pub fn read<T>(&self, read: impl FnOnce(&C::Machine) -> T) -> T {
+        self.view.read(read)
+    }
+
+    /// The digest of the machine as applied on this node, to compare replicas.
+    pub fn digest(&self) -> u64 {
+        self.view.read(GroupMachine::digest)
+    }
+
+    /// The index of the last entry applied on this node.
+    pub fn last_applied_index(&self) -> Option<u64> {
+        self.view.last_applied_index()
+    }
+
+    /// Commits `command` and returns the machine's response, within `timeout`.
+    ///
+    /// On a follower the command goes to the leader in one hop. A command is sent again only
+    /// when it certainly was not applied (no leader, refused connection, leadership moved
+    /// before it was accepted), so a command is never applied twice by this method.
+    ///
+    /// # Errors
+    /// [`WriteError`]; [`WriteError::may_have_applied`] tells whether the outcome is unknown.
+    pub async fn write(&self, command: C::D, timeout: Duration) -> Result<C::R, WriteError> {
+        let payload_bytes =
+            postcard::experimental::serialized_size(&command).map_err(|e| WriteError::Refused {
+                leader: self.node_id,
+                reason: e.to_string(),
+            })?;
+        if payload_bytes > COMMAND_BYTES_MAX {
+            return Err(WriteError::TooLarge {
+                bytes: payload_bytes,
+            });
+        }
+        let deadline = Instant::now() + timeout;
+        let mut hint: Option<(NodeId, Option<BasicNode>)> = None;
+        loop {
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(WriteError::NoLeader);
+            }
+            let remaining = deadline - now;
+            let leader = hint.take().or_else(|| self.known_leader());
+            let Some((leader_id, leader_node)) = leader else {
+                self.wait_for_metrics(remaining.min(LEADER_POLL)).await;
+                continue;
+            };
+            let outcome = if leader_id == self.node_id {
+                self.write_here(&command, remaining).await
+            } else {
+                let Some(node) = leader_node.or_else(|| self.member_node(leader_id)) else {
+                    self.wait_for_metrics(remaining.min(LEADER_POLL)).await;
+                    continue;
+                };
+                self.write_at(leader_id, &node, &command, remaining).await
+            };
+            match outcome {
+                Attempt::Done(result) => return result,
+                Attempt::NotApplied { leader } => {
+                    if leader.is_none() {
+                        // Leadership is moving or the leader is down: give it a moment.
+                        tokio::time::sleep(remaining.min(LEADER_POLL)).await;
+                    }
+                    hint = leader;
+                }
+            }
+        }
+    }
+
+    async fn write_here(&self, command: &C::D, remaining: Duration) -> Attempt<C::R> {
+        match tokio::time::timeout(remaining, self.raft.client_write(command.clone())).await {
+            Err(_) => Attempt::Done(Err(WriteError::Timeout)),
+            Ok(Ok(written)) => Attempt::Done(Ok(written.data)),
+            Ok(Err(error)) => self.classify(self.node_id, error),
+        }
+    }
+
+    async fn write_at(
+        &self,
+        leader: NodeId,
+        node: &BasicNode,
+        command: &C::D,
+        remaining: Duration,
+    ) -> Attempt<C::R> {
+        let reply = self
+            .channels
+            .call::<C::D, C::R, RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>>(
+                &node.addr,
+                Rpc::Forward,
+                &self.name,
+                command,
+                remaining,
+            )
+            .await;
+        match reply {
+            Ok(Ok(response)) => Attempt::Done(Ok(response)),
+            Ok(Err(error)) => self.classify(leader, error),
+            Err(PeerCallError::Timeout(_)) => Attempt::Done(Err(WriteError::Timeout)),
+            Err(error) if error.never_delivered() => {
+                tracing::debug!(group = %self.name, %leader, %error, "leader unreachable; looking again");
+                Attempt::NotApplied { leader: None }
+            }
+            Err(PeerCallError::Status(status)) if status.code() == tonic::Code::InvalidArgument => {
+                Attempt::Done(Err(WriteError::Refused {
+                    leader,
+                    reason: status.message().to_owned(),
+                }))
+            }
+            Err(error) => Attempt::Done(Err(WriteError::LeaderLost {
+                leader,
+                reason: error.to_string(),
+            })),
+        }
+    }
+
+    fn classify(
+        &self,
+        leader: NodeId,
+        error: RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>,
+    ) -> Attempt<C::R> {
+        match error {
+            RaftError::APIError(ClientWriteError::ForwardToLeader(forward)) => {
+                Attempt::NotApplied {
+                    leader: forward.leader_id.map(|id| (id, forward.leader_node)),
+                }
+            }
+            RaftError::APIError(ClientWriteError::ChangeMembershipError(refused)) => {
+                Attempt::Done(Err(WriteError::Refused {
+                    leader,
+                    reason: refused.to_string(),
+                }))
+            }
+            RaftError::Fatal(fatal) if leader == self.node_id => {
+                Attempt::Done(Err(WriteError::Stopped(fatal.to_string())))
+            }
+            // The remote Raft stopped while holding the command: outcome unknown.
+            RaftError::Fatal(fatal) => Attempt::Done(Err(WriteError::LeaderLost {
+                leader,
+                reason: fatal.to_string(),
+            })),
+        }
+    }
+
+    fn known_leader(&self) -> Option<(NodeId, Option<BasicNode>)> {
+        let metrics = self.raft.metrics();
+        let metrics = metrics.borrow();
+        let leader = metrics.current_leader?;
+        let node = metrics
+            .membership_config
+            .membership()
+            .get_node(&leader)
+            .cloned();
+        Some((leader, node))
+    }
+
+    fn member_node(&self, node_id: NodeId) -> Option<BasicNode> {
+        self.raft
+            .metrics()
+            .borrow()
+            .membership_config
+            .membership()
+            .get_node(&node_id)
+            .cloned()
+    }
+
+    async fn wait_for_metrics(&self, at_most: Duration) {
+        let mut metrics = self.raft.metrics();
+        // A change or the timeout both mean "look again"; a closed channel means the group
+        // stopped, which the next write attempt reports.
+        let _changed = tokio::time::timeout(at_most, metrics.changed()).await;
+    }
+
+    /// Stops the Raft node and waits until its storage is closed, so the same directory can
+    /// be opened again (a restart in the same process).
+    ///
+    /// # Errors
+    /// [`ShutdownError`] when openraft failed while stopping or kept the storage open.
+    pub async fn shutdown(&self) -> Result<(), ShutdownError> {
+        self.raft
+            .shutdown()
+            .await
+            .map_err(|e| ShutdownError::Raft(e.to_string()))?;
+        // openraft's worker tasks drop the stores shortly after the core stops.
+        let deadline = Instant::now() + STORAGE_RELEASE_TIMEOUT;
+        while !self.storage.released() {
+            if Instant::now() >= deadline {
+                return Err(ShutdownError::StorageBusy);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        Ok(())
+    }
+}
+
+/// One attempt of a write: finished, or certainly not applied (try again, maybe elsewhere).
+enum Attempt<R> {
+    Done(Result<R, WriteError>),
+    NotApplied {
+        leader: Option<(NodeId, Option<BasicNode>)>,
+    },
+}
+
+async fn open_stores<C: GroupConfig>(
+    directory: &Path,
+) -> Result<(LogStore<C>, StateStore<C>), OpenError> {
+    let log_path = directory.join(LOG_FILE_NAME);
+    let state_directory = directory.to_path_buf();
+    // Both opens read and possibly repair files: keep them off the async workers.
+    tokio::task::spawn_blocking(move || -> Result<_, OpenError> {
+        let log_store = LogStore::<C>::open(&log_path)?;
+        let state_store = StateStore::<C>::open(&state_directory)?;
+        Ok((log_store, state_store))
+    })
+    .await
+    .map_err(|e| OpenError::Start {
+        group: directory.display().to_string(),
+        reason: e.to_string(),
+    })?
+}

@@ -1,0 +1,140 @@
+//! The quota group: openraft's type configuration over the pure quota ledger
+//! (`crate::core::ledger`), and how the ledger's state maps onto the store's records.
+//!
+//! Records: `h` holds ledger time (`last_seen_ms`), `p` the policy set, and `k` followed by
+//! the key's bytes one key's bucket and leases; values are postcard. The rules are in the
+//! core; this file only names types and encodes.
+
+use std::io::Cursor;
+
+use crate::core::ledger::{
+    KEY_BYTES_MAX, KeyEntry, LEASE_REQUESTS_PER_COMMAND_MAX, POLICY_FILE_NAME_BYTES_MAX,
+    POLICY_FILES_MAX, POLICY_SET_BYTES_MAX, PolicySet, QuotaCommand, QuotaLedger, QuotaResponse,
+};
+
+use super::{
+    BasicNode, COMMAND_BYTES_MAX, GroupConfig, GroupMachine, NodeId, Record, RecordChange,
+    RecordError,
+};
+
+/// The name the quota group goes by on the transport and on disk.
+pub const QUOTA_GROUP_NAME: &str = "quota";
+
+/// Upper bound of one lease request's encoding besides its key: the limit, counts, TTL and
+/// length prefixes, as postcard varints.
+const LEASE_REQUEST_FIXED_BYTES_MAX: usize = 64;
+
+// The largest valid command must fit the transport's command limit.
+const _: () = assert!(
+    LEASE_REQUESTS_PER_COMMAND_MAX * (KEY_BYTES_MAX + LEASE_REQUEST_FIXED_BYTES_MAX) + 64
+        <= COMMAND_BYTES_MAX
+);
+const _: () = assert!(
+    POLICY_SET_BYTES_MAX + POLICY_FILES_MAX * (POLICY_FILE_NAME_BYTES_MAX + 16)
+        <= COMMAND_BYTES_MAX
+);
+
+openraft::declare_raft_types!(
+    /// openraft types of the quota group.
+    pub QuotaGroup:
+        D = QuotaCommand,
+        R = QuotaResponse,
+        NodeId = NodeId,
+        Node = BasicNode,
+        Entry = openraft::Entry<QuotaGroup>,
+        SnapshotData = Cursor<Vec<u8>>,
+);
+
+impl GroupConfig for QuotaGroup {
+    type Machine = QuotaLedger;
+}
+
+const RECORD_LAST_SEEN: &[u8] = b"h";
+const RECORD_POLICY: &[u8] = b"p";
+const RECORD_KEY_PREFIX: u8 = b'k';
+
+fn encode<T: serde::Serialize>(value: &T) -> Vec<u8> {
+    postcard::to_allocvec(value).expect("postcard encodes ledger records into a Vec without error")
+}
+
+fn key_record(key: &str) -> Vec<u8> {
+    let mut record = Vec::with_capacity(1 + key.len());
+    record.push(RECORD_KEY_PREFIX);
+    record.extend_from_slice(key.as_bytes());
+    record
+}
+
+fn undecodable(key: &[u8], reason: impl std::fmt::Display) -> RecordError {
+    RecordError {
+        key: String::from_utf8_lossy(key).into_owned(),
+        reason: reason.to_string(),
+    }
+}
+
+impl GroupMachine for QuotaLedger {
+    type Command = QuotaCommand;
+    type Response = QuotaResponse;
+
+    fn empty_response() -> QuotaResponse {
+        QuotaResponse::NoCommand
+    }
+
+    fn apply(&mut self, _log_index: u64, command: &QuotaCommand) -> QuotaResponse {
+        QuotaLedger::apply(self, command)
+    }
+
+    fn take_changes(&mut self) -> Vec<RecordChange> {
+        let changes = QuotaLedger::take_changes(self);
+        let mut records = Vec::with_capacity(changes.keys.len() + 2);
+        if let Some(last_seen_ms) = changes.last_seen_ms {
+            records.push(RecordChange {
+                key: RECORD_LAST_SEEN.to_vec(),
+                value: Some(encode(&last_seen_ms)),
+            });
+        }
+        if let Some(policy) = changes.policy {
+            records.push(RecordChange {
+                key: RECORD_POLICY.to_vec(),
+                value: Some(encode(&policy)),
+            });
+        }
+        for (key, entry) in changes.keys {
+            records.push(RecordChange {
+                key: key_record(&key),
+                value: entry.map(|entry| encode(&entry)),
+            });
+        }
+        records
+    }
+
+    fn from_records<I>(records: I) -> Result<Self, RecordError>
+    where
+        I: IntoIterator<Item = Record>,
+    {
+        let mut last_seen_ms = 0;
+        let mut policy: Option<PolicySet> = None;
+        let mut keys = Vec::new();
+        for (key, value) in records {
+            if key == RECORD_LAST_SEEN {
+                last_seen_ms = postcard::from_bytes(&value).map_err(|e| undecodable(&key, e))?;
+            } else if key == RECORD_POLICY {
+                policy = Some(postcard::from_bytes(&value).map_err(|e| undecodable(&key, e))?);
+            } else if let Some((&RECORD_KEY_PREFIX, name)) = key.split_first() {
+                let name = String::from_utf8(name.to_vec()).map_err(|e| undecodable(&key, e))?;
+                let entry: KeyEntry =
+                    postcard::from_bytes(&value).map_err(|e| undecodable(&key, e))?;
+                keys.push((name, entry));
+            } else {
+                return Err(undecodable(&key, "unknown record"));
+            }
+        }
+        QuotaLedger::from_parts(last_seen_ms, policy, keys).map_err(|e| RecordError {
+            key: "ledger".to_owned(),
+            reason: e.to_string(),
+        })
+    }
+
+    fn digest(&self) -> u64 {
+        QuotaLedger::digest(self)
+    }
+}

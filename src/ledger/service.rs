@@ -1,0 +1,239 @@
+//! The server side of the Raft transport: one tonic `RaftPeer` service per process, routing
+//! each request by its group name to that group's openraft handle.
+//!
+//! The service decodes openraft's request from postcard, calls the group's `Raft`, and
+//! encodes `Result<response, RaftError>` back, so a remote Raft error reaches the caller's
+//! openraft as a value (`RemoteError`), never as a gRPC status. Statuses mean transport
+//! trouble: `NOT_FOUND` for a group this process does not host (yet), `INVALID_ARGUMENT` for
+//! an undecodable payload. `Forward` runs a client write on this node and never forwards it
+//! again. The client side is `network.rs`; the group handle is `group.rs`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use openraft::Raft;
+use openraft::error::{ClientWriteError, InstallSnapshotError, RaftError};
+use parking_lot::RwLock;
+use serde::Serialize;
+use tonic::{Request, Response, Status};
+
+use super::proto::raft_peer_server::{RaftPeer, RaftPeerServer};
+use super::proto::{GroupReply, GroupRequest};
+use super::{BasicNode, COMMAND_BYTES_MAX, GroupConfig, NodeId, PEER_MESSAGE_BYTES_MAX, RaftGroup};
+
+/// Most groups one process hosts (quota, billing, and room for multi-raft shards).
+pub const GROUPS_PER_PROCESS_MAX: usize = 64;
+/// Most requests served at once on one peer connection; openraft keeps one replication
+/// stream per group and peer, so this is ample while bounding a misbehaving peer.
+const CONCURRENT_REQUESTS_PER_CONNECTION_MAX: usize = 256;
+/// Longest any request may run on the server, whatever deadline the caller sent.
+const SERVER_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Why a group could not be registered with the service.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegisterError {
+    /// A group of that name is already registered.
+    #[error("group {0:?} is already registered")]
+    Duplicate(String),
+    /// [`GROUPS_PER_PROCESS_MAX`] groups are registered already.
+    #[error("at most {GROUPS_PER_PROCESS_MAX} groups per process")]
+    TooMany,
+}
+
+impl RegisterError {
+    /// Registering again will not help without unregistering first.
+    pub fn retry_may_help(&self) -> bool {
+        false
+    }
+}
+
+/// One group as the service sees it: bytes in, bytes out.
+#[tonic::async_trait]
+trait GroupEndpoint: Send + Sync + 'static {
+    async fn append_entries(&self, payload: &[u8]) -> Result<Vec<u8>, Status>;
+    async fn vote(&self, payload: &[u8]) -> Result<Vec<u8>, Status>;
+    async fn install_snapshot(&self, payload: &[u8]) -> Result<Vec<u8>, Status>;
+    async fn forward(&self, payload: &[u8]) -> Result<Vec<u8>, Status>;
+}
+
+struct Endpoint<C: GroupConfig> {
+    raft: Raft<C>,
+}
+
+fn decode<T: serde::de::DeserializeOwned>(payload: &[u8]) -> Result<T, Status> {
+    postcard::from_bytes(payload)
+        .map_err(|e| Status::invalid_argument(format!("undecodable payload: {e}")))
+}
+
+fn encode<T: Serialize>(reply: &T) -> Result<Vec<u8>, Status> {
+    postcard::to_allocvec(reply)
+        .map_err(|e| Status::internal(format!("cannot encode the reply: {e}")))
+}
+
+#[tonic::async_trait]
+impl<C: GroupConfig> GroupEndpoint for Endpoint<C> {
+    async fn append_entries(&self, payload: &[u8]) -> Result<Vec<u8>, Status> {
+        let request = decode(payload)?;
+        encode(&self.raft.append_entries(request).await)
+    }
+
+    async fn vote(&self, payload: &[u8]) -> Result<Vec<u8>, Status> {
+        let request = decode(payload)?;
+        encode(&self.raft.vote(request).await)
+    }
+
+    async fn install_snapshot(&self, payload: &[u8]) -> Result<Vec<u8>, Status> {
+        let request = decode(payload)?;
+        let reply: Result<_, RaftError<NodeId, InstallSnapshotError>> =
+            self.raft.install_snapshot(request).await;
+        encode(&reply)
+    }
+
+    async fn forward(&self, payload: &[u8]) -> Result<Vec<u8>, Status> {
+        if payload.len() > COMMAND_BYTES_MAX {
+            return Err(Status::invalid_argument(format!(
+                "command of {} bytes exceeds {COMMAND_BYTES_MAX}",
+                payload.len()
+            )));
+        }
+        let command: C::D = decode(payload)?;
+        let reply: Result<C::R, RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>> = self
+            .raft
+            .client_write(command)
+            .await
+            .map(|written| written.data);
+        encode(&reply)
+    }
+}
+
+/// The `RaftPeer` gRPC service of one process; cheap to clone, groups come and go.
+#[derive(Clone, Default)]
+pub struct RaftPeerService {
+    groups: Arc<RwLock<HashMap<String, Arc<dyn GroupEndpoint>>>>,
+}
+
+impl RaftPeerService {
+    /// A service hosting no group yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Routes requests for `group` to `raft`.
+    ///
+    /// # Errors
+    /// [`RegisterError`] when the name is taken or the process hosts too many groups.
+    pub fn register<C: GroupConfig>(
+        &self,
+        group: &str,
+        raft: Raft<C>,
+    ) -> Result<(), RegisterError> {
+        let mut groups = self.groups.write();
+        if groups.contains_key(group) {
+            return Err(RegisterError::Duplicate(group.to_owned()));
+        }
+        if groups.len() >= GROUPS_PER_PROCESS_MAX {
+            return Err(RegisterError::TooMany);
+        }
+        groups.insert(group.to_owned(), Arc::new(Endpoint { raft }));
+        Ok(())
+    }
+
+    /// Routes requests for `group`'s name to it: [`Self::register`] for a [`RaftGroup`].
+    ///
+    /// # Errors
+    /// [`RegisterError`] when the name is taken or the process hosts too many groups.
+    pub fn register_group<C: GroupConfig>(
+        &self,
+        group: &RaftGroup<C>,
+    ) -> Result<(), RegisterError> {
+        self.register(group.name(), group.raft().clone())
+    }
+
+    /// Stops routing requests to `group` (peers then see it as unreachable).
+    pub fn unregister(&self, group: &str) {
+        self.groups.write().remove(group);
+    }
+
+    fn endpoint(&self, group: &str) -> Result<Arc<dyn GroupEndpoint>, Status> {
+        self.groups
+            .read()
+            .get(group)
+            .cloned()
+            .ok_or_else(|| Status::not_found(format!("this node hosts no Raft group {group:?}")))
+    }
+
+    /// The tonic service with the message size limits set both ways.
+    pub fn into_server(self) -> RaftPeerServer<Self> {
+        RaftPeerServer::new(self)
+            .max_decoding_message_size(PEER_MESSAGE_BYTES_MAX)
+            .max_encoding_message_size(PEER_MESSAGE_BYTES_MAX)
+    }
+
+    /// Serves the Raft transport on `listener` until `shutdown` completes.
+    ///
+    /// # Errors
+    /// The transport error that stopped the server.
+    pub async fn serve(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), tonic::transport::Error> {
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        tonic::transport::Server::builder()
+            .timeout(SERVER_REQUEST_TIMEOUT)
+            .concurrency_limit_per_connection(CONCURRENT_REQUESTS_PER_CONNECTION_MAX)
+            .tcp_nodelay(true)
+            .add_service(self.into_server())
+            .serve_with_incoming_shutdown(incoming, shutdown)
+            .await
+    }
+}
+
+#[tonic::async_trait]
+impl RaftPeer for RaftPeerService {
+    async fn append_entries(
+        &self,
+        request: Request<GroupRequest>,
+    ) -> Result<Response<GroupReply>, Status> {
+        let request = request.into_inner();
+        let payload = self
+            .endpoint(&request.group)?
+            .append_entries(&request.payload)
+            .await?;
+        Ok(Response::new(GroupReply { payload }))
+    }
+
+    async fn vote(&self, request: Request<GroupRequest>) -> Result<Response<GroupReply>, Status> {
+        let request = request.into_inner();
+        let payload = self
+            .endpoint(&request.group)?
+            .vote(&request.payload)
+            .await?;
+        Ok(Response::new(GroupReply { payload }))
+    }
+
+    async fn install_snapshot(
+        &self,
+        request: Request<GroupRequest>,
+    ) -> Result<Response<GroupReply>, Status> {
+        let request = request.into_inner();
+        let payload = self
+            .endpoint(&request.group)?
+            .install_snapshot(&request.payload)
+            .await?;
+        Ok(Response::new(GroupReply { payload }))
+    }
+
+    async fn forward(
+        &self,
+        request: Request<GroupRequest>,
+    ) -> Result<Response<GroupReply>, Status> {
+        let request = request.into_inner();
+        let payload = self
+            .endpoint(&request.group)?
+            .forward(&request.payload)
+            .await?;
+        Ok(Response::new(GroupReply { payload }))
+    }
+}
