@@ -62,14 +62,7 @@ async fn start_node(
             eprintln!("node {id}: server stopped: {error}");
         }
     });
-    Ok(TestNode {
-        id,
-        address,
-        directory,
-        group,
-        stop_server,
-        server,
-    })
+    Ok(TestNode { id, address, directory, group, stop_server, server })
 }
 
 impl TestNode {
@@ -78,13 +71,7 @@ impl TestNode {
         self.group.shutdown().await?;
         let _ = self.stop_server.send(());
         self.server.await?;
-        let TestNode {
-            id,
-            address,
-            directory,
-            group,
-            ..
-        } = self;
+        let TestNode { id, address, directory, group, .. } = self;
         drop(group);
         Ok((id, address, directory))
     }
@@ -97,10 +84,8 @@ async fn start_cluster(root: &Path, snapshot_every_logs: u64) -> Result<Vec<Test
         let directory = root.join(format!("node{id}"));
         nodes.push(start_node(NodeId(id), listener, directory, snapshot_every_logs).await?);
     }
-    let members: BTreeMap<NodeId, BasicNode> = nodes
-        .iter()
-        .map(|node| (node.id, BasicNode::new(node.address.clone())))
-        .collect();
+    let members: BTreeMap<NodeId, BasicNode> =
+        nodes.iter().map(|node| (node.id, BasicNode::new(node.address.clone()))).collect();
     nodes[0].group.initialize(members).await?;
     Ok(nodes)
 }
@@ -126,14 +111,9 @@ async fn agreed_leader(nodes: &[TestNode]) -> Result<NodeId> {
 async fn digests_at(nodes: &[TestNode], index: u64) -> Result<Vec<u64>> {
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
-        let applied: Vec<Option<u64>> = nodes
-            .iter()
-            .map(|node| node.group.last_applied_index())
-            .collect();
-        if applied
-            .iter()
-            .all(|seen| seen.is_some_and(|seen| seen >= index))
-        {
+        let applied: Vec<Option<u64>> =
+            nodes.iter().map(|node| node.group.last_applied_index()).collect();
+        if applied.iter().all(|seen| seen.is_some_and(|seen| seen >= index)) {
             return Ok(nodes.iter().map(|node| node.group.digest()).collect());
         }
         if tokio::time::Instant::now() > deadline {
@@ -165,10 +145,7 @@ fn granted(response: &QuotaResponse) -> Result<Vec<u64>> {
         QuotaResponse::Leases(grants) => grants
             .iter()
             .map(|grant| {
-                grant
-                    .as_ref()
-                    .map(|grant| grant.granted_tokens)
-                    .map_err(|e| anyhow::anyhow!("{e}"))
+                grant.as_ref().map(|grant| grant.granted_tokens).map_err(|e| anyhow::anyhow!("{e}"))
             })
             .collect(),
         other => bail!("expected lease grants, got {other:?}"),
@@ -177,18 +154,11 @@ fn granted(response: &QuotaResponse) -> Result<Vec<u64>> {
 
 /// The highest index any node applied: the leader's, which answered the last write.
 fn highest_applied(nodes: &[TestNode]) -> Result<u64> {
-    nodes
-        .iter()
-        .filter_map(|node| node.group.last_applied_index())
-        .max()
-        .context("nothing applied")
+    nodes.iter().filter_map(|node| node.group.last_applied_index()).max().context("nothing applied")
 }
 
 fn follower_of(nodes: &[TestNode], leader: NodeId) -> usize {
-    nodes
-        .iter()
-        .position(|node| node.id != leader)
-        .expect("three nodes have a follower")
+    nodes.iter().position(|node| node.id != leader).expect("three nodes have a follower")
 }
 
 // Proves a 3-node group elects a leader, commits a batch written on a follower (forwarded to
@@ -205,21 +175,12 @@ async fn three_nodes_replicate_forwarded_grants_and_recover_after_restart() -> R
         .group
         .write(lease_batch(1_000, nodes[follower].id, 64, 0), WRITE_TIMEOUT)
         .await?;
-    assert_eq!(
-        granted(&response)?,
-        vec![10; 64],
-        "every key had a full bucket"
-    );
+    assert_eq!(granted(&response)?, vec![10; 64], "every key had a full bucket");
     let applied = highest_applied(&nodes)?;
     let digests = digests_at(&nodes, applied).await?;
-    assert!(
-        digests.iter().all(|digest| *digest == digests[0]),
-        "replicas differ: {digests:?}"
-    );
+    assert!(digests.iter().all(|digest| *digest == digests[0]), "replicas differ: {digests:?}");
     for node in &nodes {
-        let outstanding = node
-            .group
-            .read(|ledger| ledger.outstanding_tokens(nodes[follower].id));
+        let outstanding = node.group.read(|ledger| ledger.outstanding_tokens(nodes[follower].id));
         assert_eq!(outstanding, 640, "node {} counts the leases", node.id);
     }
 
@@ -229,27 +190,16 @@ async fn three_nodes_replicate_forwarded_grants_and_recover_after_restart() -> R
     let node = nodes.remove(restarted);
     let (id, address, directory) = node.stop().await?;
     let listener = TcpListener::bind(&address).await?;
-    nodes.insert(
-        restarted,
-        start_node(id, listener, directory, 10_000).await?,
-    );
+    nodes.insert(restarted, start_node(id, listener, directory, 10_000).await?);
     let recovered = digests_at(&nodes[restarted..=restarted], applied).await?;
-    assert_eq!(
-        recovered[0], before,
-        "the restarted node recovered its state"
-    );
+    assert_eq!(recovered[0], before, "the restarted node recovered its state");
 
-    let response = nodes[restarted]
-        .group
-        .write(lease_batch(2_000, id, 16, 1), WRITE_TIMEOUT)
-        .await?;
+    let response =
+        nodes[restarted].group.write(lease_batch(2_000, id, 16, 1), WRITE_TIMEOUT).await?;
     assert_eq!(granted(&response)?, vec![11; 16]);
     let applied = highest_applied(&nodes)?;
     let digests = digests_at(&nodes, applied).await?;
-    assert!(
-        digests.iter().all(|digest| *digest == digests[0]),
-        "replicas differ: {digests:?}"
-    );
+    assert!(digests.iter().all(|digest| *digest == digests[0]), "replicas differ: {digests:?}");
 
     for node in nodes {
         node.stop().await?;
@@ -268,18 +218,12 @@ async fn a_follower_behind_a_compacted_log_catches_up_from_a_snapshot() -> Resul
     let node = nodes.remove(down);
     let (id, address, directory) = node.stop().await?;
 
-    let writer = nodes
-        .iter()
-        .position(|node| node.id == leader)
-        .context("leader")?;
+    let writer = nodes.iter().position(|node| node.id == leader).context("leader")?;
     for round in 0..30 {
         let now_ms = 10_000 + u64::try_from(round)? * 10;
         nodes[writer]
             .group
-            .write(
-                lease_batch(now_ms, nodes[writer].id, 4, round),
-                WRITE_TIMEOUT,
-            )
+            .write(lease_batch(now_ms, nodes[writer].id, 4, round), WRITE_TIMEOUT)
             .await?;
     }
     // Purging follows the snapshot asynchronously.
@@ -287,24 +231,15 @@ async fn a_follower_behind_a_compacted_log_catches_up_from_a_snapshot() -> Resul
         .group
         .raft()
         .wait(Some(WAIT))
-        .metrics(
-            |metrics| metrics.purged.is_some(),
-            "the leader purged its log after a snapshot",
-        )
+        .metrics(|metrics| metrics.purged.is_some(), "the leader purged its log after a snapshot")
         .await?;
 
     let listener = TcpListener::bind(&address).await?;
     nodes.insert(down, start_node(id, listener, directory, 5).await?);
     let applied = highest_applied(&nodes)?;
     let digests = digests_at(&nodes, applied).await?;
-    assert!(
-        digests.iter().all(|digest| *digest == digests[0]),
-        "replicas differ: {digests:?}"
-    );
-    assert!(
-        nodes[down].group.metrics().snapshot.is_some(),
-        "the follower installed a snapshot"
-    );
+    assert!(digests.iter().all(|digest| *digest == digests[0]), "replicas differ: {digests:?}");
+    assert!(nodes[down].group.metrics().snapshot.is_some(), "the follower installed a snapshot");
 
     for node in nodes {
         node.stop().await?;

@@ -14,30 +14,16 @@ use quotamesh::core::rate::{Algorithm, LimitSpec};
 use quotamesh::ledger::GroupMachine;
 
 fn bucket(requests_per_window: u64, window_ms: u64, burst_tokens: u64) -> LimitSpec {
-    LimitSpec::new(
-        Algorithm::TokenBucket,
-        requests_per_window,
-        window_ms,
-        Some(burst_tokens),
-    )
-    .expect("a valid limit")
+    LimitSpec::new(Algorithm::TokenBucket, requests_per_window, window_ms, Some(burst_tokens))
+        .expect("a valid limit")
 }
 
 fn request(key: &str, limit: LimitSpec, tokens_wanted: u64) -> LeaseRequest {
-    LeaseRequest {
-        key: key.to_owned(),
-        limit,
-        tokens_wanted,
-        lease_ttl_ms: 1_000,
-    }
+    LeaseRequest { key: key.to_owned(), limit, tokens_wanted, lease_ttl_ms: 1_000 }
 }
 
 fn acquire(now_ms: u64, node: u64, requests: Vec<LeaseRequest>) -> QuotaCommand {
-    QuotaCommand::AcquireLeases {
-        now_ms,
-        node_id: NodeId(node),
-        requests,
-    }
+    QuotaCommand::AcquireLeases { now_ms, node_id: NodeId(node), requests }
 }
 
 fn grants(response: QuotaResponse) -> Vec<Result<LeaseGrant, LeaseRequestError>> {
@@ -56,9 +42,7 @@ fn credited(response: QuotaResponse) -> u64 {
 
 /// Whole tokens available in `key`'s bucket at `now_ms`, without changing anything.
 fn available(ledger: &QuotaLedger, key: &str, now_ms: u64) -> u64 {
-    ledger.key(key).map_or(0, |entry| {
-        entry.limit.evaluate(&entry.state, now_ms, 0).remaining
-    })
+    ledger.key(key).map_or(0, |entry| entry.limit.evaluate(&entry.state, now_ms, 0).remaining)
 }
 
 // Proves a grant is min(want, available), and an empty bucket answers 0 with the exact
@@ -70,19 +54,9 @@ fn grants_what_is_available_then_the_exact_retry_time() {
     let first = grants(ledger.apply(&acquire(5_000, 1, vec![request("rl:d:k", limit, 6)])));
     assert_eq!(first[0].as_ref().map(|g| g.granted_tokens), Ok(6));
     let second = grants(ledger.apply(&acquire(5_000, 2, vec![request("rl:d:k", limit, 6)])));
-    assert_eq!(
-        second[0]
-            .as_ref()
-            .map(|g| (g.granted_tokens, g.remaining_tokens)),
-        Ok((4, 0))
-    );
+    assert_eq!(second[0].as_ref().map(|g| (g.granted_tokens, g.remaining_tokens)), Ok((4, 0)));
     let empty = grants(ledger.apply(&acquire(5_000, 1, vec![request("rl:d:k", limit, 1)])));
-    assert_eq!(
-        empty[0]
-            .as_ref()
-            .map(|g| (g.granted_tokens, g.retry_after_ms)),
-        Ok((0, 100))
-    );
+    assert_eq!(empty[0].as_ref().map(|g| (g.granted_tokens, g.retry_after_ms)), Ok((0, 100)));
     assert_eq!(empty[0].as_ref().map(|g| g.lease_expires_at_ms), Ok(None));
     let early = grants(ledger.apply(&acquire(5_099, 1, vec![request("rl:d:k", limit, 1)])));
     assert_eq!(early[0].as_ref().map(|g| g.granted_tokens), Ok(0));
@@ -100,12 +74,7 @@ fn a_proposer_clock_behind_ledger_time_uses_ledger_time() {
     let limit = bucket(10, 1_000, 10);
     grants(ledger.apply(&acquire(10_000, 1, vec![request("rl:d:k", limit, 10)])));
     let stale = grants(ledger.apply(&acquire(1_000, 2, vec![request("rl:d:k", limit, 1)])));
-    assert_eq!(
-        stale[0]
-            .as_ref()
-            .map(|g| (g.granted_tokens, g.retry_after_ms)),
-        Ok((0, 100))
-    );
+    assert_eq!(stale[0].as_ref().map(|g| (g.granted_tokens, g.retry_after_ms)), Ok((0, 100)));
     assert_eq!(ledger.last_seen_ms(), 10_000);
 }
 
@@ -123,16 +92,8 @@ fn returns_are_capped_by_the_lease_and_the_capacity() {
         tokens,
     };
     assert_eq!(credited(ledger.apply(&give_back(20))), 20);
-    assert_eq!(
-        credited(ledger.apply(&give_back(20))),
-        10,
-        "only 10 were still leased"
-    );
-    assert_eq!(
-        credited(ledger.apply(&give_back(20))),
-        0,
-        "a repeated return credits nothing"
-    );
+    assert_eq!(credited(ledger.apply(&give_back(20))), 10, "only 10 were still leased");
+    assert_eq!(credited(ledger.apply(&give_back(20))), 0, "a repeated return credits nothing");
     assert_eq!(available(&ledger, "rl:d:k", 1_000), 100);
     assert_eq!(ledger.outstanding_tokens(NodeId(1)), 0);
     let stranger = QuotaCommand::ReturnLease {
@@ -141,11 +102,7 @@ fn returns_are_capped_by_the_lease_and_the_capacity() {
         key: "rl:d:k".to_owned(),
         tokens: 5,
     };
-    assert_eq!(
-        credited(ledger.apply(&stranger)),
-        0,
-        "a node without a lease credits nothing"
-    );
+    assert_eq!(credited(ledger.apply(&stranger)), 0, "a node without a lease credits nothing");
 }
 
 // Proves an expired lease stops counting as outstanding and can no longer be returned.
@@ -161,11 +118,7 @@ fn leases_expire_from_the_accounting() {
         key: "rl:d:k".to_owned(),
         tokens: 30,
     };
-    assert_eq!(
-        credited(ledger.apply(&late)),
-        0,
-        "the 1 s lease ended at 2 000"
-    );
+    assert_eq!(credited(ledger.apply(&late)), 0, "the 1 s lease ended at 2 000");
     assert_eq!(ledger.outstanding_tokens(NodeId(1)), 0);
     assert_eq!(ledger.outstanding_tokens_on_key("rl:d:k"), 0);
 }
@@ -181,10 +134,7 @@ fn idle_keys_are_swept_two_windows_after_last_use() {
     grants(ledger.apply(&tick(2_999)));
     assert!(ledger.key("rl:d:idle").is_some(), "kept before 2 x window");
     grants(ledger.apply(&tick(3_000)));
-    assert!(
-        ledger.key("rl:d:idle").is_none(),
-        "swept at 2 x window after last use"
-    );
+    assert!(ledger.key("rl:d:idle").is_none(), "swept at 2 x window after last use");
     assert_eq!(ledger.outstanding_tokens(NodeId(1)), 0);
 }
 
@@ -201,14 +151,8 @@ fn bad_requests_are_refused_item_by_item() {
         request("no-prefix", limit, 1),
         request("rl:d:zero", limit, 0),
         request("rl:d:absurd", limit, LEASE_TOKENS_MAX + 1),
-        LeaseRequest {
-            lease_ttl_ms: 0,
-            ..request("rl:d:ttl0", limit, 1)
-        },
-        LeaseRequest {
-            lease_ttl_ms: LEASE_TTL_MS_MAX + 1,
-            ..request("rl:d:ttl", limit, 1)
-        },
+        LeaseRequest { lease_ttl_ms: 0, ..request("rl:d:ttl0", limit, 1) },
+        LeaseRequest { lease_ttl_ms: LEASE_TTL_MS_MAX + 1, ..request("rl:d:ttl", limit, 1) },
         request("rl:d:limit", broken_limit, 1),
     ];
     let good = request("rl:d:good", limit, 3);
@@ -220,22 +164,13 @@ fn bad_requests_are_refused_item_by_item() {
     grants(alone.apply(&acquire(1_000, 1, vec![good])));
     assert_eq!(with_bad.digest(), alone.digest());
     assert_eq!(answers[0], Err(LeaseRequestError::Key(KeyError::Empty)));
-    assert_eq!(
-        answers[1],
-        Err(LeaseRequestError::Key(KeyError::TooLong(603)))
-    );
+    assert_eq!(answers[1], Err(LeaseRequestError::Key(KeyError::TooLong(603))));
     assert_eq!(answers[2], Err(LeaseRequestError::Key(KeyError::Prefix)));
     assert_eq!(answers[3].as_ref().map(|g| g.granted_tokens), Ok(3));
     assert_eq!(answers[4], Err(LeaseRequestError::TokensWanted(0)));
-    assert_eq!(
-        answers[5],
-        Err(LeaseRequestError::TokensWanted(LEASE_TOKENS_MAX + 1))
-    );
+    assert_eq!(answers[5], Err(LeaseRequestError::TokensWanted(LEASE_TOKENS_MAX + 1)));
     assert_eq!(answers[6], Err(LeaseRequestError::LeaseTtl(0)));
-    assert_eq!(
-        answers[7],
-        Err(LeaseRequestError::LeaseTtl(LEASE_TTL_MS_MAX + 1))
-    );
+    assert_eq!(answers[7], Err(LeaseRequestError::LeaseTtl(LEASE_TTL_MS_MAX + 1)));
     assert!(matches!(answers[8], Err(LeaseRequestError::Limit(_))));
 
     let zero_return = QuotaCommand::ReturnLease {
@@ -245,10 +180,7 @@ fn bad_requests_are_refused_item_by_item() {
         tokens: 0,
     };
     let before = with_bad.digest();
-    assert_eq!(
-        with_bad.apply(&zero_return),
-        QuotaResponse::Returned(Err(ReturnError::Tokens(0)))
-    );
+    assert_eq!(with_bad.apply(&zero_return), QuotaResponse::Returned(Err(ReturnError::Tokens(0))));
     assert_eq!(with_bad.digest(), before);
 }
 
@@ -261,9 +193,7 @@ fn an_oversized_batch_changes_nothing() {
         vec![request("rl:d:k", bucket(10, 1_000, 10), 1); LEASE_REQUESTS_PER_COMMAND_MAX + 1];
     assert_eq!(
         ledger.apply(&acquire(1_000, 1, requests)),
-        QuotaResponse::Rejected(CommandError::BatchTooLarge(
-            LEASE_REQUESTS_PER_COMMAND_MAX + 1
-        ))
+        QuotaResponse::Rejected(CommandError::BatchTooLarge(LEASE_REQUESTS_PER_COMMAND_MAX + 1))
     );
     assert_eq!(ledger.digest(), before);
     assert_eq!(ledger.last_seen_ms(), 0);
@@ -277,32 +207,17 @@ fn policy_sets_only_move_forward() {
     let put = |version, files: &[(&str, &str)]| QuotaCommand::PutPolicySet {
         now_ms: 1_000,
         version,
-        policy_yaml: files
-            .iter()
-            .map(|(n, t)| ((*n).to_owned(), (*t).to_owned()))
-            .collect(),
+        policy_yaml: files.iter().map(|(n, t)| ((*n).to_owned(), (*t).to_owned())).collect(),
     };
-    assert_eq!(
-        ledger.apply(&put(2, &[("a.yaml", "domain: a")])),
-        QuotaResponse::PolicySet(Ok(()))
-    );
-    assert_eq!(
-        ledger.apply(&put(2, &[("a.yaml", "domain: a")])),
-        QuotaResponse::PolicySet(Ok(()))
-    );
+    assert_eq!(ledger.apply(&put(2, &[("a.yaml", "domain: a")])), QuotaResponse::PolicySet(Ok(())));
+    assert_eq!(ledger.apply(&put(2, &[("a.yaml", "domain: a")])), QuotaResponse::PolicySet(Ok(())));
     assert_eq!(
         ledger.apply(&put(2, &[("a.yaml", "domain: b")])),
-        QuotaResponse::PolicySet(Err(PolicySetError::StaleVersion {
-            offered: 2,
-            stored: 2
-        }))
+        QuotaResponse::PolicySet(Err(PolicySetError::StaleVersion { offered: 2, stored: 2 }))
     );
     assert_eq!(
         ledger.apply(&put(1, &[("a.yaml", "domain: a")])),
-        QuotaResponse::PolicySet(Err(PolicySetError::StaleVersion {
-            offered: 1,
-            stored: 2
-        }))
+        QuotaResponse::PolicySet(Err(PolicySetError::StaleVersion { offered: 1, stored: 2 }))
     );
     assert_eq!(
         ledger.apply(&put(3, &[("a.yaml", "x"), ("a.yaml", "y")])),
@@ -319,19 +234,8 @@ fn arbitrary_command() -> impl Strategy<Value = (u64, QuotaCommand)> {
         Just(LimitSpec::new(Algorithm::FixedWindow, 5, 500, None).expect("valid")),
         Just(LimitSpec::new(Algorithm::SlidingWindow, 8, 400, None).expect("valid")),
     ];
-    let keys = prop_oneof![
-        Just("rl:a:1"),
-        Just("rl:a:2"),
-        Just("rl:b:1"),
-        Just("bad"),
-        Just("")
-    ];
-    let lease_request = (
-        keys.clone(),
-        limits,
-        0..30u64,
-        prop_oneof![Just(0u64), 1..3_000u64],
-    )
+    let keys = prop_oneof![Just("rl:a:1"), Just("rl:a:2"), Just("rl:b:1"), Just("bad"), Just("")];
+    let lease_request = (keys.clone(), limits, 0..30u64, prop_oneof![Just(0u64), 1..3_000u64])
         .prop_map(|(key, limit, tokens_wanted, lease_ttl_ms)| LeaseRequest {
             key: key.to_owned(),
             limit,
@@ -356,11 +260,7 @@ fn stamped(commands: Vec<(u64, QuotaCommand)>, back_jumps: &[bool]) -> Vec<Quota
         .into_iter()
         .zip(back_jumps.iter().cycle())
         .map(|((step_ms, mut command), back)| {
-            clock_ms = if *back {
-                clock_ms.saturating_sub(step_ms)
-            } else {
-                clock_ms + step_ms
-            };
+            clock_ms = if *back { clock_ms.saturating_sub(step_ms) } else { clock_ms + step_ms };
             match &mut command {
                 QuotaCommand::AcquireLeases { now_ms, .. }
                 | QuotaCommand::ReturnLease { now_ms, .. }

@@ -20,11 +20,7 @@ impl StoreBuilder<QuotaGroup, LogStore<QuotaGroup>, StateStore<QuotaGroup>, temp
     async fn build(
         &self,
     ) -> Result<
-        (
-            tempfile::TempDir,
-            LogStore<QuotaGroup>,
-            StateStore<QuotaGroup>,
-        ),
+        (tempfile::TempDir, LogStore<QuotaGroup>, StateStore<QuotaGroup>),
         StorageError<NodeId>,
     > {
         let directory = tempfile::tempdir().expect("a temporary directory");
@@ -82,18 +78,11 @@ async fn state_is_rebuilt_from_the_latest_snapshot_when_sled_is_lost() {
         assert!(
             matches!(&replies[1], QuotaResponse::Leases(grants) if grants[0].as_ref().map(|g| g.granted_tokens) == Ok(5))
         );
-        let snapshot = state
-            .get_snapshot_builder()
-            .await
-            .build_snapshot()
-            .await
-            .expect("a snapshot");
+        let snapshot =
+            state.get_snapshot_builder().await.build_snapshot().await.expect("a snapshot");
         assert_eq!(snapshot.meta.last_log_id, Some(log_id(1, 3)));
         let digest = state.view().read(|ledger| ledger.digest());
-        state
-            .apply([grant_entry(4, 1_002)])
-            .await
-            .expect("apply after the snapshot");
+        state.apply([grant_entry(4, 1_002)]).await.expect("apply after the snapshot");
         assert_ne!(state.view().read(|ledger| ledger.digest()), digest);
         digest
     };
@@ -102,21 +91,10 @@ async fn state_is_rebuilt_from_the_latest_snapshot_when_sled_is_lost() {
     let mut state =
         StateStore::<QuotaGroup>::open(directory.path()).expect("the state store reopens");
     let (applied, membership) = state.applied_state().await.expect("applied state");
-    assert_eq!(
-        applied,
-        Some(log_id(1, 3)),
-        "rebuilt up to the snapshot; the log replays the rest"
-    );
+    assert_eq!(applied, Some(log_id(1, 3)), "rebuilt up to the snapshot; the log replays the rest");
     assert_eq!(membership.log_id(), &Some(log_id(1, 1)));
-    assert_eq!(
-        state.view().read(|ledger| ledger.digest()),
-        digest_at_snapshot
-    );
-    let current = state
-        .get_current_snapshot()
-        .await
-        .expect("read")
-        .expect("a current snapshot");
+    assert_eq!(state.view().read(|ledger| ledger.digest()), digest_at_snapshot);
+    let current = state.get_current_snapshot().await.expect("read").expect("a current snapshot");
     assert_eq!(current.meta.last_log_id, Some(log_id(1, 3)));
 }
 
@@ -129,18 +107,14 @@ async fn log_survives_reopen() {
         let mut log = LogStore::<QuotaGroup>::open(&path).expect("the log opens");
         let vote = openraft::Vote::new(3, NodeId(2));
         log.save_vote(&vote).await.expect("save vote");
-        let entries: Vec<Entry<QuotaGroup>> = (1..=5)
-            .map(|index| grant_entry(index, 1_000 + index))
-            .collect();
+        let entries: Vec<Entry<QuotaGroup>> =
+            (1..=5).map(|index| grant_entry(index, 1_000 + index)).collect();
         // Returns only once the append reported itself durable through its callback.
         log.blocking_append(entries).await.expect("append");
         log.purge(log_id(1, 2)).await.expect("purge");
     }
     let mut log = LogStore::<QuotaGroup>::open(&path).expect("the log reopens");
-    assert_eq!(
-        log.read_vote().await.expect("read vote"),
-        Some(openraft::Vote::new(3, NodeId(2)))
-    );
+    assert_eq!(log.read_vote().await.expect("read vote"), Some(openraft::Vote::new(3, NodeId(2))));
     let state = log.get_log_state().await.expect("log state");
     assert_eq!(state.last_purged_log_id, Some(log_id(1, 2)));
     assert_eq!(state.last_log_id, Some(log_id(1, 5)));

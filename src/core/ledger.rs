@@ -281,8 +281,7 @@ pub struct KeyEntry {
 impl KeyEntry {
     /// Ledger time from which the key may be forgotten: 2 x its window after last use.
     fn reclaim_at_ms(&self) -> u64 {
-        self.last_used_ms
-            .saturating_add(self.limit.window_ms.saturating_mul(2))
+        self.last_used_ms.saturating_add(self.limit.window_ms.saturating_mul(2))
     }
 
     /// When the sweep must look at the key next, seen from `now_ms`.
@@ -294,10 +293,7 @@ impl KeyEntry {
         } else {
             now_ms.saturating_add(self.limit.window_ms.max(1))
         };
-        self.leases
-            .values()
-            .map(|lease| lease.expires_at_ms)
-            .fold(reclaim_ms, u64::min)
+        self.leases.values().map(|lease| lease.expires_at_ms).fold(reclaim_ms, u64::min)
     }
 }
 
@@ -378,9 +374,7 @@ fn check_limit(limit: &LimitSpec) -> Result<(), LeaseRequestError> {
     if rebuilt == *limit {
         Ok(())
     } else {
-        Err(LeaseRequestError::Limit(format!(
-            "{limit:?} is not canonical"
-        )))
+        Err(LeaseRequestError::Limit(format!("{limit:?} is not canonical")))
     }
 }
 
@@ -399,16 +393,9 @@ impl QuotaLedger {
         policy: Option<PolicySet>,
         keys: impl IntoIterator<Item = (String, KeyEntry)>,
     ) -> Result<Self, LedgerLoadError> {
-        let mut ledger = Self {
-            last_seen_ms,
-            policy,
-            ..Self::default()
-        };
+        let mut ledger = Self { last_seen_ms, policy, ..Self::default() };
         for (key, entry) in keys {
-            check_key(&key).map_err(|reason| LedgerLoadError::Key {
-                key: key.clone(),
-                reason,
-            })?;
+            check_key(&key).map_err(|reason| LedgerLoadError::Key { key: key.clone(), reason })?;
             ledger.wake_queue.insert((entry.wake_at_ms, key.clone()));
             for (node_id, lease) in &entry.leases {
                 let total = ledger.outstanding_by_node.entry(*node_id).or_default();
@@ -422,11 +409,7 @@ impl QuotaLedger {
     /// Applies one command at `max(last_seen_ms, now_ms)` and answers it.
     pub fn apply(&mut self, command: &QuotaCommand) -> QuotaResponse {
         match command {
-            QuotaCommand::AcquireLeases {
-                now_ms,
-                node_id,
-                requests,
-            } => {
+            QuotaCommand::AcquireLeases { now_ms, node_id, requests } => {
                 if requests.len() > LEASE_REQUESTS_PER_COMMAND_MAX {
                     return QuotaResponse::Rejected(CommandError::BatchTooLarge(requests.len()));
                 }
@@ -438,20 +421,11 @@ impl QuotaLedger {
                         .collect(),
                 )
             }
-            QuotaCommand::ReturnLease {
-                now_ms,
-                node_id,
-                key,
-                tokens,
-            } => {
+            QuotaCommand::ReturnLease { now_ms, node_id, key, tokens } => {
                 let now_ms = self.advance(*now_ms);
                 QuotaResponse::Returned(self.give_back(*node_id, key, *tokens, now_ms))
             }
-            QuotaCommand::PutPolicySet {
-                now_ms,
-                version,
-                policy_yaml,
-            } => {
+            QuotaCommand::PutPolicySet { now_ms, version, policy_yaml } => {
                 let now_ms = self.advance(*now_ms);
                 QuotaResponse::PolicySet(self.put_policy_set(*version, policy_yaml, now_ms))
             }
@@ -480,10 +454,8 @@ impl QuotaLedger {
             let Some((_, key)) = self.wake_queue.pop_first() else {
                 break;
             };
-            let mut entry = self
-                .keys
-                .remove(&key)
-                .expect("the wake queue names only keys in the map");
+            let mut entry =
+                self.keys.remove(&key).expect("the wake queue names only keys in the map");
             self.expire_leases(&mut entry, now_ms);
             self.changed_keys.insert(key.clone());
             let forgettable = entry.leases.is_empty()
@@ -652,9 +624,7 @@ impl QuotaLedger {
             {
                 return Err(PolicySetError::FileName(name.clone()));
             }
-            total_bytes = total_bytes
-                .saturating_add(name.len())
-                .saturating_add(text.len());
+            total_bytes = total_bytes.saturating_add(name.len()).saturating_add(text.len());
         }
         if total_bytes > POLICY_SET_BYTES_MAX {
             return Err(PolicySetError::TooLarge(total_bytes));
@@ -670,11 +640,7 @@ impl QuotaLedger {
                 });
             }
         }
-        self.policy = Some(PolicySet {
-            version,
-            files: files.to_vec(),
-            stored_at_ms: now_ms,
-        });
+        self.policy = Some(PolicySet { version, files: files.to_vec(), stored_at_ms: now_ms });
         self.policy_changed = true;
         Ok(())
     }
@@ -682,11 +648,8 @@ impl QuotaLedger {
     /// Returns and forgets what changed since the last call.
     pub fn take_changes(&mut self) -> LedgerChanges {
         let last_seen_ms = std::mem::take(&mut self.last_seen_changed).then_some(self.last_seen_ms);
-        let policy = if std::mem::take(&mut self.policy_changed) {
-            self.policy.clone()
-        } else {
-            None
-        };
+        let policy =
+            if std::mem::take(&mut self.policy_changed) { self.policy.clone() } else { None };
         let keys = std::mem::take(&mut self.changed_keys)
             .into_iter()
             .map(|key| {
@@ -694,11 +657,7 @@ impl QuotaLedger {
                 (key, entry)
             })
             .collect();
-        LedgerChanges {
-            last_seen_ms,
-            policy,
-            keys,
-        }
+        LedgerChanges { last_seen_ms, policy, keys }
     }
 
     /// Ledger time: the greatest `now_ms` applied.
@@ -733,9 +692,7 @@ impl QuotaLedger {
 
     /// Tokens leased on `key` to all nodes and not yet returned or swept as expired.
     pub fn outstanding_tokens_on_key(&self, key: &str) -> u64 {
-        self.keys.get(key).map_or(0, |entry| {
-            entry.leases.values().map(|lease| lease.tokens).sum()
-        })
+        self.keys.get(key).map_or(0, |entry| entry.leases.values().map(|lease| lease.tokens).sum())
     }
 
     /// A digest of the whole state (FNV-1a over a canonical encoding): equal on replicas

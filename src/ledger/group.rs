@@ -186,10 +186,7 @@ pub enum WriteError {
 impl WriteError {
     /// Whether sending the same command again may succeed.
     pub fn retry_may_help(&self) -> bool {
-        matches!(
-            self,
-            Self::NoLeader | Self::Timeout | Self::LeaderLost { .. }
-        )
+        matches!(self, Self::NoLeader | Self::Timeout | Self::LeaderLost { .. })
     }
 
     /// Whether the command may have been applied although no answer came back.
@@ -230,9 +227,7 @@ fn membership_error(
 ) -> MembershipError {
     match error {
         RaftError::APIError(ClientWriteError::ForwardToLeader(forward)) => {
-            MembershipError::NotLeader {
-                leader: forward.leader_id,
-            }
+            MembershipError::NotLeader { leader: forward.leader_id }
         }
         RaftError::APIError(ClientWriteError::ChangeMembershipError(refused)) => {
             MembershipError::Refused(refused.to_string())
@@ -320,10 +315,7 @@ impl<C: GroupConfig> RaftGroup<C> {
         }
         let config = settings
             .raft_config()
-            .map_err(|source| OpenError::Settings {
-                group: settings.group.clone(),
-                source,
-            })?;
+            .map_err(|source| OpenError::Settings { group: settings.group.clone(), source })?;
         let directory = settings.directory.clone();
         std::fs::create_dir_all(&directory).map_err(|source| OpenError::Directory {
             path: directory.display().to_string(),
@@ -331,32 +323,16 @@ impl<C: GroupConfig> RaftGroup<C> {
         })?;
         let (log_store, state_store) = open_stores::<C>(&directory).await?;
         let view = state_store.view();
-        let storage = StorageLiveness {
-            log: log_store.liveness(),
-            state: state_store.liveness(),
-        };
+        let storage = StorageLiveness { log: log_store.liveness(), state: state_store.liveness() };
         let name: Arc<str> = Arc::from(settings.group.as_str());
         let network = PeerNetwork::new(Arc::clone(&name), settings.node_id, channels.clone());
-        let raft = Raft::new(
-            settings.node_id,
-            Arc::new(config),
-            network,
-            log_store,
-            state_store,
-        )
-        .await
-        .map_err(|fatal| OpenError::Start {
-            group: settings.group.clone(),
-            reason: fatal.to_string(),
-        })?;
-        Ok(Self {
-            name,
-            node_id: settings.node_id,
-            raft,
-            view,
-            channels,
-            storage,
-        })
+        let raft = Raft::new(settings.node_id, Arc::new(config), network, log_store, state_store)
+            .await
+            .map_err(|fatal| OpenError::Start {
+                group: settings.group.clone(),
+                reason: fatal.to_string(),
+            })?;
+        Ok(Self { name, node_id: settings.node_id, raft, view, channels, storage })
     }
 
     /// The group's name.
@@ -405,11 +381,7 @@ impl<C: GroupConfig> RaftGroup<C> {
         node_id: NodeId,
         node: BasicNode,
     ) -> Result<(), MembershipError> {
-        self.raft
-            .add_learner(node_id, node, true)
-            .await
-            .map(|_| ())
-            .map_err(membership_error)
+        self.raft.add_learner(node_id, node, true).await.map(|_| ()).map_err(membership_error)
     }
 
     /// Makes `voters` the voting members (each must be a member already, e.g. a learner);
@@ -418,11 +390,7 @@ impl<C: GroupConfig> RaftGroup<C> {
     /// # Errors
     /// [`MembershipError`] when this node is not the leader or the change is refused.
     pub async fn change_voters(&self, voters: BTreeSet<NodeId>) -> Result<(), MembershipError> {
-        self.raft
-            .change_membership(voters, true)
-            .await
-            .map(|_| ())
-            .map_err(membership_error)
+        self.raft.change_membership(voters, true).await.map(|_| ()).map_err(membership_error)
     }
 
     /// The group's Raft metrics as this node sees them (leader, term, log and applied
@@ -460,15 +428,10 @@ impl<C: GroupConfig> RaftGroup<C> {
     /// # Errors
     /// [`WriteError`]; [`WriteError::may_have_applied`] tells whether the outcome is unknown.
     pub async fn write(&self, command: C::D, timeout: Duration) -> Result<C::R, WriteError> {
-        let payload_bytes =
-            postcard::experimental::serialized_size(&command).map_err(|e| WriteError::Refused {
-                leader: self.node_id,
-                reason: e.to_string(),
-            })?;
+        let payload_bytes = postcard::experimental::serialized_size(&command)
+            .map_err(|e| WriteError::Refused { leader: self.node_id, reason: e.to_string() })?;
         if payload_bytes > COMMAND_BYTES_MAX {
-            return Err(WriteError::TooLarge {
-                bytes: payload_bytes,
-            });
+            return Err(WriteError::TooLarge { bytes: payload_bytes });
         }
         let deadline = Instant::now() + timeout;
         let mut hint: Option<(NodeId, Option<BasicNode>)> = None;
@@ -544,10 +507,9 @@ impl<C: GroupConfig> RaftGroup<C> {
                     reason: status.message().to_owned(),
                 }))
             }
-            Err(error) => Attempt::Done(Err(WriteError::LeaderLost {
-                leader,
-                reason: error.to_string(),
-            })),
+            Err(error) => {
+                Attempt::Done(Err(WriteError::LeaderLost { leader, reason: error.to_string() }))
+            }
         }
     }
 
@@ -563,19 +525,15 @@ impl<C: GroupConfig> RaftGroup<C> {
                 }
             }
             RaftError::APIError(ClientWriteError::ChangeMembershipError(refused)) => {
-                Attempt::Done(Err(WriteError::Refused {
-                    leader,
-                    reason: refused.to_string(),
-                }))
+                Attempt::Done(Err(WriteError::Refused { leader, reason: refused.to_string() }))
             }
             RaftError::Fatal(fatal) if leader == self.node_id => {
                 Attempt::Done(Err(WriteError::Stopped(fatal.to_string())))
             }
             // The remote Raft stopped while holding the command: outcome unknown.
-            RaftError::Fatal(fatal) => Attempt::Done(Err(WriteError::LeaderLost {
-                leader,
-                reason: fatal.to_string(),
-            })),
+            RaftError::Fatal(fatal) => {
+                Attempt::Done(Err(WriteError::LeaderLost { leader, reason: fatal.to_string() }))
+            }
         }
     }
 
@@ -583,22 +541,12 @@ impl<C: GroupConfig> RaftGroup<C> {
         let metrics = self.raft.metrics();
         let metrics = metrics.borrow();
         let leader = metrics.current_leader?;
-        let node = metrics
-            .membership_config
-            .membership()
-            .get_node(&leader)
-            .cloned();
+        let node = metrics.membership_config.membership().get_node(&leader).cloned();
         Some((leader, node))
     }
 
     fn member_node(&self, node_id: NodeId) -> Option<BasicNode> {
-        self.raft
-            .metrics()
-            .borrow()
-            .membership_config
-            .membership()
-            .get_node(&node_id)
-            .cloned()
+        self.raft.metrics().borrow().membership_config.membership().get_node(&node_id).cloned()
     }
 
     async fn wait_for_metrics(&self, at_most: Duration) {
@@ -614,10 +562,7 @@ impl<C: GroupConfig> RaftGroup<C> {
     /// # Errors
     /// [`ShutdownError`] when openraft failed while stopping or kept the storage open.
     pub async fn shutdown(&self) -> Result<(), ShutdownError> {
-        self.raft
-            .shutdown()
-            .await
-            .map_err(|e| ShutdownError::Raft(e.to_string()))?;
+        self.raft.shutdown().await.map_err(|e| ShutdownError::Raft(e.to_string()))?;
         // openraft's worker tasks drop the stores shortly after the core stops.
         let deadline = Instant::now() + STORAGE_RELEASE_TIMEOUT;
         while !self.storage.released() {
@@ -633,9 +578,7 @@ impl<C: GroupConfig> RaftGroup<C> {
 /// One attempt of a write: finished, or certainly not applied (try again, maybe elsewhere).
 enum Attempt<R> {
     Done(Result<R, WriteError>),
-    NotApplied {
-        leader: Option<(NodeId, Option<BasicNode>)>,
-    },
+    NotApplied { leader: Option<(NodeId, Option<BasicNode>)> },
 }
 
 async fn open_stores<C: GroupConfig>(

@@ -59,10 +59,7 @@ pub struct LogStore<C> {
 
 impl<C> Clone for LogStore<C> {
     fn clone(&self) -> Self {
-        Self {
-            db: Arc::clone(&self.db),
-            _config: PhantomData,
-        }
+        Self { db: Arc::clone(&self.db), _config: PhantomData }
     }
 }
 
@@ -81,10 +78,7 @@ impl<C: GroupConfig> LogStore<C> {
         txn.open_table(ENTRIES).map_err(redb::Error::from)?;
         txn.open_table(META).map_err(redb::Error::from)?;
         txn.commit().map_err(redb::Error::from)?;
-        Ok(Self {
-            db: Arc::new(db),
-            _config: PhantomData,
-        })
+        Ok(Self { db: Arc::new(db), _config: PhantomData })
     }
 
     /// Dies when the last handle on the log file is dropped, so the file can be reopened.
@@ -131,9 +125,7 @@ impl<C: GroupConfig> LogStore<C> {
         let Some(bytes) = table.get(key).map_err(|e| fail(&e))? else {
             return Ok(None);
         };
-        postcard::from_bytes(bytes.value())
-            .map(Some)
-            .map_err(|e| fail(&e))
+        postcard::from_bytes(bytes.value()).map(Some).map_err(|e| fail(&e))
     }
 
     async fn write_meta<T: serde::Serialize>(
@@ -193,10 +185,7 @@ impl<C: GroupConfig> RaftLogStorage<C> for LogStore<C> {
             }
             None => last_purged_log_id,
         };
-        Ok(LogState {
-            last_purged_log_id,
-            last_log_id,
-        })
+        Ok(LogState { last_purged_log_id, last_log_id })
     }
 
     async fn get_log_reader(&mut self) -> Self::LogReader {
@@ -215,14 +204,11 @@ impl<C: GroupConfig> RaftLogStorage<C> for LogStore<C> {
         &mut self,
         committed: Option<LogId<NodeId>>,
     ) -> Result<(), StorageError<NodeId>> {
-        self.write_meta(META_COMMITTED, &committed, ErrorSubject::Store)
-            .await
+        self.write_meta(META_COMMITTED, &committed, ErrorSubject::Store).await
     }
 
     async fn read_committed(&mut self) -> Result<Option<LogId<NodeId>>, StorageError<NodeId>> {
-        Ok(self
-            .read_meta::<Option<LogId<NodeId>>>(META_COMMITTED, ErrorSubject::Store)?
-            .flatten())
+        Ok(self.read_meta::<Option<LogId<NodeId>>>(META_COMMITTED, ErrorSubject::Store)?.flatten())
     }
 
     async fn append<I>(
@@ -261,8 +247,7 @@ impl<C: GroupConfig> RaftLogStorage<C> for LogStore<C> {
 
     async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
         self.write((ErrorSubject::Logs, ErrorVerb::Delete), move |txn| {
-            txn.open_table(ENTRIES)?
-                .retain_in(log_id.index.., |_, _| false)?;
+            txn.open_table(ENTRIES)?.retain_in(log_id.index.., |_, _| false)?;
             Ok(())
         })
         .await
@@ -273,10 +258,8 @@ impl<C: GroupConfig> RaftLogStorage<C> for LogStore<C> {
             .map_err(|e| storage_io(ErrorSubject::Logs, ErrorVerb::Delete, &e))?;
         // Marker and deletion in one transaction: a crash never leaves a hole before the marker.
         self.write((ErrorSubject::Logs, ErrorVerb::Delete), move |txn| {
-            txn.open_table(META)?
-                .insert(META_LAST_PURGED, marker.as_slice())?;
-            txn.open_table(ENTRIES)?
-                .retain_in(..=log_id.index, |_, _| false)?;
+            txn.open_table(META)?.insert(META_LAST_PURGED, marker.as_slice())?;
+            txn.open_table(ENTRIES)?.retain_in(..=log_id.index, |_, _| false)?;
             Ok(())
         })
         .await

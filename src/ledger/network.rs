@@ -86,10 +86,9 @@ impl PeerCallError {
     fn unreachable(&self) -> bool {
         match self {
             Self::Address { .. } => true,
-            Self::Status(status) => matches!(
-                status.code(),
-                tonic::Code::Unavailable | tonic::Code::NotFound
-            ),
+            Self::Status(status) => {
+                matches!(status.code(), tonic::Code::Unavailable | tonic::Code::NotFound)
+            }
             Self::Encode(_) | Self::Timeout(_) | Self::Decode(_) => false,
         }
     }
@@ -159,10 +158,7 @@ impl PeerChannels {
         timeout: Duration,
     ) -> Result<Vec<u8>, PeerCallError> {
         let mut client = self.client(address)?;
-        let mut request = tonic::Request::new(GroupRequest {
-            group: group.to_owned(),
-            payload,
-        });
+        let mut request = tonic::Request::new(GroupRequest { group: group.to_owned(), payload });
         // The header tells the server when to give up; the local timeout covers the connect.
         request.set_timeout(timeout);
         let call = async {
@@ -223,12 +219,7 @@ pub struct PeerNetwork<C> {
 impl<C> PeerNetwork<C> {
     /// The network of group `group` on node `node_id`, over `channels`.
     pub fn new(group: Arc<str>, node_id: NodeId, channels: PeerChannels) -> Self {
-        Self {
-            group,
-            node_id,
-            channels,
-            _config: PhantomData,
-        }
+        Self { group, node_id, channels, _config: PhantomData }
     }
 }
 
@@ -316,17 +307,9 @@ impl<C: GroupConfig> RaftNetwork<C> for PeerClient<C> {
         // Ask openraft to split a batch that would not fit in one message.
         if payload.len() > PEER_MESSAGE_BYTES_MAX - MESSAGE_FRAMING_BYTES && rpc.entries.len() > 1 {
             let hint = u64::try_from(rpc.entries.len() / 2).unwrap_or(1).max(1);
-            return Err(RPCError::PayloadTooLarge(
-                PayloadTooLarge::new_entries_hint(hint),
-            ));
+            return Err(RPCError::PayloadTooLarge(PayloadTooLarge::new_entries_hint(hint)));
         }
-        self.send(
-            Rpc::AppendEntries,
-            RPCTypes::AppendEntries,
-            payload,
-            &option,
-        )
-        .await
+        self.send(Rpc::AppendEntries, RPCTypes::AppendEntries, payload, &option).await
     }
 
     async fn install_snapshot(
@@ -338,13 +321,7 @@ impl<C: GroupConfig> RaftNetwork<C> for PeerClient<C> {
         RPCError<NodeId, BasicNode, RaftError<NodeId, InstallSnapshotError>>,
     > {
         let payload = encode(&rpc)?;
-        self.send(
-            Rpc::InstallSnapshot,
-            RPCTypes::InstallSnapshot,
-            payload,
-            &option,
-        )
-        .await
+        self.send(Rpc::InstallSnapshot, RPCTypes::InstallSnapshot, payload, &option).await
     }
 
     async fn vote(

@@ -65,10 +65,7 @@ fn key_record(key: &str) -> Vec<u8> {
 }
 
 fn undecodable(key: &[u8], reason: impl std::fmt::Display) -> RecordError {
-    RecordError {
-        key: String::from_utf8_lossy(key).into_owned(),
-        reason: reason.to_string(),
-    }
+    RecordError { key: String::from_utf8_lossy(key).into_owned(), reason: reason.to_string() }
 }
 
 impl GroupMachine for QuotaLedger {
@@ -93,10 +90,8 @@ impl GroupMachine for QuotaLedger {
             });
         }
         if let Some(policy) = changes.policy {
-            records.push(RecordChange {
-                key: RECORD_POLICY.to_vec(),
-                value: Some(encode(&policy)),
-            });
+            records
+                .push(RecordChange { key: RECORD_POLICY.to_vec(), value: Some(encode(&policy)) });
         }
         for (key, entry) in changes.keys {
             records.push(RecordChange {
@@ -128,10 +123,8 @@ impl GroupMachine for QuotaLedger {
                 return Err(undecodable(&key, "unknown record"));
             }
         }
-        QuotaLedger::from_parts(last_seen_ms, policy, keys).map_err(|e| RecordError {
-            key: "ledger".to_owned(),
-            reason: e.to_string(),
-        })
+        QuotaLedger::from_parts(last_seen_ms, policy, keys)
+            .map_err(|e| RecordError { key: "ledger".to_owned(), reason: e.to_string() })
     }
 
     fn digest(&self) -> u64 {

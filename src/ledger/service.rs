@@ -98,11 +98,8 @@ impl<C: GroupConfig> GroupEndpoint for Endpoint<C> {
             )));
         }
         let command: C::D = decode(payload)?;
-        let reply: Result<C::R, RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>> = self
-            .raft
-            .client_write(command)
-            .await
-            .map(|written| written.data);
+        let reply: Result<C::R, RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>> =
+            self.raft.client_write(command).await.map(|written| written.data);
         encode(&reply)
     }
 }
@@ -197,19 +194,13 @@ impl RaftPeer for RaftPeerService {
         request: Request<GroupRequest>,
     ) -> Result<Response<GroupReply>, Status> {
         let request = request.into_inner();
-        let payload = self
-            .endpoint(&request.group)?
-            .append_entries(&request.payload)
-            .await?;
+        let payload = self.endpoint(&request.group)?.append_entries(&request.payload).await?;
         Ok(Response::new(GroupReply { payload }))
     }
 
     async fn vote(&self, request: Request<GroupRequest>) -> Result<Response<GroupReply>, Status> {
         let request = request.into_inner();
-        let payload = self
-            .endpoint(&request.group)?
-            .vote(&request.payload)
-            .await?;
+        let payload = self.endpoint(&request.group)?.vote(&request.payload).await?;
         Ok(Response::new(GroupReply { payload }))
     }
 
@@ -218,10 +209,7 @@ impl RaftPeer for RaftPeerService {
         request: Request<GroupRequest>,
     ) -> Result<Response<GroupReply>, Status> {
         let request = request.into_inner();
-        let payload = self
-            .endpoint(&request.group)?
-            .install_snapshot(&request.payload)
-            .await?;
+        let payload = self.endpoint(&request.group)?.install_snapshot(&request.payload).await?;
         Ok(Response::new(GroupReply { payload }))
     }
 
@@ -230,10 +218,7 @@ impl RaftPeer for RaftPeerService {
         request: Request<GroupRequest>,
     ) -> Result<Response<GroupReply>, Status> {
         let request = request.into_inner();
-        let payload = self
-            .endpoint(&request.group)?
-            .forward(&request.payload)
-            .await?;
+        let payload = self.endpoint(&request.group)?.forward(&request.payload).await?;
         Ok(Response::new(GroupReply { payload }))
     }
 }

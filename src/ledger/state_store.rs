@@ -112,9 +112,7 @@ pub struct MachineView<M> {
 
 impl<M> Clone for MachineView<M> {
     fn clone(&self) -> Self {
-        Self {
-            applied: Arc::clone(&self.applied),
-        }
+        Self { applied: Arc::clone(&self.applied) }
     }
 }
 
@@ -141,9 +139,7 @@ struct SnapshotFiles {
 impl SnapshotFiles {
     fn path_for(&self, meta: &Meta) -> PathBuf {
         let index = meta.last_log_id.map_or(0, |id| id.index);
-        self.directory.join(format!(
-            "{SNAPSHOT_FILE_PREFIX}{index:020}{SNAPSHOT_FILE_SUFFIX}"
-        ))
+        self.directory.join(format!("{SNAPSHOT_FILE_PREFIX}{index:020}{SNAPSHOT_FILE_SUFFIX}"))
     }
 
     /// Writes the snapshot durably, makes it the latest unless a newer one exists, and
@@ -163,9 +159,8 @@ impl SnapshotFiles {
             file.sync_all()?;
         }
         let mut latest = self.latest.lock();
-        let newer_exists = latest
-            .as_ref()
-            .is_some_and(|current| current.last_log_id > meta.last_log_id);
+        let newer_exists =
+            latest.as_ref().is_some_and(|current| current.last_log_id > meta.last_log_id);
         if newer_exists {
             // A newer snapshot was installed while this one was built: this one is useless.
             std::fs::remove_file(&temporary_path)?;
@@ -176,10 +171,7 @@ impl SnapshotFiles {
         *latest = Some(meta.clone());
         for entry in std::fs::read_dir(&self.directory)? {
             let path = entry?.path();
-            let name = path
-                .file_name()
-                .and_then(|n| n.to_str())
-                .unwrap_or_default();
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
             if path != final_path
                 && name.starts_with(SNAPSHOT_FILE_PREFIX)
                 && name.ends_with(SNAPSHOT_FILE_SUFFIX)
@@ -193,9 +185,8 @@ impl SnapshotFiles {
     /// Reads a snapshot file: its meta and its body.
     fn load(path: &Path) -> Result<(Meta, Vec<u8>), String> {
         let mut bytes = std::fs::read(path).map_err(|e| e.to_string())?;
-        let rest = bytes
-            .strip_prefix(SNAPSHOT_MAGIC.as_slice())
-            .ok_or("bad magic or format version")?;
+        let rest =
+            bytes.strip_prefix(SNAPSHOT_MAGIC.as_slice()).ok_or("bad magic or format version")?;
         let (length_bytes, rest) = rest.split_at_checked(4).ok_or("truncated header")?;
         let meta_len = u32::from_le_bytes(length_bytes.try_into().map_err(|_| "truncated header")?);
         let meta_bytes = rest.get(..meta_len as usize).ok_or("truncated meta")?;
@@ -237,11 +228,7 @@ impl<C: GroupConfig> StateStore<C> {
         let mut latest: Option<(Meta, PathBuf)> = None;
         for entry in std::fs::read_dir(&snapshot_directory).map_err(io(&snapshot_directory))? {
             let path = entry.map_err(io(&snapshot_directory))?.path();
-            let name = path
-                .file_name()
-                .and_then(|n| n.to_str())
-                .unwrap_or_default()
-                .to_owned();
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_owned();
             if name.ends_with(TEMPORARY_SUFFIX) {
                 // A snapshot write cut short by a crash: never renamed, so never used.
                 std::fs::remove_file(&path).map_err(io(&path))?;
@@ -250,15 +237,10 @@ impl<C: GroupConfig> StateStore<C> {
             if !(name.starts_with(SNAPSHOT_FILE_PREFIX) && name.ends_with(SNAPSHOT_FILE_SUFFIX)) {
                 continue;
             }
-            let (meta, _) =
-                SnapshotFiles::load(&path).map_err(|reason| StateOpenError::CorruptSnapshot {
-                    path: path.display().to_string(),
-                    reason,
-                })?;
-            if latest
-                .as_ref()
-                .is_none_or(|(current, _)| meta.last_log_id > current.last_log_id)
-            {
+            let (meta, _) = SnapshotFiles::load(&path).map_err(|reason| {
+                StateOpenError::CorruptSnapshot { path: path.display().to_string(), reason }
+            })?;
+            if latest.as_ref().is_none_or(|(current, _)| meta.last_log_id > current.last_log_id) {
                 latest = Some((meta, path));
             }
         }
@@ -293,11 +275,7 @@ impl<C: GroupConfig> StateStore<C> {
             replace_contents(&db, &body)?;
         }
         let applied = load_applied::<C::Machine>(&db)?;
-        Ok(Self {
-            db: Arc::new(db),
-            applied: Arc::new(RwLock::new(applied)),
-            snapshots,
-        })
+        Ok(Self { db: Arc::new(db), applied: Arc::new(RwLock::new(applied)), snapshots })
     }
 
     /// Dies when the store is dropped: sled holds a lock on its directory until then.
@@ -307,9 +285,7 @@ impl<C: GroupConfig> StateStore<C> {
 
     /// A read handle on the machine, for the group's handle.
     pub fn view(&self) -> MachineView<C::Machine> {
-        MachineView {
-            applied: Arc::clone(&self.applied),
-        }
+        MachineView { applied: Arc::clone(&self.applied) }
     }
 }
 
@@ -321,11 +297,7 @@ impl<C: GroupConfig> StateStore<C> {
 fn open_sled(path: &Path) -> Result<sled::Db, sled::Error> {
     let deadline = std::time::Instant::now() + SLED_LOCK_WAIT;
     loop {
-        match sled::Config::new()
-            .path(path)
-            .cache_capacity(SLED_CACHE_BYTES)
-            .open()
-        {
+        match sled::Config::new().path(path).cache_capacity(SLED_CACHE_BYTES).open() {
             // sled 0.34 reports a held lock as `ErrorKind::Other` with this message.
             Err(sled::Error::Io(error))
                 if error.to_string().starts_with("could not acquire lock")
@@ -370,11 +342,7 @@ fn load_applied<M: GroupMachine>(db: &sled::Db) -> Result<Applied<M>, StateOpenE
     };
     let records = scan_records(db)?;
     let machine = M::from_records(records).map_err(|e| corrupt("record", &e))?;
-    Ok(Applied {
-        machine,
-        last_applied,
-        membership,
-    })
+    Ok(Applied { machine, last_applied, membership })
 }
 
 fn scan_records(db: &sled::Db) -> Result<Vec<Record>, sled::Error> {
@@ -416,29 +384,17 @@ pub struct SnapshotBuilder<C> {
 impl<C: GroupConfig> RaftSnapshotBuilder<C> for SnapshotBuilder<C> {
     async fn build_snapshot(&mut self) -> Result<Snapshot<C>, StorageError<NodeId>> {
         let body = self.body.take().ok_or_else(|| {
-            snapshot_error(
-                ErrorVerb::Write,
-                &std::io::Error::other("snapshot builder used twice"),
-            )
+            snapshot_error(ErrorVerb::Write, &std::io::Error::other("snapshot builder used twice"))
         })?;
         let bytes =
             postcard::to_allocvec(&body).map_err(|e| snapshot_error(ErrorVerb::Write, &e))?;
         if bytes.len() > SNAPSHOT_BYTES_MAX {
-            let reason = format!(
-                "snapshot of {} bytes exceeds {SNAPSHOT_BYTES_MAX}",
-                bytes.len()
-            );
-            return Err(snapshot_error(
-                ErrorVerb::Write,
-                &std::io::Error::other(reason),
-            ));
+            let reason = format!("snapshot of {} bytes exceeds {SNAPSHOT_BYTES_MAX}", bytes.len());
+            return Err(snapshot_error(ErrorVerb::Write, &std::io::Error::other(reason)));
         }
         // The id names the last entry it covers: equal ids mean equal content.
         let snapshot_id = match body.last_applied {
-            Some(id) => format!(
-                "{}-{}-{}",
-                id.leader_id.term, id.leader_id.node_id, id.index
-            ),
+            Some(id) => format!("{}-{}-{}", id.leader_id.term, id.leader_id.node_id, id.index),
             None => "empty".to_owned(),
         };
         let meta = SnapshotMeta {
@@ -453,10 +409,7 @@ impl<C: GroupConfig> RaftSnapshotBuilder<C> for SnapshotBuilder<C> {
         .await
         .map_err(|e| snapshot_error(ErrorVerb::Write, &e))?
         .map_err(|e| snapshot_error(ErrorVerb::Write, &e))?;
-        Ok(Snapshot {
-            meta,
-            snapshot: Box::new(Cursor::new(bytes)),
-        })
+        Ok(Snapshot { meta, snapshot: Box::new(Cursor::new(bytes)) })
     }
 }
 
@@ -494,11 +447,7 @@ impl<C: GroupConfig> RaftStateMachine<C> for StateStore<C> {
                 };
                 responses.push(response);
             }
-            (
-                applied.machine.take_changes(),
-                applied.last_applied,
-                applied.membership.clone(),
-            )
+            (applied.machine.take_changes(), applied.last_applied, applied.membership.clone())
         };
         // One atomic batch: records and the applied id never disagree in sled.
         let mut batch = sled::Batch::default();
@@ -510,9 +459,7 @@ impl<C: GroupConfig> RaftStateMachine<C> for StateStore<C> {
         }
         batch.insert(KEY_MEMBERSHIP, encode(&membership));
         batch.insert(KEY_APPLIED, encode(&last_applied));
-        self.db
-            .apply_batch(batch)
-            .map_err(|e| sm_error(ErrorVerb::Write, &e))?;
+        self.db.apply_batch(batch).map_err(|e| sm_error(ErrorVerb::Write, &e))?;
         Ok(responses)
     }
 
@@ -533,11 +480,7 @@ impl<C: GroupConfig> RaftStateMachine<C> for StateStore<C> {
                 }
             }
         };
-        SnapshotBuilder {
-            body,
-            snapshots: Arc::clone(&self.snapshots),
-            _config: PhantomData,
-        }
+        SnapshotBuilder { body, snapshots: Arc::clone(&self.snapshots), _config: PhantomData }
     }
 
     async fn begin_receiving_snapshot(
@@ -578,11 +521,8 @@ impl<C: GroupConfig> RaftStateMachine<C> for StateStore<C> {
             .map_err(|e| snapshot_error(ErrorVerb::Write, &e))?
             .map_err(|e| snapshot_error(ErrorVerb::Write, &e))?;
         replace_contents(&self.db, &body).map_err(|e| sm_error(ErrorVerb::Write, &e))?;
-        *self.applied.write() = Applied {
-            machine,
-            last_applied: body.last_applied,
-            membership: body.membership,
-        };
+        *self.applied.write() =
+            Applied { machine, last_applied: body.last_applied, membership: body.membership };
         Ok(())
     }
 
@@ -592,9 +532,6 @@ impl<C: GroupConfig> RaftStateMachine<C> for StateStore<C> {
             .await
             .map_err(|e| snapshot_error(ErrorVerb::Read, &e))?
             .map_err(|reason| snapshot_error(ErrorVerb::Read, &std::io::Error::other(reason)))?;
-        Ok(loaded.map(|(meta, body)| Snapshot {
-            meta,
-            snapshot: Box::new(Cursor::new(body)),
-        }))
+        Ok(loaded.map(|(meta, body)| Snapshot { meta, snapshot: Box::new(Cursor::new(body)) }))
     }
 }
