@@ -41,7 +41,7 @@ fn main() -> anyhow::Result<()> {
             let hash = shards.hash_descriptor("bench", [("api_key", value.as_str())].into_iter());
             let probe = [Probe {
                 stripe: shards.stripe_of(&hash),
-                counters: vec![(shards.counter_of(&hash, 0, &spec), &spec)],
+                counters: smallvec::smallvec![(shards.counter_of(&hash, 0, &spec), &spec)],
                 hits: 1,
                 enforced: true,
             }];

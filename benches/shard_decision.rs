@@ -64,7 +64,7 @@ fn main() -> anyhow::Result<()> {
         let hash = shards.hash_descriptor("bench", [("api_key", "hot")].into_iter());
         let probe = [Probe {
             stripe: shards.stripe_of(&hash),
-            counters: vec![(shards.counter_of(&hash, 0, &roomy), &roomy)],
+            counters: smallvec::smallvec![(shards.counter_of(&hash, 0, &roomy), &roomy)],
             hits: 1,
             enforced: true,
         }];
@@ -78,7 +78,7 @@ fn main() -> anyhow::Result<()> {
         let hash = shards.hash_descriptor("bench", [("api_key", "blocked")].into_iter());
         let probe = [Probe {
             stripe: shards.stripe_of(&hash),
-            counters: vec![(shards.counter_of(&hash, 0, &tight), &tight)],
+            counters: smallvec::smallvec![(shards.counter_of(&hash, 0, &tight), &tight)],
             hits: 1,
             enforced: true,
         }];

@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-cargo build --release --bin quotamesh
+# With --all-targets the features match `cargo test`, so CI reuses the test build.
+cargo build --release --workspace --all-targets
 binary=target/release/quotamesh
 root=target/docker/rootfs
 # The data directory is staged apart, so the image can hand it to the unprivileged user.

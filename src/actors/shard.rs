@@ -24,6 +24,7 @@ use std::time::Duration;
 
 use parking_lot::{Mutex, MutexGuard};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
+use smallvec::SmallVec;
 use tokio::sync::{Semaphore, oneshot};
 
 use crate::core::rate::{Evaluation, LimitSpec, LimitState};
@@ -91,7 +92,7 @@ pub struct Probe<'p> {
     /// Where the counters live.
     pub stripe: StripeId,
     /// Each limit of the matched rule with its counter.
-    pub counters: Vec<(CounterKey, &'p LimitSpec)>,
+    pub counters: SmallVec<[(CounterKey, &'p LimitSpec); 2]>,
     /// Hits this descriptor adds.
     pub hits: u64,
     /// False for shadow-mode rules: evaluated and reported, never a reason to reject.
@@ -452,10 +453,11 @@ impl ShardSet {
 
     /// One locked pass; returns the missing keys per shard when some do not exist yet.
     fn try_decide(&self, probes: &[Probe<'_>], now_ms: u64) -> Result<Decision, Vec<Vec<ColdKey>>> {
-        let mut order: Vec<StripeId> = probes.iter().map(|probe| probe.stripe).collect();
+        // Requests carry a few descriptors: keep the bookkeeping on the stack.
+        let mut order: SmallVec<[StripeId; 4]> = probes.iter().map(|probe| probe.stripe).collect();
         order.sort_unstable();
         order.dedup();
-        let mut guards: Vec<MutexGuard<'_, Stripe>> = order
+        let mut guards: SmallVec<[MutexGuard<'_, Stripe>; 4]> = order
             .iter()
             .map(|id| self.shards[id.shard as usize].table.stripes[id.stripe as usize].lock())
             .collect();
@@ -466,7 +468,7 @@ impl ShardSet {
         let mut outcomes = Vec::with_capacity(probes.len());
         // States this request would write, in order: a counter met twice in one request
         // (two identical descriptors) is evaluated against its already-consumed state.
-        let mut pending: Vec<(StripeId, CounterKey, Slot)> = Vec::new();
+        let mut pending: SmallVec<[(StripeId, CounterKey, Slot); 4]> = SmallVec::new();
         let mut admitted = true;
         for probe in probes {
             let stripe = &guards[guard_of(probe.stripe)];

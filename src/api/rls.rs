@@ -13,9 +13,11 @@
 //! limit named in another matched limit's `replaces` is skipped. Unlike a Redis counter,
 //! a rejected request consumes nothing on any descriptor.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
+use smallvec::{SmallVec, smallvec};
 use tonic::{Request, Response, Status};
 
 use crate::actors::shard::{Decision, Probe, ShardSet};
@@ -63,7 +65,7 @@ enum Plan<'p> {
     /// The matched rule is `unlimited`: OK with the maximum remaining.
     Unlimited,
     /// Limits to check; `probe` indexes the probes handed to the shards.
-    Limited { rule: RuleView<'p>, limits: Vec<&'p RuleLimit>, probe: usize },
+    Limited { rule: RuleView<'p>, limits: SmallVec<[&'p RuleLimit; 2]>, probe: usize },
 }
 
 /// The parts of a rule the response needs; an override has no configured rule.
@@ -105,7 +107,7 @@ impl RlsService {
             .iter()
             .enumerate()
             .map(|(index, descriptor)| override_limit(&policy, domain, index, descriptor))
-            .collect::<Result<Vec<_>, _>>()
+            .collect::<Result<SmallVec<[_; 4]>, _>>()
             .inspect_err(|invalid| {
                 self.metrics
                     .rls_rejected_requests
@@ -113,10 +115,10 @@ impl RlsService {
                     .inc();
             })?;
 
-        let mut plans = Vec::with_capacity(request.descriptors.len());
-        let mut probes: Vec<Probe<'_>> = Vec::new();
-        let mut hits_per_probe = Vec::new();
-        let matched: Vec<Option<&Rule>> = request
+        // Requests carry a few descriptors: keep the per-request bookkeeping on the stack.
+        let mut plans: SmallVec<[Plan<'_>; 4]> = SmallVec::with_capacity(request.descriptors.len());
+        let mut probes: SmallVec<[Probe<'_>; 4]> = SmallVec::new();
+        let matched: SmallVec<[Option<&Rule>; 4]> = request
             .descriptors
             .iter()
             .zip(&overrides)
@@ -125,7 +127,7 @@ impl RlsService {
                 None => self.matched_rule(&policy, domain, descriptor),
             })
             .collect();
-        let replaced: Vec<&str> = matched
+        let replaced: SmallVec<[&str; 4]> = matched
             .iter()
             .flatten()
             .flat_map(|rule| rule.replaces.iter().map(String::as_str))
@@ -134,9 +136,10 @@ impl RlsService {
         for ((descriptor, overridden), rule) in
             request.descriptors.iter().zip(&overrides).zip(&matched)
         {
-            let (view, limits): (RuleView<'_>, Vec<&RuleLimit>) = match (overridden, rule) {
+            let (view, limits): (RuleView<'_>, SmallVec<[&RuleLimit; 2]>) = match (overridden, rule)
+            {
                 (Some(limit), _) => {
-                    (RuleView { path: "override", shadow_mode: false }, vec![limit])
+                    (RuleView { path: "override", shadow_mode: false }, smallvec![limit])
                 }
                 (None, Some(rule)) if rule.unlimited => {
                     plans.push(Plan::Unlimited);
@@ -180,7 +183,6 @@ impl RlsService {
                 hits,
                 enforced: !view.shadow_mode,
             });
-            hits_per_probe.push(hits);
             plans.push(Plan::Limited { rule: view, limits, probe: probes.len() - 1 });
         }
 
@@ -189,7 +191,7 @@ impl RlsService {
         } else {
             self.shards.decide(&probes, now_ms).await?
         };
-        let response = self.respond(domain, &policy, &plans, &decision, &hits_per_probe);
+        let response = self.respond(domain, &policy, &plans, &decision, &probes);
         Ok(response)
     }
 
@@ -200,7 +202,7 @@ impl RlsService {
         domain: &str,
         descriptor: &RateLimitDescriptor,
     ) -> Option<&'p Rule> {
-        let entries: Vec<Entry<'_>> = descriptor
+        let entries: SmallVec<[Entry<'_>; 4]> = descriptor
             .entries
             .iter()
             .map(|entry| Entry { key: &entry.key, value: &entry.value })
@@ -224,11 +226,11 @@ impl RlsService {
         policy: &PolicySet,
         plans: &[Plan<'_>],
         decision: &Decision,
-        hits_per_probe: &[u64],
+        probes: &[Probe<'_>],
     ) -> RateLimitResponse {
         let domain_label = if policy.has_domain(domain) { domain } else { DOMAIN_UNKNOWN };
         let mut statuses = Vec::with_capacity(plans.len());
-        let mut reports = Vec::new();
+        let mut reports: SmallVec<[LimitReport<'_>; 4]> = SmallVec::new();
         let mut retry_after_ms: Option<u64> = None;
         for plan in plans {
             let (rule, limits, probe) = match plan {
@@ -251,7 +253,7 @@ impl RlsService {
                 &outcome.evaluations,
                 limits,
                 decision.admitted && outcome.admitted,
-                hits_per_probe[probe],
+                probes[probe].hits,
             );
             let shown = shown_limit(&evaluations, outcome.admitted);
             let code =
@@ -432,7 +434,7 @@ fn remaining_as_answered(
     limits: &[&RuleLimit],
     consumed: bool,
     hits: u64,
-) -> Vec<Evaluation> {
+) -> SmallVec<[Evaluation; 2]> {
     evaluations
         .iter()
         .zip(limits)
@@ -461,21 +463,28 @@ fn shown_limit(evaluations: &[Evaluation], admitted: bool) -> usize {
     chosen.map_or(0, |(index, _)| index)
 }
 
-fn policy_name(path: &str, index: usize, count: usize, limit: &RuleLimit) -> String {
+/// The name a limit goes by in the headers: its own name, else the rule's path (numbered
+/// when the rule has several unnamed limits).
+fn policy_name<'p>(
+    path: &'p str,
+    index: usize,
+    count: usize,
+    limit: &'p RuleLimit,
+) -> Cow<'p, str> {
     match (&limit.name, count) {
-        (Some(name), _) => name.clone(),
-        (None, 1) => path.to_owned(),
-        (None, _) => format!("{path}#{index}"),
+        (Some(name), _) => Cow::Borrowed(name),
+        (None, 1) => Cow::Borrowed(path),
+        (None, _) => Cow::Owned(format!("{path}#{index}")),
     }
 }
 
-fn report(
-    path: &str,
+fn report<'p>(
+    path: &'p str,
     index: usize,
     count: usize,
-    limit: &RuleLimit,
+    limit: &'p RuleLimit,
     evaluation: &Evaluation,
-) -> LimitReport {
+) -> LimitReport<'p> {
     LimitReport {
         policy_name: policy_name(path, index, count, limit),
         quota: limit.spec.requests_per_window,

@@ -9,11 +9,14 @@
 //!
 //! Pure formatting: the RLS service (`crate::api::rls`) gathers the numbers.
 
+use std::borrow::Cow;
+use std::fmt::Write;
+
 /// One limit as the client should see it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LimitReport {
+pub struct LimitReport<'n> {
     /// Stable policy name (the rule's `name`, or its path).
-    pub policy_name: String,
+    pub policy_name: Cow<'n, str>,
     /// Quota per window (`q`).
     pub quota: u64,
     /// Window length in ms (`w`, sent as whole seconds, at least 1).
@@ -38,7 +41,7 @@ pub struct HeaderOptions {
 /// Formats the header fields for the given limits; `retry_after_ms` is set when the
 /// request is over the limit. Returns `(name, value)` pairs; empty when `reports` is.
 pub fn format_headers(
-    reports: &[LimitReport],
+    reports: &[LimitReport<'_>],
     retry_after_ms: Option<u64>,
     options: HeaderOptions,
 ) -> Vec<(&'static str, String)> {
@@ -47,29 +50,25 @@ pub fn format_headers(
         return headers;
     }
     if options.ietf_draft10 {
-        let mut policies = Vec::with_capacity(reports.len());
-        let mut states = Vec::with_capacity(reports.len());
-        let mut seen: Vec<&str> = Vec::with_capacity(reports.len());
-        for report in reports {
+        // Written in place: this runs on every answer, so no intermediate strings.
+        let mut policies = String::with_capacity(32 * reports.len());
+        let mut states = String::with_capacity(32 * reports.len());
+        for (index, report) in reports.iter().enumerate() {
             // One item per policy name: a rule met by two descriptors is one policy.
-            if seen.contains(&report.policy_name.as_str()) {
+            if reports[..index].iter().any(|earlier| earlier.policy_name == report.policy_name) {
                 continue;
             }
-            seen.push(&report.policy_name);
-            let name = structured_string(&report.policy_name);
-            policies.push(format!(
-                "{name};q={};w={}",
-                report.quota,
-                window_seconds(report.window_ms)
-            ));
-            states.push(format!(
-                "{name};r={};t={}",
-                report.remaining,
-                ceil_seconds(report.reset_ms)
-            ));
+            if !policies.is_empty() {
+                policies.push_str(", ");
+                states.push_str(", ");
+            }
+            push_structured_string(&mut policies, &report.policy_name);
+            let _ = write!(policies, ";q={};w={}", report.quota, window_seconds(report.window_ms));
+            push_structured_string(&mut states, &report.policy_name);
+            let _ = write!(states, ";r={};t={}", report.remaining, ceil_seconds(report.reset_ms));
         }
-        headers.push(("ratelimit-policy", policies.join(", ")));
-        headers.push(("ratelimit", states.join(", ")));
+        headers.push(("ratelimit-policy", policies));
+        headers.push(("ratelimit", states));
     }
     if options.legacy {
         let tightest = reports
@@ -80,17 +79,15 @@ pub fn format_headers(
         headers.push(("ratelimit-remaining", tightest.remaining.to_string()));
         headers.push(("ratelimit-reset", ceil_seconds(tightest.reset_ms).to_string()));
     }
-    if options.retry_after {
-        if let Some(retry_after_ms) = retry_after_ms {
-            headers.push(("retry-after", ceil_seconds(retry_after_ms).max(1).to_string()));
-        }
+    if let (true, Some(retry_after_ms)) = (options.retry_after, retry_after_ms) {
+        headers.push(("retry-after", ceil_seconds(retry_after_ms).max(1).to_string()));
     }
     headers
 }
 
 /// Whole seconds, rounded up: a client that waits this long is never early.
 pub fn ceil_seconds(ms: u64) -> u64 {
-    ms / 1000 + u64::from(ms % 1000 != 0)
+    ms.div_ceil(1000)
 }
 
 /// The draft forbids sub-second and zero windows: at least one second.
@@ -98,10 +95,9 @@ fn window_seconds(window_ms: u64) -> u64 {
     ceil_seconds(window_ms).max(1)
 }
 
-/// A Structured Field String (RFC 9651 section 3.3.3): printable ASCII, with `"` and `\`
-/// escaped; any other byte becomes `_` so the field always parses.
-fn structured_string(text: &str) -> String {
-    let mut out = String::with_capacity(text.len() + 2);
+/// Appends a Structured Field String (RFC 9651 section 3.3.3): printable ASCII, with `"` and
+/// `\` escaped; any other character becomes `_` so the field always parses.
+fn push_structured_string(out: &mut String, text: &str) {
     out.push('"');
     for character in text.chars() {
         match character {
@@ -114,13 +110,18 @@ fn structured_string(text: &str) -> String {
         }
     }
     out.push('"');
-    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    fn structured_string(text: &str) -> String {
+        let mut out = String::new();
+        push_structured_string(&mut out, text);
+        out
+    }
 
     const ALL: HeaderOptions =
         HeaderOptions { ietf_draft10: true, legacy: true, retry_after: true };
@@ -131,8 +132,8 @@ mod tests {
         window_ms: u64,
         remaining: u64,
         reset_ms: u64,
-    ) -> LimitReport {
-        LimitReport { policy_name: name.to_owned(), quota, window_ms, remaining, reset_ms }
+    ) -> LimitReport<'_> {
+        LimitReport { policy_name: Cow::Borrowed(name), quota, window_ms, remaining, reset_ms }
     }
 
     fn header<'h>(headers: &'h [(&'static str, String)], name: &str) -> Option<&'h str> {

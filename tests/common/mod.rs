@@ -77,10 +77,8 @@ impl NodeProcess {
     fn wait_ready(&mut self) -> anyhow::Result<()> {
         let deadline = Instant::now() + READY_TIMEOUT;
         while Instant::now() < deadline {
-            if let Some(child) = self.child.as_mut() {
-                if let Some(status) = child.try_wait()? {
-                    bail!("quotamesh exited before becoming ready: {status}");
-                }
+            if let Some(status) = self.child.as_mut().map(Child::try_wait).transpose()?.flatten() {
+                bail!("quotamesh exited before becoming ready: {status}");
             }
             if let Ok((200, _)) = http_get(self.metrics_addr, "/readyz") {
                 return Ok(());
