@@ -24,8 +24,6 @@ use crate::core::headers::HeaderOptions;
 use crate::metrics::Metrics;
 use crate::policy_store::{PolicyLoadError, PolicyOrigin, PolicyStore};
 
-/// Deadline for one gRPC call on the server side.
-pub const GRPC_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// Concurrent HTTP/2 streams per client connection (Envoy multiplexes on few connections).
 pub const GRPC_STREAMS_PER_CONNECTION_MAX: u32 = 4096;
 /// How long shutdown waits for in-flight calls before it stops serving anyway.
@@ -245,7 +243,8 @@ async fn grpc_server(
     let rls = RateLimitServiceServer::new(rls).max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX);
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let router = Server::builder()
-        .timeout(GRPC_REQUEST_TIMEOUT)
+        // No per-call server timer: a decision never waits except for a cold key, which is
+        // bounded by the shard's own admission timeout, and Envoy sets its own deadline.
         .max_concurrent_streams(GRPC_STREAMS_PER_CONNECTION_MAX)
         .add_service(health_service)
         .add_service(reflection)
