@@ -1,11 +1,20 @@
-//! The pure core: rate-limit math and policy matching.
+//! The pure core: rate-limit math, policy matching, leasing and the ledger state machine.
 //!
 //! Nothing here does IO, reads a clock, or imports tokio, tonic, sled, ractor or quinn:
 //! every function takes `now_ms` as an argument, so the same code runs in the node, in
-//! property tests and (later) inside the Raft state machine. The actors (`crate::actors`)
-//! and the gRPC services (`crate::api`) wrap it.
+//! property tests and inside the Raft state machine. The actors (`crate::actors`), the
+//! gRPC services (`crate::api`) and the Raft layer (`crate::ledger`) wrap it.
+//!
+//! - [`rate`]: token bucket, sliding and fixed windows on fixed-point tokens.
+//! - [`policy`]: policy YAML with located errors, descriptor matching.
+//! - [`headers`]: RateLimit response header fields.
+//! - [`lease`]: node-side lease sizing, refill, expiry and the drift bound.
+//! - [`circuit`]: the circuit breaker around ledger calls.
+//! - [`ledger`]: the regional quota ledger's deterministic state machine.
 
+pub mod circuit;
 pub mod headers;
+pub mod lease;
 pub mod ledger;
 pub mod policy;
 pub mod rate;
