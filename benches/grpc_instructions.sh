@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Server CPU per ShouldRateLimit request, counted in instructions under valgrind's
+# callgrind: repeatable on a shared, noisy machine where wall-clock figures are not.
+# Compares a real node with the constant-OK ceiling (`quotamesh bench constant-ok`), both
+# driven by the same h2load command: a warm-up, then counters zeroed, then the measured run.
+#
+# Needs valgrind and h2load (Debian packages valgrind, nghttp2-client) and a release build:
+#   cargo build --release && benches/grpc_instructions.sh [requests]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+requests=${1:-10000}
+binary=$PWD/target/release/quotamesh
+for tool in valgrind callgrind_control h2load; do
+  command -v "$tool" >/dev/null || { echo "$tool missing" >&2; exit 1; }
+done
+work=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
+cat > "$work/policy.yaml" <<'YAML'
+domain: bench
+descriptors:
+  - key: api_key
+    rate_limit: {unit: second, requests_per_unit: 1000000000}
+YAML
+"$binary" bench encode-request --domain bench --entry api_key=alice --out "$work/body.bin"
+
+# load PORT N: sends N requests, prints how many succeeded
+load() {
+  h2load -n "$2" -c 1 -m 10 -t 1 -H 'content-type: application/grpc' -H 'te: trailers' \
+    -d "$work/body.bin" "http://127.0.0.1:$1/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit" |
+    grep -oE '[0-9]+ succeeded' | cut -d' ' -f1
+}
+
+# measure NAME PORT COMMAND...: prints instructions per request
+measure() {
+  local name=$1 port=$2
+  shift 2
+  TOKIO_WORKER_THREADS=1 valgrind --tool=callgrind --callgrind-out-file="$work/$name.out" "$@" \
+    </dev/null >"$work/$name.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 300); do
+    [ "$(load "$port" 10 2>/dev/null)" = 10 ] && break
+    sleep 0.2
+  done
+  load "$port" 2000 >/dev/null
+  callgrind_control -z "$pid" >/dev/null
+  local done_count; done_count=$(load "$port" "$requests")
+  [ "$done_count" -gt 0 ] || { echo "no request succeeded against $name" >&2; exit 1; }
+  callgrind_control -d "$pid" >/dev/null
+  kill -INT "$pid"; wait "$pid" 2>/dev/null || true
+  local total; total=$(grep -h '^summary:' "$work/$name.out".* | head -1 | cut -d' ' -f2)
+  echo $((total / done_count))
+}
+
+ceiling=$(measure ceiling 18291 "$binary" bench constant-ok --rls-addr 127.0.0.1:18291)
+node=$(measure quotamesh 18281 "$binary" serve --rls-addr 127.0.0.1:18281 \
+  --metrics-addr 127.0.0.1:16271 --data-dir "$work/data" --policy "$work/policy.yaml")
+printf 'instructions per request: ceiling %s, quotamesh %s\n' "$ceiling" "$node"
+awk -v a="$node" -v b="$ceiling" 'BEGIN {printf "CPU (instructions) per request ratio quotamesh/ceiling   %.3f\n", a / b}'
