@@ -36,9 +36,9 @@ pub enum RaftHostError {
     Open {
         /// The group.
         group: &'static str,
-        /// Why.
+        /// Why (boxed: openraft's configuration errors are large).
         #[source]
-        source: OpenError,
+        source: Box<OpenError>,
     },
     /// The Raft peer listener could not be bound.
     #[error("cannot listen for Raft peers on {address}: {source}")]
@@ -100,7 +100,10 @@ impl RaftHost {
             channels.clone(),
         )
         .await
-        .map_err(|source| RaftHostError::Open { group: QUOTA_GROUP_NAME, source })?;
+        .map_err(|source| RaftHostError::Open {
+            group: QUOTA_GROUP_NAME,
+            source: Box::new(source),
+        })?;
         match Self::serve(config, channels, quota.clone(), claim).await {
             Ok(host) => Ok(host),
             Err(error) => {

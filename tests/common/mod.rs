@@ -123,13 +123,10 @@ impl NodeProcess {
     fn wait_ready(&mut self) -> anyhow::Result<()> {
         let deadline = Instant::now() + READY_TIMEOUT;
         while Instant::now() < deadline {
-            if let Some(child) = self.child.as_mut() {
-                if let Some(status) = child.try_wait()? {
-                    bail!(
-                        "quotamesh exited before becoming ready: {status}\n{}",
-                        self.log_tail(20)
-                    );
-                }
+            if let Some(child) = self.child.as_mut()
+                && let Some(status) = child.try_wait()?
+            {
+                bail!("quotamesh exited before becoming ready: {status}\n{}", self.log_tail(20));
             }
             if let Ok((200, _)) = http_get(self.metrics_addr, "/readyz") {
                 return Ok(());
