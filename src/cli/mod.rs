@@ -1,6 +1,7 @@
 //! The `quotamesh` command line: one module per subcommand; `main.rs` only dispatches.
 
 pub mod bench;
+pub mod bench_ledger;
 pub mod cluster;
 pub mod policy;
 pub mod rls;
