@@ -338,6 +338,27 @@ impl Cluster {
         }
     }
 
+    /// Waits until the nodes `ids` have converged at or past log index `index`: after a
+    /// restart of every node, the entries before it are applied only once a new leader has
+    /// committed an entry of its own term, so equal digests alone may still be a step behind.
+    pub async fn converged_past(
+        &self,
+        ids: &[u64],
+        index: Option<u64>,
+    ) -> anyhow::Result<Vec<admin::StatusReply>> {
+        let deadline = Instant::now() + CLUSTER_WAIT;
+        loop {
+            let statuses = self.converged(ids).await?;
+            if statuses[0].applied_index >= index {
+                return Ok(statuses);
+            }
+            if Instant::now() > deadline {
+                bail!("nodes {ids:?} did not apply index {index:?} within {CLUSTER_WAIT:?}");
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
     /// The voters as node `id` sees them.
     pub async fn voters(&self, id: u64) -> anyhow::Result<Vec<u64>> {
         let status = self.status(id).await?;
