@@ -9,6 +9,21 @@
 //! policy = "cluster/policies"      # a YAML file or a directory of them; absent = embedded example
 //! rls_addr = "0.0.0.0:8081"
 //! metrics_addr = "0.0.0.0:6070"
+//! raft_node_id = 1                 # this node in its region's Raft groups; never changes
+//! cluster_id = "local"             # the region's cluster; stored in data_dir on first start
+//! raft_addr = "0.0.0.0:8084"       # Raft peer gRPC (listen)
+//! admin_addr = "0.0.0.0:8083"      # admin gRPC: `quotamesh cluster ...`
+//!
+//! [[peers]]                        # the region's voters for `cluster init`; none = single node
+//! id = 1
+//! raft_addr = "10.0.0.1:8084"      # as the other nodes reach it
+//!
+//! [quota_group]                    # Raft timings and log compaction of the quota group
+//! heartbeat_interval_ms = 50
+//! election_timeout_min_ms = 300
+//! election_timeout_max_ms = 600
+//! snapshot_every_logs = 10000
+//! logs_kept_after_snapshot = 1000
 //!
 //! [shards]
 //! count = 0                        # 0 = one per core
@@ -26,10 +41,25 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use crate::core::ledger::NodeId;
+
 /// Default RLS gRPC address: envoyproxy/ratelimit's port, so Envoy configs carry over.
 pub const RLS_ADDR_DEFAULT: &str = "0.0.0.0:8081";
 /// Default Prometheus and health HTTP address.
 pub const METRICS_ADDR_DEFAULT: &str = "0.0.0.0:6070";
+/// Default Raft peer gRPC address (DESIGN.md section 8).
+pub const RAFT_ADDR_DEFAULT: &str = "0.0.0.0:8084";
+/// Default admin gRPC address (DESIGN.md section 8).
+pub const ADMIN_ADDR_DEFAULT: &str = "0.0.0.0:8083";
+/// Default cluster id: the embedded single-node region.
+pub const CLUSTER_ID_DEFAULT: &str = "local";
+/// Longest cluster id, in bytes.
+pub const CLUSTER_ID_BYTES_MAX: usize = 128;
+/// Most peers a node's configuration lists (3 or 5 voters, a few gateways); equal to the
+/// transport's cached channels so every configured peer keeps its connection.
+pub const PEERS_MAX: usize = crate::ledger::network::PEER_CHANNELS_MAX;
+/// Longest peer address (`host:port`), in bytes.
+pub const PEER_ADDR_BYTES_MAX: usize = 256;
 /// Default data directory of the embedded single-node setup.
 pub const DATA_DIR_DEFAULT: &str = "./quotamesh-data";
 /// Most shard actors a node may run.
@@ -59,6 +89,55 @@ pub struct NodeConfig {
     pub shards: ShardConfig,
     /// Rate-limit headers added to Envoy's responses.
     pub headers: HeaderConfig,
+    /// This node's id in its region's Raft groups (at least 1), stored in the data directory
+    /// on first start and checked on every later one.
+    ///
+    /// A separate number rather than a numeric `node_id`: Raft (openraft) needs a `u64` that
+    /// never changes for the life of the data directory, while `node_id` is the name operators
+    /// already use in logs and configs since the first slice; renaming a node must not change
+    /// its Raft identity, and existing configurations keep working unchanged.
+    pub raft_node_id: NodeId,
+    /// The region's cluster, stored in the data directory on first start: a node refuses a
+    /// data directory of another cluster. `[A-Za-z0-9._-]`, at most
+    /// [`CLUSTER_ID_BYTES_MAX`] bytes.
+    pub cluster_id: String,
+    /// Raft peer gRPC listen address (the transport of the quota group).
+    pub raft_addr: SocketAddr,
+    /// Admin gRPC listen address (`quotamesh cluster ...`).
+    pub admin_addr: SocketAddr,
+    /// The region's voters as `cluster init` forms the group, this node included, with the
+    /// Raft address the other nodes reach each at. Empty: a single-node region that forms its
+    /// own quota group on first start (the embedded default).
+    pub peers: Vec<PeerConfig>,
+    /// Raft timings and log compaction of the quota group.
+    pub quota_group: RaftGroupConfig,
+}
+
+/// One voter of the region, as `[[peers]]` lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerConfig {
+    /// Its `raft_node_id`.
+    pub id: NodeId,
+    /// `host:port` of its Raft listener, as the other nodes reach it.
+    pub raft_addr: String,
+}
+
+/// Raft timings and log compaction of one group (see `crate::ledger::GroupSettings`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RaftGroupConfig {
+    /// Leader heartbeat period.
+    pub heartbeat_interval_ms: u64,
+    /// A follower that hears no leader for a random time between this and
+    /// `election_timeout_max_ms` starts an election.
+    pub election_timeout_min_ms: u64,
+    /// Upper end of the election timeout range.
+    pub election_timeout_max_ms: u64,
+    /// A snapshot is built, and the log before it purged, every this many applied entries.
+    pub snapshot_every_logs: u64,
+    /// Entries kept behind a snapshot, so a briefly lagging follower catches up from the log.
+    pub logs_kept_after_snapshot: u64,
 }
 
 /// Tenant-shard actor settings.
@@ -96,6 +175,25 @@ impl Default for NodeConfig {
             metrics_addr: METRICS_ADDR_DEFAULT.parse().expect("constant address parses"),
             shards: ShardConfig::default(),
             headers: HeaderConfig::default(),
+            raft_node_id: NodeId(1),
+            cluster_id: CLUSTER_ID_DEFAULT.to_owned(),
+            raft_addr: RAFT_ADDR_DEFAULT.parse().expect("constant address parses"),
+            admin_addr: ADMIN_ADDR_DEFAULT.parse().expect("constant address parses"),
+            peers: Vec::new(),
+            quota_group: RaftGroupConfig::default(),
+        }
+    }
+}
+
+impl Default for RaftGroupConfig {
+    /// `crate::ledger::GroupSettings::new`'s defaults, spelled out for the config file.
+    fn default() -> Self {
+        Self {
+            heartbeat_interval_ms: 50,
+            election_timeout_min_ms: 300,
+            election_timeout_max_ms: 600,
+            snapshot_every_logs: 10_000,
+            logs_kept_after_snapshot: 1_000,
         }
     }
 }
@@ -193,7 +291,89 @@ impl NodeConfig {
         if !(10..=3_600_000).contains(&self.shards.sweep_interval_ms) {
             return invalid("shards.sweep_interval_ms must be between 10 and 3600000".to_owned());
         }
+        self.validate_cluster()
+    }
+
+    /// Checks the Raft and cluster settings.
+    fn validate_cluster(&self) -> Result<(), ConfigError> {
+        let invalid = |message: String| Err(ConfigError::Invalid(message));
+        if self.raft_node_id.0 == 0 {
+            return invalid("raft_node_id must be at least 1".to_owned());
+        }
+        if !valid_cluster_id(&self.cluster_id) {
+            return invalid(format!(
+                "cluster_id must be 1 to {CLUSTER_ID_BYTES_MAX} characters of [A-Za-z0-9._-], \
+                 got {:?}",
+                self.cluster_id
+            ));
+        }
+        if self.peers.len() > PEERS_MAX {
+            return invalid(format!("at most {PEERS_MAX} peers, got {}", self.peers.len()));
+        }
+        let mut ids = std::collections::BTreeSet::new();
+        for peer in &self.peers {
+            if peer.id.0 == 0 {
+                return invalid("peers: id must be at least 1".to_owned());
+            }
+            if !ids.insert(peer.id) {
+                return invalid(format!("peers: id {} is listed twice", peer.id));
+            }
+            if let Err(reason) = check_peer_addr(&peer.raft_addr) {
+                return invalid(format!("peers: node {}: raft_addr {reason}", peer.id));
+            }
+        }
+        if !self.peers.is_empty() && !ids.contains(&self.raft_node_id) {
+            return invalid(format!(
+                "peers must list this node (raft_node_id {}) with the address the others reach \
+                 it at; leave peers empty for a single-node region",
+                self.raft_node_id
+            ));
+        }
+        let group = &self.quota_group;
+        if !(10..=10_000).contains(&group.heartbeat_interval_ms) {
+            return invalid(
+                "quota_group.heartbeat_interval_ms must be between 10 and 10000".into(),
+            );
+        }
+        if group.election_timeout_min_ms <= group.heartbeat_interval_ms
+            || group.election_timeout_max_ms <= group.election_timeout_min_ms
+            || group.election_timeout_max_ms > 60_000
+        {
+            return invalid(
+                "quota_group: need heartbeat_interval_ms < election_timeout_min_ms < \
+                 election_timeout_max_ms <= 60000"
+                    .to_owned(),
+            );
+        }
+        if !(1..=100_000_000).contains(&group.snapshot_every_logs) {
+            return invalid(
+                "quota_group.snapshot_every_logs must be between 1 and 100000000".into(),
+            );
+        }
+        if group.logs_kept_after_snapshot > 100_000_000 {
+            return invalid(
+                "quota_group.logs_kept_after_snapshot must be at most 100000000".into(),
+            );
+        }
         Ok(())
+    }
+
+    /// The Raft address the other nodes reach this one at: its own `[[peers]]` entry, or for
+    /// a single-node region `raft_addr` with an unspecified IP (`0.0.0.0`, `::`) read as
+    /// loopback, which is where a single node is reached from.
+    pub fn raft_advertise_addr(&self) -> String {
+        if let Some(peer) = self.peers.iter().find(|peer| peer.id == self.raft_node_id) {
+            return peer.raft_addr.clone();
+        }
+        let mut address = self.raft_addr;
+        if address.ip().is_unspecified() {
+            address.set_ip(if address.is_ipv4() {
+                std::net::Ipv4Addr::LOCALHOST.into()
+            } else {
+                std::net::Ipv6Addr::LOCALHOST.into()
+            });
+        }
+        address.to_string()
     }
 
     /// The number of shard actors to run: the configured count, or one per core.
@@ -203,6 +383,41 @@ impl NodeConfig {
         }
         std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
     }
+}
+
+fn valid_cluster_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= CLUSTER_ID_BYTES_MAX
+        && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+/// Checks a `host:port` peer address.
+///
+/// # Errors
+/// The reason, completing "raft_addr ...".
+pub fn check_peer_addr(address: &str) -> Result<(), String> {
+    if address.len() > PEER_ADDR_BYTES_MAX {
+        return Err(format!("is longer than {PEER_ADDR_BYTES_MAX} bytes"));
+    }
+    let valid = address.rsplit_once(':').is_some_and(|(host, port)| {
+        !host.is_empty()
+            && !host.contains(['/', ' ', '@'])
+            && port.parse::<u16>().is_ok_and(|port| port > 0)
+    });
+    if valid { Ok(()) } else { Err(format!("{address:?} is not host:port")) }
+}
+
+/// Parses `ID=HOST:PORT`, the form of one peer in flags and `QUOTAMESH_PEERS`.
+///
+/// # Errors
+/// A message naming what is wrong.
+pub fn parse_peer(text: &str) -> Result<PeerConfig, String> {
+    let (id, raft_addr) =
+        text.split_once('=').ok_or_else(|| format!("{text:?} is not ID=HOST:PORT"))?;
+    let id = id.trim().parse::<u64>().map_err(|e| format!("{text:?}: bad node id: {e}"))?;
+    let raft_addr = raft_addr.trim().to_owned();
+    check_peer_addr(&raft_addr).map_err(|reason| format!("{text:?}: address {reason}"))?;
+    Ok(PeerConfig { id: NodeId(id), raft_addr })
 }
 
 #[cfg(test)]
@@ -248,5 +463,76 @@ mod tests {
     fn zero_capacity_is_invalid() {
         let config = NodeConfig::from_toml("[shards]\nkeys_per_shard_max = 0").expect("parses");
         assert!(config.validate().is_err());
+    }
+
+    /// A 3-node region's configuration parses, and the advertised address is the node's own
+    /// peer entry.
+    #[test]
+    fn peers_and_raft_settings_parse() {
+        let config = NodeConfig::from_toml(
+            "raft_node_id = 2\ncluster_id = \"region-a\"\nraft_addr = \"127.0.0.2:8084\"\n\
+             [[peers]]\nid = 1\nraft_addr = \"127.0.0.1:8084\"\n\
+             [[peers]]\nid = 2\nraft_addr = \"node-2.example:8084\"\n\
+             [quota_group]\nsnapshot_every_logs = 5",
+        )
+        .expect("parses");
+        assert!(config.validate().is_ok(), "{:?}", config.validate());
+        assert_eq!(config.raft_node_id, NodeId(2));
+        assert_eq!(config.raft_advertise_addr(), "node-2.example:8084");
+        assert_eq!(config.quota_group.snapshot_every_logs, 5);
+        assert_eq!(config.quota_group.heartbeat_interval_ms, 50);
+    }
+
+    /// With no peers the node advertises loopback for an unspecified listen address.
+    #[test]
+    fn single_node_advertises_loopback() {
+        assert_eq!(NodeConfig::default().raft_advertise_addr(), "127.0.0.1:8084");
+    }
+
+    /// Peers must include this node, once each, with valid addresses; ids start at 1.
+    #[test]
+    fn bad_peers_are_refused() {
+        for (text, expected) in [
+            ("[[peers]]\nid = 2\nraft_addr = \"a:1\"", "must list this node"),
+            (
+                "[[peers]]\nid = 1\nraft_addr = \"a:1\"\n[[peers]]\nid = 1\nraft_addr = \"b:1\"",
+                "listed twice",
+            ),
+            ("[[peers]]\nid = 1\nraft_addr = \"nohost\"", "not host:port"),
+            ("raft_node_id = 0", "at least 1"),
+            ("cluster_id = \"a b\"", "cluster_id"),
+            ("[quota_group]\nelection_timeout_min_ms = 40", "heartbeat_interval_ms <"),
+        ] {
+            let config = NodeConfig::from_toml(text).expect("parses");
+            let error = config.validate().expect_err(text).to_string();
+            assert!(error.contains(expected), "{text}: {error}");
+        }
+    }
+
+    /// The flag and variable form of a peer.
+    #[test]
+    fn peer_flag_form_parses() {
+        let peer = parse_peer("3=127.0.0.3:8084").expect("parses");
+        assert_eq!(peer, PeerConfig { id: NodeId(3), raft_addr: "127.0.0.3:8084".to_owned() });
+        assert!(parse_peer("3").is_err());
+        assert!(parse_peer("x=a:1").is_err());
+        assert!(parse_peer("3=a").is_err());
+    }
+
+    /// The shipped 3-node region examples parse, validate and agree on their peers.
+    #[test]
+    fn shipped_region_examples_are_valid() {
+        let nodes = [
+            include_str!("../cluster/region-a/node-1.toml"),
+            include_str!("../cluster/region-a/node-2.toml"),
+            include_str!("../cluster/region-a/node-3.toml"),
+        ];
+        for (index, text) in nodes.iter().enumerate() {
+            let config = NodeConfig::from_toml(text).expect("parses");
+            assert!(config.validate().is_ok(), "node {}: {:?}", index + 1, config.validate());
+            assert_eq!(config.raft_node_id, NodeId(index as u64 + 1));
+            assert_eq!(config.peers.len(), 3);
+            assert_eq!(config.raft_advertise_addr(), config.raft_addr.to_string());
+        }
     }
 }

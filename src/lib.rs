@@ -10,6 +10,8 @@
 //! - [`api`]: the gRPC services (Envoy RLS v3) and the metrics/health HTTP endpoints.
 //! - [`policy_store`]: loads policy files, swaps them in atomically, reloads on change.
 //! - [`node`]: wires a node together; ordered shutdown.
+//! - [`raft_host`]: the Raft side of a node: its groups and their shared peer listener.
+//! - [`identity`]: the cluster and node id stored in a data directory, checked on start.
 //! - [`config`]: the node's TOML configuration.
 //! - [`metrics`]: every Prometheus metric, by name.
 //! - [`clock`]: the only reader of system time.
@@ -21,7 +23,9 @@ pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod core;
+pub mod identity;
 pub mod ledger;
 pub mod metrics;
 pub mod node;
 pub mod policy_store;
+pub mod raft_host;

@@ -18,6 +18,10 @@ fn main() -> anyhow::Result<ExitCode> {
             runtime()?.block_on(quotamesh::cli::rls::run(command))?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Cluster(command) => {
+            runtime()?.block_on(quotamesh::cli::cluster::run(command))?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Bench(command) => {
             runtime()?.block_on(quotamesh::cli::bench::run(command))?;
             Ok(ExitCode::SUCCESS)

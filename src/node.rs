@@ -1,9 +1,13 @@
 //! Wires one node together and takes it apart again.
 //!
 //! ```text
-//! start:    config ─▶ data dir lock ─▶ metrics ─▶ policy ─▶ shard actors ─▶ listeners ─▶ ready
-//! shutdown: not ready ─▶ stop accepting, drain calls ─▶ stop watcher ─▶ stop shard actors ─▶ unlock
+//! start:    config ─▶ data dir lock ─▶ metrics ─▶ policy ─▶ listeners ─▶ shard actors
+//!           ─▶ Raft groups (identity, quota group, Raft peer listener) ─▶ servers ─▶ ready
+//! shutdown: not ready ─▶ stop accepting, drain calls (RLS, HTTP, admin) ─▶ stop watcher
+//!           ─▶ stop shard actors ─▶ stop Raft groups, then the Raft peer listener ─▶ unlock
 //! ```
+//!
+//! The Raft groups are `crate::raft_host`'s; the admin API over them is `crate::api::admin`.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -17,12 +21,14 @@ use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
 
 use crate::actors::shard::{ShardSet, ShardSetOptions, ShardSpawnError};
+use crate::api::admin::{AdminNode, AdminService};
 use crate::api::proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use crate::api::rls::{GRPC_MESSAGE_BYTES_MAX, RlsService};
 use crate::config::{ConfigError, NodeConfig};
 use crate::core::headers::HeaderOptions;
 use crate::metrics::Metrics;
 use crate::policy_store::{PolicyLoadError, PolicyOrigin, PolicyStore};
+use crate::raft_host::{RaftHost, RaftHostError};
 
 /// Concurrent HTTP/2 streams per client connection (Envoy multiplexes on few connections).
 pub const GRPC_STREAMS_PER_CONNECTION_MAX: u32 = 4096;
@@ -61,6 +67,9 @@ pub enum NodeError {
     /// The shard actors could not be started.
     #[error(transparent)]
     Shards(#[from] ShardSpawnError),
+    /// The Raft groups could not be started (identity, storage, Raft listener).
+    #[error(transparent)]
+    Raft(#[from] RaftHostError),
     /// A supporting service (reflection, file watch, signals) could not be set up.
     #[error("cannot start {what}: {reason}")]
     Setup {
@@ -75,6 +84,8 @@ pub enum NodeError {
 pub struct Node {
     rls_addr: SocketAddr,
     metrics_addr: SocketAddr,
+    admin_addr: SocketAddr,
+    raft: RaftHost,
     ready: Arc<AtomicBool>,
     stop: watch::Sender<bool>,
     servers: Vec<JoinHandle<()>>,
@@ -98,8 +109,10 @@ impl Node {
 
         let rls_listener = bind("Envoy RLS gRPC", config.rls_addr).await?;
         let metrics_listener = bind("metrics HTTP", config.metrics_addr).await?;
+        let admin_listener = bind("admin gRPC", config.admin_addr).await?;
         let rls_addr = local_addr("Envoy RLS gRPC", &rls_listener, config.rls_addr)?;
         let metrics_addr = local_addr("metrics HTTP", &metrics_listener, config.metrics_addr)?;
+        let admin_addr = local_addr("admin gRPC", &admin_listener, config.admin_addr)?;
 
         let shards = Arc::new(
             ShardSet::start(
@@ -118,10 +131,36 @@ impl Node {
             retry_after: config.headers.retry_after,
         };
         let rls = RlsService::new(Arc::clone(&shards), policy.active(), metrics.clone(), headers);
+        let raft = RaftHost::start(&config).await?;
+        let admin = AdminService::new(
+            AdminNode {
+                name: config.node_id.clone(),
+                raft_node_id: raft.node_id(),
+                cluster_id: raft.cluster_id().to_owned(),
+                advertise_addr: raft.advertise_addr().to_owned(),
+                peers: raft.peers().clone(),
+            },
+            raft.quota().clone(),
+            policy.active(),
+        );
 
         let (stop, stopped) = watch::channel(false);
         let ready = Arc::new(AtomicBool::new(false));
-        let grpc = grpc_server(rls, rls_listener, until_stopped(stopped.clone())).await?;
+        let grpc = match grpc_server(rls, rls_listener, until_stopped(stopped.clone())).await {
+            Ok(grpc) => grpc,
+            Err(error) => {
+                raft.shutdown().await;
+                return Err(error);
+            }
+        };
+        let admin_server = {
+            let shutdown = until_stopped(stopped.clone());
+            tokio::spawn(async move {
+                if let Err(error) = admin.serve(admin_listener, shutdown).await {
+                    tracing::error!(%error, "admin gRPC server stopped");
+                }
+            })
+        };
         let http = {
             let (metrics, ready, shutdown) =
                 (metrics.clone(), Arc::clone(&ready), until_stopped(stopped.clone()));
@@ -133,18 +172,25 @@ impl Node {
                 }
             })
         };
-        let watcher = Arc::clone(&policy).watch(until_stopped(stopped)).map_err(|error| {
-            NodeError::Setup { what: "policy watch", reason: error.to_string() }
-        })?;
+        let watcher = match Arc::clone(&policy).watch(until_stopped(stopped)) {
+            Ok(watcher) => watcher,
+            Err(error) => {
+                let _ = stop.send(true);
+                raft.shutdown().await;
+                return Err(NodeError::Setup { what: "policy watch", reason: error.to_string() });
+            }
+        };
 
         ready.store(true, Ordering::Release);
-        tracing::info!(%rls_addr, %metrics_addr, node_id = %config.node_id, region = %config.region, "quotamesh node ready");
+        tracing::info!(%rls_addr, %metrics_addr, %admin_addr, raft_addr = %raft.raft_addr(), node_id = %config.node_id, region = %config.region, "quotamesh node ready");
         Ok(Self {
             rls_addr,
             metrics_addr,
+            admin_addr,
+            raft,
             ready,
             stop,
-            servers: vec![grpc, http],
+            servers: vec![grpc, http, admin_server],
             watcher,
             shards,
             policy,
@@ -162,12 +208,23 @@ impl Node {
         self.metrics_addr
     }
 
+    /// The bound admin gRPC address.
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_addr
+    }
+
+    /// The Raft side of the node: its groups and their peer listener.
+    pub fn raft(&self) -> &RaftHost {
+        &self.raft
+    }
+
     /// The policy store (to reload by hand).
     pub fn policy(&self) -> &PolicyStore {
         &self.policy
     }
 
-    /// Stops in order: readiness, listeners (draining calls), policy watch, shard actors.
+    /// Stops in order: readiness, listeners (draining calls), policy watch, shard actors,
+    /// Raft groups and their peer listener.
     pub async fn shutdown(self) {
         self.ready.store(false, Ordering::Release);
         let _ = self.stop.send(true);
@@ -186,6 +243,7 @@ impl Node {
             Ok(shards) => shards.shutdown().await,
             Err(_) => tracing::error!("shard actors still referenced at shutdown; not stopped"),
         }
+        self.raft.shutdown().await;
         tracing::info!("quotamesh node stopped");
     }
 }

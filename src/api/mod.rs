@@ -2,10 +2,13 @@
 //! endpoints for Prometheus and health checks. No rate-limit rule lives here.
 //!
 //! - [`rls`]: Envoy Rate Limit Service v3 (`ShouldRateLimit`).
+//! - [`admin`]: the admin API (`quotamesh.admin.v1.Admin`): the quota group's membership and
+//!   status, lease grants by hand.
 //! - [`status`]: the one mapping from domain and operating errors to `tonic::Status`.
 //! - [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`proto`]: generated protobuf code.
 
+pub mod admin;
 pub mod http;
 pub mod proto;
 pub mod rls;

@@ -35,5 +35,14 @@ pub mod envoy {
     }
 }
 
+/// quotamesh's own packages served by the node (the Raft transport's is `crate::ledger::proto`).
+pub mod quotamesh {
+    pub mod admin {
+        pub mod v1 {
+            tonic::include_proto!("quotamesh.admin.v1");
+        }
+    }
+}
+
 /// Encoded descriptor set of every compiled file, served by gRPC reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("quotamesh_descriptor");

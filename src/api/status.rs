@@ -6,6 +6,7 @@
 use tonic::Status;
 
 use crate::actors::shard::ShardError;
+use crate::ledger::{MembershipError, WriteError};
 
 /// Why a `ShouldRateLimit` request was refused before any state was touched.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -89,5 +90,32 @@ impl From<InvalidRequest> for Status {
 impl From<ShardError> for Status {
     fn from(error: ShardError) -> Self {
         Status::unavailable(error.to_string())
+    }
+}
+
+/// A ledger write that failed. Only outcomes known not to have applied the command are
+/// definite codes; `UNAVAILABLE` and `DEADLINE_EXCEEDED` mean "unknown": the command may have
+/// been applied, and a client must not count it as failed.
+impl From<WriteError> for Status {
+    fn from(error: WriteError) -> Self {
+        match error {
+            WriteError::TooLarge { .. } => Status::invalid_argument(error.to_string()),
+            WriteError::Refused { .. } => Status::failed_precondition(error.to_string()),
+            WriteError::Timeout => Status::deadline_exceeded(error.to_string()),
+            WriteError::NoLeader | WriteError::LeaderLost { .. } | WriteError::Stopped(_) => {
+                Status::unavailable(error.to_string())
+            }
+        }
+    }
+}
+
+/// A membership change or group query that failed.
+pub fn membership_status(error: MembershipError) -> Status {
+    match error {
+        MembershipError::AlreadyInitialized => Status::already_exists(error.to_string()),
+        MembershipError::NotLeader { .. } | MembershipError::Refused(_) => {
+            Status::failed_precondition(error.to_string())
+        }
+        MembershipError::Stopped(_) => Status::unavailable(error.to_string()),
     }
 }

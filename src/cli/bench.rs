@@ -4,6 +4,7 @@
 //!   plus protobuf), for `h2load -d`.
 //! - `constant-ok` serves an RLS that answers OK without deciding anything: the ceiling any
 //!   RLS can reach on the same machine with the same gRPC stack, measured beside a real node.
+//! - `ledger`: committed lease grants of a real loopback region (`super::bench_ledger`).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -44,6 +45,9 @@ pub enum BenchCommand {
         #[arg(long, default_value = "127.0.0.1:8091")]
         rls_addr: SocketAddr,
     },
+    /// Committed AcquireLeases batches and grants per second, commit latency and bytes
+    /// written per grant, on a loopback region of real nodes against a single node.
+    Ledger(super::bench_ledger::LedgerBenchArgs),
 }
 
 /// Runs a bench subcommand.
@@ -74,6 +78,7 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
                 .with_context(|| format!("cannot write {}", out.display()))?;
             Ok(())
         }
+        BenchCommand::Ledger(arguments) => super::bench_ledger::run(arguments).await,
         BenchCommand::ConstantOk { rls_addr } => {
             let listener = tokio::net::TcpListener::bind(rls_addr).await?;
             let incoming =

@@ -1,6 +1,8 @@
 //! The `quotamesh` command line: one module per subcommand; `main.rs` only dispatches.
 
 pub mod bench;
+pub mod bench_ledger;
+pub mod cluster;
 pub mod policy;
 pub mod rls;
 pub mod serve;
@@ -39,6 +41,9 @@ pub enum Command {
     /// Talk to a node's Envoy RLS endpoint.
     #[command(subcommand)]
     Rls(rls::RlsCommand),
+    /// Form and change the region's quota group, show its status (admin gRPC client).
+    #[command(subcommand)]
+    Cluster(cluster::ClusterCommand),
     /// Helpers for load tests (request bodies for h2load, a constant-OK ceiling server).
     #[command(subcommand)]
     Bench(bench::BenchCommand),

@@ -9,7 +9,8 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 
-use crate::config::NodeConfig;
+use crate::config::{NodeConfig, PeerConfig, parse_peer};
+use crate::core::ledger::NodeId;
 use crate::node::Node;
 
 /// Flags of `quotamesh serve`.
@@ -33,6 +34,22 @@ pub struct ServeArgs {
     /// This node's id.
     #[arg(long, env = "QUOTAMESH_NODE_ID")]
     pub node_id: Option<String>,
+    /// Raft peer gRPC listen address [default: 0.0.0.0:8084].
+    #[arg(long, env = "QUOTAMESH_RAFT_ADDR")]
+    pub raft_addr: Option<SocketAddr>,
+    /// Admin gRPC listen address [default: 0.0.0.0:8083].
+    #[arg(long, env = "QUOTAMESH_ADMIN_ADDR")]
+    pub admin_addr: Option<SocketAddr>,
+    /// This node's Raft id, at least 1 [default: 1].
+    #[arg(long, env = "QUOTAMESH_RAFT_NODE_ID")]
+    pub raft_node_id: Option<u64>,
+    /// The region's cluster id, stored in the data directory on first start [default: local].
+    #[arg(long, env = "QUOTAMESH_CLUSTER_ID")]
+    pub cluster_id: Option<String>,
+    /// The region's voters as ID=HOST:PORT, comma-separated or repeated; replaces the file's
+    /// `[[peers]]` [default: none, a single-node region].
+    #[arg(long, env = "QUOTAMESH_PEERS", value_delimiter = ',', value_parser = parse_peer)]
+    pub peers: Vec<PeerConfig>,
 }
 
 impl ServeArgs {
@@ -60,6 +77,21 @@ impl ServeArgs {
         if let Some(node_id) = &self.node_id {
             config.node_id.clone_from(node_id);
         }
+        if let Some(address) = self.raft_addr {
+            config.raft_addr = address;
+        }
+        if let Some(address) = self.admin_addr {
+            config.admin_addr = address;
+        }
+        if let Some(id) = self.raft_node_id {
+            config.raft_node_id = NodeId(id);
+        }
+        if let Some(cluster_id) = &self.cluster_id {
+            config.cluster_id.clone_from(cluster_id);
+        }
+        if !self.peers.is_empty() {
+            config.peers.clone_from(&self.peers);
+        }
         Ok(config)
     }
 }
@@ -86,4 +118,49 @@ async fn wait_for_termination() -> anyhow::Result<()> {
         result = tokio::signal::ctrl_c() => result.context("cannot install the Ctrl-C handler")?,
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Wrapper {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    /// Flags replace what the file says, field by field; peers are replaced as a whole.
+    #[test]
+    fn flags_beat_the_file() -> anyhow::Result<()> {
+        let directory = tempfile::tempdir()?;
+        let path = directory.path().join("node.toml");
+        std::fs::write(
+            &path,
+            "raft_node_id = 1\nraft_addr = \"127.0.0.1:9000\"\ncluster_id = \"file\"\n\
+             [[peers]]\nid = 1\nraft_addr = \"127.0.0.1:9000\"\n",
+        )?;
+        let path = path.display().to_string();
+        let parsed = Wrapper::try_parse_from([
+            "serve",
+            "--config",
+            &path,
+            "--raft-addr",
+            "127.0.0.2:9001",
+            "--raft-node-id",
+            "2",
+            "--peers",
+            "1=127.0.0.1:9000,2=127.0.0.2:9001",
+        ])?;
+        let config = parsed.serve.resolve()?;
+        assert_eq!(config.raft_addr.to_string(), "127.0.0.2:9001");
+        assert_eq!(config.raft_node_id, NodeId(2));
+        assert_eq!(config.cluster_id, "file", "the file fills what no flag names");
+        assert_eq!(config.peers.len(), 2);
+        assert!(config.validate().is_ok());
+        assert_eq!(config.raft_advertise_addr(), "127.0.0.2:9001");
+        Ok(())
+    }
 }

@@ -378,6 +378,24 @@ fn check_limit(limit: &LimitSpec) -> Result<(), LeaseRequestError> {
     }
 }
 
+/// Checks one lease request as apply does before touching anything, so a proposer can
+/// refuse bad input without proposing it (a refused request changes nothing, but the command
+/// carrying it still moves ledger time). Only [`LeaseRequestError::LedgerFull`] depends on
+/// the ledger's state and is left to apply.
+///
+/// # Errors
+/// The [`LeaseRequestError`] apply would answer.
+pub fn check_lease_request(request: &LeaseRequest) -> Result<(), LeaseRequestError> {
+    check_key(&request.key).map_err(LeaseRequestError::Key)?;
+    if request.tokens_wanted == 0 || request.tokens_wanted > LEASE_TOKENS_MAX {
+        return Err(LeaseRequestError::TokensWanted(request.tokens_wanted));
+    }
+    if request.lease_ttl_ms == 0 || request.lease_ttl_ms > LEASE_TTL_MS_MAX {
+        return Err(LeaseRequestError::LeaseTtl(request.lease_ttl_ms));
+    }
+    check_limit(&request.limit)
+}
+
 impl QuotaLedger {
     /// An empty ledger.
     pub fn new() -> Self {
@@ -503,14 +521,7 @@ impl QuotaLedger {
         request: &LeaseRequest,
         now_ms: u64,
     ) -> Result<LeaseGrant, LeaseRequestError> {
-        check_key(&request.key).map_err(LeaseRequestError::Key)?;
-        if request.tokens_wanted == 0 || request.tokens_wanted > LEASE_TOKENS_MAX {
-            return Err(LeaseRequestError::TokensWanted(request.tokens_wanted));
-        }
-        if request.lease_ttl_ms == 0 || request.lease_ttl_ms > LEASE_TTL_MS_MAX {
-            return Err(LeaseRequestError::LeaseTtl(request.lease_ttl_ms));
-        }
-        check_limit(&request.limit)?;
+        check_lease_request(request)?;
         let limit = request.limit;
         let mut entry = match self.take_entry(&request.key) {
             Some(entry) => entry,

@@ -20,7 +20,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use openraft::error::{ClientWriteError, InitializeError, RaftError};
-use openraft::{Config, ConfigError, Raft, RaftMetrics, SnapshotPolicy};
+use openraft::{ChangeMembers, Config, ConfigError, Raft, RaftMetrics, SnapshotPolicy};
 use tokio::time::Instant;
 
 use super::log_store::{LogOpenError, LogStore};
@@ -393,6 +393,63 @@ impl<C: GroupConfig> RaftGroup<C> {
         self.raft.change_membership(voters, true).await.map(|_| ()).map_err(membership_error)
     }
 
+    /// Makes the learner `node_id` a voter (joint consensus). Run it on the leader.
+    ///
+    /// # Errors
+    /// [`MembershipError`] when this node is not the leader, `node_id` is not a learner, or
+    /// another change is in progress.
+    pub async fn promote_voter(&self, node_id: NodeId) -> Result<(), MembershipError> {
+        let change = ChangeMembers::AddVoterIds(BTreeSet::from([node_id]));
+        self.raft.change_membership(change, false).await.map(|_| ()).map_err(membership_error)
+    }
+
+    /// Removes `node_id` from the group altogether: a voter leaves the voters (joint
+    /// consensus) and the members at once; a learner leaves the members. Run it on the
+    /// leader; removing the leader itself makes it step down once the change commits.
+    ///
+    /// # Errors
+    /// [`MembershipError`] when this node is not the leader, `node_id` is not a member, or
+    /// another change is in progress.
+    pub async fn remove_member(&self, node_id: NodeId) -> Result<(), MembershipError> {
+        let is_voter = self
+            .raft
+            .metrics()
+            .borrow()
+            .membership_config
+            .membership()
+            .voter_ids()
+            .any(|voter| voter == node_id);
+        let ids = BTreeSet::from([node_id]);
+        let change = if is_voter {
+            ChangeMembers::RemoveVoters(ids)
+        } else {
+            ChangeMembers::RemoveNodes(ids)
+        };
+        self.raft.change_membership(change, false).await.map(|_| ()).map_err(membership_error)
+    }
+
+    /// Whether the group has a membership on this node (initialized here or joined).
+    ///
+    /// # Errors
+    /// [`MembershipError::Stopped`] when the group has stopped.
+    pub async fn is_initialized(&self) -> Result<bool, MembershipError> {
+        self.raft
+            .is_initialized()
+            .await
+            .map_err(|fatal| MembershipError::Stopped(fatal.to_string()))
+    }
+
+    /// The index of the last entry this node knows to be committed (by a quorum).
+    ///
+    /// # Errors
+    /// [`MembershipError::Stopped`] when the group has stopped.
+    pub async fn committed_index(&self) -> Result<Option<u64>, MembershipError> {
+        self.raft
+            .with_raft_state(|state| state.committed.map(|id| id.index))
+            .await
+            .map_err(|fatal| MembershipError::Stopped(fatal.to_string()))
+    }
+
     /// The group's Raft metrics as this node sees them (leader, term, log and applied
     /// indexes, membership, replication lag when leading).
     pub fn metrics(&self) -> RaftMetrics<NodeId, BasicNode> {
@@ -407,6 +464,12 @@ impl<C: GroupConfig> RaftGroup<C> {
     /// Runs `read` on the machine as applied on this node so far; it may be behind the leader.
     pub fn read<T>(&self, read: impl FnOnce(&C::Machine) -> T) -> T {
         self.view.read(read)
+    }
+
+    /// Runs `read` on the machine as applied on this node and returns its answer with the
+    /// index of the last entry applied, both seen at one instant.
+    pub fn read_at_applied<T>(&self, read: impl FnOnce(&C::Machine) -> T) -> (T, Option<u64>) {
+        self.view.read_at_applied(read)
     }
 
     /// The digest of the machine as applied on this node, to compare replicas.

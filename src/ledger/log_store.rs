@@ -1,11 +1,28 @@
 //! The Raft log of one group in redb: entries, vote, committed id and purge marker.
 //!
-//! This is the source of truth of a group (DESIGN.md section 2), so every write is one redb
-//! transaction committed with `Durability::Immediate` (fsync'd) before openraft hears of it:
-//! `save_vote` returns, and `append` calls `LogFlushed::log_io_completed`, only after the
-//! commit returned. The fsync runs on tokio's blocking pool so it never stalls the runtime's
-//! two worker threads. Entries are postcard-encoded `openraft::Entry` values keyed by index.
-//! The state machine and snapshots are `state_store`'s.
+//! This is the source of truth of a group (DESIGN.md section 2), so nothing is acknowledged
+//! before it is fsync'd: `save_vote`, `truncate` and `purge` return, and `append` calls
+//! `LogFlushed::log_io_completed`, only after a redb commit with `Durability::Immediate`
+//! covering the write returned. Entries are postcard-encoded `openraft::Entry` values keyed by
+//! index. The state machine and snapshots are `state_store`'s.
+//!
+//! Group commit. openraft 0.9 calls `append` once per client write and waits for it, so an
+//! fsync inside `append` would allow one commit per fsync. Instead `append` commits the
+//! entries with `Durability::None` (visible to readers at once, lost on a crash) and hands its
+//! callback to this store's flusher thread, which commits an empty `Durability::Immediate`
+//! transaction (persisting every earlier commit with one fsync) and only then completes all the
+//! callbacks it collected meanwhile, in order:
+//!
+//! ```text
+//!  append(e1) ─▶ commit(None) ─▶ queue cb1 ┐
+//!  append(e2) ─▶ commit(None) ─▶ queue cb2 ┼─▶ flusher: commit(Immediate) = fsync ─▶ cb1, cb2
+//!  truncate/purge/save_vote ─▶ barrier: wait until every queued callback completed ─▶ commit(Immediate)
+//! ```
+//!
+//! The barrier keeps openraft's view of IO in the order it issued it, as a synchronous store
+//! would. `save_committed` is a hint openraft may lose, so it commits with `Durability::None`
+//! and rides along with the next fsync. Transactions run on tokio's blocking pool, so a commit
+//! never stalls the runtime's worker threads.
 
 use std::fmt::Debug;
 use std::marker::PhantomData;
@@ -15,7 +32,8 @@ use std::sync::Arc;
 
 use openraft::storage::{LogFlushed, RaftLogStorage};
 use openraft::{ErrorSubject, ErrorVerb, LogId, LogState, RaftLogReader, StorageError, Vote};
-use redb::{ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{Durability, ReadableDatabase, ReadableTable, TableDefinition};
+use tokio::sync::{mpsc, oneshot};
 
 use super::{GroupConfig, NodeId, storage_io};
 
@@ -26,6 +44,18 @@ const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const META_VOTE: &str = "vote";
 const META_COMMITTED: &str = "committed";
 const META_LAST_PURGED: &str = "last_purged";
+
+/// Callbacks and barriers waiting for the flusher; a full queue makes `append` wait, which
+/// holds openraft back rather than growing memory.
+const FLUSH_QUEUE_MAX: usize = 4096;
+
+/// What the flusher thread is asked to do, in order.
+enum FlushRequest<C: openraft::RaftTypeConfig> {
+    /// Complete this callback once everything committed so far is fsync'd.
+    Appended(LogFlushed<C>),
+    /// Answer once every request queued before it has been completed.
+    Barrier(oneshot::Sender<()>),
+}
 
 /// Why the log store could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +72,9 @@ pub enum LogOpenError {
     /// Creating the tables failed.
     #[error("cannot prepare the Raft log tables: {0}")]
     Tables(#[from] redb::Error),
+    /// The flusher thread could not be started.
+    #[error("cannot start the Raft log flusher thread: {0}")]
+    Flusher(std::io::Error),
 }
 
 impl LogOpenError {
@@ -52,14 +85,61 @@ impl LogOpenError {
 }
 
 /// The Raft log store of one group; cheap to clone (openraft reads through clones).
-pub struct LogStore<C> {
+pub struct LogStore<C: openraft::RaftTypeConfig> {
     db: Arc<redb::Database>,
+    flusher: mpsc::Sender<FlushRequest<C>>,
     _config: PhantomData<fn() -> C>,
 }
 
-impl<C> Clone for LogStore<C> {
+impl<C: openraft::RaftTypeConfig> Clone for LogStore<C> {
     fn clone(&self) -> Self {
-        Self { db: Arc::clone(&self.db), _config: PhantomData }
+        Self { db: Arc::clone(&self.db), flusher: self.flusher.clone(), _config: PhantomData }
+    }
+}
+
+/// The flusher thread: one fsync for every batch of queued callbacks. It holds the database
+/// only while it commits, so the file closes as soon as the last [`LogStore`] handle is
+/// dropped (a restart in the same process reopens it at once); then it stops.
+fn run_flusher<C: openraft::RaftTypeConfig>(
+    db: std::sync::Weak<redb::Database>,
+    mut requests: mpsc::Receiver<FlushRequest<C>>,
+) {
+    let mut batch = Vec::new();
+    while let Some(first) = requests.blocking_recv() {
+        batch.push(first);
+        while batch.len() < FLUSH_QUEUE_MAX {
+            match requests.try_recv() {
+                Ok(request) => batch.push(request),
+                Err(_) => break,
+            }
+        }
+        let needs_fsync = batch.iter().any(|request| matches!(request, FlushRequest::Appended(_)));
+        let flushed: Result<(), String> = if needs_fsync {
+            match db.upgrade() {
+                // An empty commit with Immediate durability persists every earlier commit.
+                Some(db) => db
+                    .begin_write()
+                    .map_err(redb::Error::from)
+                    .and_then(|txn| txn.commit().map_err(redb::Error::from))
+                    .map_err(|error| error.to_string()),
+                None => Err("the Raft log was closed before it was fsync'd".to_owned()),
+            }
+        } else {
+            Ok(())
+        };
+        if let Err(error) = &flushed {
+            tracing::error!(%error, "the Raft log could not be fsync'd");
+        }
+        for request in batch.drain(..) {
+            match request {
+                FlushRequest::Appended(callback) => {
+                    callback.log_io_completed(flushed.clone().map_err(std::io::Error::other))
+                }
+                FlushRequest::Barrier(done) => {
+                    let _ = done.send(());
+                }
+            }
+        }
     }
 }
 
@@ -78,7 +158,32 @@ impl<C: GroupConfig> LogStore<C> {
         txn.open_table(ENTRIES).map_err(redb::Error::from)?;
         txn.open_table(META).map_err(redb::Error::from)?;
         txn.commit().map_err(redb::Error::from)?;
-        Ok(Self { db: Arc::new(db), _config: PhantomData })
+        let db = Arc::new(db);
+        let (flusher, requests) = mpsc::channel(FLUSH_QUEUE_MAX);
+        let flusher_db = Arc::downgrade(&db);
+        std::thread::Builder::new()
+            .name("raft-log-flush".to_owned())
+            .spawn(move || run_flusher::<C>(flusher_db, requests))
+            .map_err(LogOpenError::Flusher)?;
+        Ok(Self { db, flusher, _config: PhantomData })
+    }
+
+    /// Waits until every append queued before this call has been fsync'd and completed.
+    async fn barrier(
+        &self,
+        subject: ErrorSubject<NodeId>,
+        verb: ErrorVerb,
+    ) -> Result<(), StorageError<NodeId>> {
+        let (done, completed) = oneshot::channel();
+        let stopped = |_| {
+            storage_io(
+                subject.clone(),
+                verb,
+                &std::io::Error::other("the Raft log flusher stopped"),
+            )
+        };
+        self.flusher.send(FlushRequest::Barrier(done)).await.map_err(|_| stopped(()))?;
+        completed.await.map_err(|_| stopped(()))
     }
 
     /// Dies when the last handle on the log file is dropped, so the file can be reopened.
@@ -86,10 +191,11 @@ impl<C: GroupConfig> LogStore<C> {
         Arc::downgrade(&self.db)
     }
 
-    /// Runs one write transaction on the blocking pool and commits it durably.
+    /// Runs one write transaction on the blocking pool and commits it with `durability`.
     async fn write<F>(
         &self,
         verb_subject: (ErrorSubject<NodeId>, ErrorVerb),
+        durability: Durability,
         body: F,
     ) -> Result<(), StorageError<NodeId>>
     where
@@ -98,9 +204,10 @@ impl<C: GroupConfig> LogStore<C> {
         let db = Arc::clone(&self.db);
         let (subject, verb) = verb_subject;
         let outcome = tokio::task::spawn_blocking(move || -> Result<(), redb::Error> {
-            let txn = db.begin_write()?;
+            let mut txn = db.begin_write()?;
+            txn.set_durability(durability)?;
             body(&txn)?;
-            // Durability::Immediate is redb's default: commit returns after the fsync.
+            // With Durability::Immediate, commit returns after the fsync.
             txn.commit()?;
             Ok(())
         })
@@ -133,10 +240,11 @@ impl<C: GroupConfig> LogStore<C> {
         key: &'static str,
         value: &T,
         subject: ErrorSubject<NodeId>,
+        durability: Durability,
     ) -> Result<(), StorageError<NodeId>> {
         let bytes = postcard::to_allocvec(value)
             .map_err(|e| storage_io(subject.clone(), ErrorVerb::Write, &e))?;
-        self.write((subject, ErrorVerb::Write), move |txn| {
+        self.write((subject, ErrorVerb::Write), durability, move |txn| {
             txn.open_table(META)?.insert(key, bytes.as_slice())?;
             Ok(())
         })
@@ -193,7 +301,8 @@ impl<C: GroupConfig> RaftLogStorage<C> for LogStore<C> {
     }
 
     async fn save_vote(&mut self, vote: &Vote<NodeId>) -> Result<(), StorageError<NodeId>> {
-        self.write_meta(META_VOTE, vote, ErrorSubject::Vote).await
+        self.barrier(ErrorSubject::Vote, ErrorVerb::Write).await?;
+        self.write_meta(META_VOTE, vote, ErrorSubject::Vote, Durability::Immediate).await
     }
 
     async fn read_vote(&mut self) -> Result<Option<Vote<NodeId>>, StorageError<NodeId>> {
@@ -204,7 +313,8 @@ impl<C: GroupConfig> RaftLogStorage<C> for LogStore<C> {
         &mut self,
         committed: Option<LogId<NodeId>>,
     ) -> Result<(), StorageError<NodeId>> {
-        self.write_meta(META_COMMITTED, &committed, ErrorSubject::Store).await
+        // A hint openraft may lose: persisted by the next fsync, whenever that comes.
+        self.write_meta(META_COMMITTED, &committed, ErrorSubject::Store, Durability::None).await
     }
 
     async fn read_committed(&mut self) -> Result<Option<LogId<NodeId>>, StorageError<NodeId>> {
@@ -220,7 +330,7 @@ impl<C: GroupConfig> RaftLogStorage<C> for LogStore<C> {
         I: IntoIterator<Item = C::Entry> + Send,
         I::IntoIter: Send,
     {
-        // Encode first, then write the whole batch in one transaction: one fsync per batch.
+        // Encode first, then write the whole batch in one transaction; the flusher fsyncs it.
         let mut encoded = Vec::new();
         for entry in entries {
             let bytes = postcard::to_allocvec(&entry)
@@ -228,7 +338,7 @@ impl<C: GroupConfig> RaftLogStorage<C> for LogStore<C> {
             encoded.push((entry.log_id.index, bytes));
         }
         let outcome = self
-            .write((ErrorSubject::Logs, ErrorVerb::Write), move |txn| {
+            .write((ErrorSubject::Logs, ErrorVerb::Write), Durability::None, move |txn| {
                 let mut table = txn.open_table(ENTRIES)?;
                 for (index, bytes) in &encoded {
                     table.insert(*index, bytes.as_slice())?;
@@ -236,17 +346,27 @@ impl<C: GroupConfig> RaftLogStorage<C> for LogStore<C> {
                 Ok(())
             })
             .await;
-        // The commit above returned, so the entries are durable: only now may openraft count
-        // this node's copy towards a quorum.
-        match &outcome {
-            Ok(()) => callback.log_io_completed(Ok(())),
-            Err(error) => callback.log_io_completed(Err(std::io::Error::other(error.to_string()))),
+        if let Err(error) = &outcome {
+            callback.log_io_completed(Err(std::io::Error::other(error.to_string())));
+            return outcome;
         }
-        outcome
+        // Readable now, durable only after the flusher's fsync: only then may openraft count
+        // this node's copy towards a quorum.
+        if let Err(mpsc::error::SendError(request)) =
+            self.flusher.send(FlushRequest::Appended(callback)).await
+        {
+            let error = std::io::Error::other("the Raft log flusher stopped");
+            if let FlushRequest::Appended(callback) = request {
+                callback.log_io_completed(Err(std::io::Error::other(error.to_string())));
+            }
+            return Err(storage_io(ErrorSubject::Logs, ErrorVerb::Write, &error));
+        }
+        Ok(())
     }
 
     async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
-        self.write((ErrorSubject::Logs, ErrorVerb::Delete), move |txn| {
+        self.barrier(ErrorSubject::Logs, ErrorVerb::Delete).await?;
+        self.write((ErrorSubject::Logs, ErrorVerb::Delete), Durability::Immediate, move |txn| {
             txn.open_table(ENTRIES)?.retain_in(log_id.index.., |_, _| false)?;
             Ok(())
         })
@@ -257,7 +377,8 @@ impl<C: GroupConfig> RaftLogStorage<C> for LogStore<C> {
         let marker = postcard::to_allocvec(&log_id)
             .map_err(|e| storage_io(ErrorSubject::Logs, ErrorVerb::Delete, &e))?;
         // Marker and deletion in one transaction: a crash never leaves a hole before the marker.
-        self.write((ErrorSubject::Logs, ErrorVerb::Delete), move |txn| {
+        self.barrier(ErrorSubject::Logs, ErrorVerb::Delete).await?;
+        self.write((ErrorSubject::Logs, ErrorVerb::Delete), Durability::Immediate, move |txn| {
             txn.open_table(META)?.insert(META_LAST_PURGED, marker.as_slice())?;
             txn.open_table(ENTRIES)?.retain_in(..=log_id.index, |_, _| false)?;
             Ok(())

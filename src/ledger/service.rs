@@ -176,11 +176,13 @@ impl RaftPeerService {
         listener: tokio::net::TcpListener,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), tonic::transport::Error> {
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        // Nagle off on accepted sockets: `Server::tcp_nodelay` applies only to listeners tonic
+        // binds itself, and Nagle meeting the peer's delayed ACK stalls a small reply ~40 ms.
+        let incoming =
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
         tonic::transport::Server::builder()
             .timeout(SERVER_REQUEST_TIMEOUT)
             .concurrency_limit_per_connection(CONCURRENT_REQUESTS_PER_CONNECTION_MAX)
-            .tcp_nodelay(true)
             .add_service(self.into_server())
             .serve_with_incoming_shutdown(incoming, shutdown)
             .await

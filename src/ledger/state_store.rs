@@ -122,6 +122,13 @@ impl<M: GroupMachine> MachineView<M> {
         read(&self.applied.read().machine)
     }
 
+    /// Runs `read` on the machine and returns its answer with the index of the last entry
+    /// applied, both seen at one instant (no apply runs in between).
+    pub fn read_at_applied<T>(&self, read: impl FnOnce(&M) -> T) -> (T, Option<u64>) {
+        let applied = self.applied.read();
+        (read(&applied.machine), applied.last_applied.map(|id| id.index))
+    }
+
     /// The index of the last log entry applied on this node.
     pub fn last_applied_index(&self) -> Option<u64> {
         self.applied.read().last_applied.map(|id| id.index)

@@ -1,8 +1,12 @@
 //! Test harness: starts real `quotamesh` processes on loopback ports with their own data
-//! directories, waits until they are ready, and stops them when dropped.
+//! directories, waits until they are ready, and stops them when dropped. [`cluster`] builds
+//! regions of several such processes on 127.0.0.x addresses.
 
 #![allow(dead_code)] // Each test binary uses a different part of the harness.
 
+pub mod cluster;
+
+use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -31,6 +35,8 @@ pub struct NodeProcess {
     pub rls_addr: SocketAddr,
     pub metrics_addr: SocketAddr,
     pub data_dir: PathBuf,
+    /// Where the process's stdout and stderr go, when not inherited.
+    pub log_path: Option<PathBuf>,
     _scratch: Option<tempfile::TempDir>,
 }
 
@@ -48,37 +54,79 @@ impl NodeProcess {
     pub fn start_with(policy: &Path, data_dir: &Path, extra: &[&str]) -> anyhow::Result<Self> {
         let rls_addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse()?;
         let metrics_addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse()?;
-        let child = Command::new(env!("CARGO_BIN_EXE_quotamesh"))
+        // The admin and Raft listeners too, so nodes of parallel tests never share a port.
+        let admin_addr = format!("127.0.0.1:{}", free_port());
+        let raft_addr = format!("127.0.0.1:{}", free_port());
+        let mut arguments: Vec<OsString> = vec![
+            "--data-dir".into(),
+            data_dir.into(),
+            "--policy".into(),
+            policy.into(),
+            "--admin-addr".into(),
+            admin_addr.into(),
+            "--raft-addr".into(),
+            raft_addr.into(),
+        ];
+        arguments.extend(extra.iter().map(OsString::from));
+        Self::spawn(rls_addr, metrics_addr, data_dir, &arguments, &[], None)
+    }
+
+    /// Starts `quotamesh serve` on the given RLS and metrics addresses with more arguments
+    /// and environment variables, its output to `log_path` when given; waits until ready.
+    pub fn spawn(
+        rls_addr: SocketAddr,
+        metrics_addr: SocketAddr,
+        data_dir: &Path,
+        arguments: &[OsString],
+        environment: &[(&str, String)],
+        log_path: Option<&Path>,
+    ) -> anyhow::Result<Self> {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_quotamesh"));
+        command
             .arg("serve")
             .arg("--rls-addr")
             .arg(rls_addr.to_string())
             .arg("--metrics-addr")
             .arg(metrics_addr.to_string())
-            .arg("--data-dir")
-            .arg(data_dir)
-            .arg("--policy")
-            .arg(policy)
-            .args(extra)
+            .args(arguments)
             .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .spawn()
-            .context("spawn quotamesh")?;
+            .env("RUST_BACKTRACE", "0")
+            .envs(environment.iter().map(|(name, value)| (*name, value.as_str())))
+            .stdin(Stdio::null());
+        if let Some(log_path) = log_path {
+            let log = std::fs::OpenOptions::new().create(true).append(true).open(log_path)?;
+            command.stdout(log.try_clone()?).stderr(log);
+        }
+        let child = command.spawn().context("spawn quotamesh")?;
         let mut node = Self {
             child: Some(child),
             rls_addr,
             metrics_addr,
             data_dir: data_dir.to_owned(),
+            log_path: log_path.map(Path::to_owned),
             _scratch: None,
         };
         node.wait_ready()?;
         Ok(node)
     }
 
+    /// The last `lines` lines of the process's log file, when it has one.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let Some(path) = &self.log_path else {
+            return String::new();
+        };
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
     fn wait_ready(&mut self) -> anyhow::Result<()> {
         let deadline = Instant::now() + READY_TIMEOUT;
         while Instant::now() < deadline {
-            if let Some(status) = self.child.as_mut().map(Child::try_wait).transpose()?.flatten() {
-                bail!("quotamesh exited before becoming ready: {status}");
+            if let Some(child) = self.child.as_mut()
+                && let Some(status) = child.try_wait()?
+            {
+                bail!("quotamesh exited before becoming ready: {status}\n{}", self.log_tail(20));
             }
             if let Ok((200, _)) = http_get(self.metrics_addr, "/readyz") {
                 return Ok(());
@@ -106,6 +154,19 @@ impl NodeProcess {
         let status =
             Command::new("kill").arg(format!("-{signal}")).arg(pid.to_string()).status()?;
         anyhow::ensure!(status.success(), "kill -{signal} failed");
+        Ok(())
+    }
+
+    /// The process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// SIGKILL (kill -9): no shutdown, no flush; waits until the process is gone.
+    pub fn kill(&mut self) -> anyhow::Result<()> {
+        let mut child = self.child.take().context("process already stopped")?;
+        child.kill()?;
+        child.wait()?;
         Ok(())
     }
 

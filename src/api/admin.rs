@@ -1,0 +1,637 @@
+//! The admin gRPC service (`quotamesh.admin.v1.Admin`, default port 8083): forms and changes
+//! the region's quota group, reports its status, and takes lease grants by hand.
+//!
+//! ```text
+//!  quotamesh cluster ... ──gRPC──▶ AdminService ──▶ RaftGroup<QuotaGroup> (crate::ledger)
+//!                                       │ AcquireLeases: validate every item, resolve its
+//!                                       │ rule in the node's policy, then ONE AcquireLeases
+//!                                       ▼ command, forwarded to the leader by the group
+//!                                  policy (ArcSwap)
+//! ```
+//!
+//! Every call is bounded by the caller's gRPC deadline, capped at [`ADMIN_DEADLINE_MAX`]
+//! (default [`ADMIN_DEADLINE_DEFAULT`]). Bad input is refused before anything is proposed, so
+//! it changes nothing, not even ledger time. Errors become statuses in `crate::api::status`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use tonic::{Request, Response, Status};
+
+use crate::api::proto::quotamesh::admin::v1 as proto;
+use crate::api::proto::quotamesh::admin::v1::admin_server::{Admin, AdminServer};
+use crate::core::ledger::{
+    KEY_BYTES_MAX, KEY_PREFIX, LEASE_REQUESTS_PER_COMMAND_MAX, LEASE_TOKENS_MAX, LEASE_TTL_MS_MAX,
+    LeaseRequest, QuotaCommand, QuotaLedger, QuotaResponse, check_lease_request,
+};
+use crate::core::policy::{DESCRIPTOR_DEPTH_MAX, Entry, Match, PolicySet};
+use crate::ledger::{BasicNode, MembershipError, NodeId, QuotaGroup, RaftGroup};
+
+/// Deadline of a call that sent none.
+pub const ADMIN_DEADLINE_DEFAULT: Duration = Duration::from_secs(10);
+/// Longest any call may run, whatever deadline it sent: adding a node waits until it has
+/// caught up, which may take a snapshot transfer.
+pub const ADMIN_DEADLINE_MAX: Duration = Duration::from_secs(120);
+/// Largest admin message either way: a full batch of lease requests with the longest keys.
+pub const ADMIN_MESSAGE_BYTES_MAX: usize = 4 * 1024 * 1024;
+/// Most calls served at once on one connection (a benchmark keeps a few dozen in flight).
+pub const ADMIN_CONCURRENT_REQUESTS_PER_CONNECTION_MAX: usize = 256;
+/// Lease TTL of a request that names none (the design's default: at most 1 s).
+pub const LEASE_TTL_MS_DEFAULT: u64 = 1_000;
+/// Most keys one `ReadKeys` call may ask for.
+pub const READ_KEYS_MAX: usize = LEASE_REQUESTS_PER_COMMAND_MAX;
+/// Longest domain, entry key or entry value in a lease request; the whole ledger key is
+/// bounded by [`KEY_BYTES_MAX`] anyway.
+const FIELD_BYTES_MAX: usize = KEY_BYTES_MAX;
+
+const _: () = assert!(LEASE_TTL_MS_DEFAULT <= LEASE_TTL_MS_MAX);
+const _: () =
+    assert!(LEASE_REQUESTS_PER_COMMAND_MAX * (KEY_BYTES_MAX + 64) < ADMIN_MESSAGE_BYTES_MAX);
+
+/// What the admin service knows of its node.
+#[derive(Debug, Clone)]
+pub struct AdminNode {
+    /// The node's name (`node_id` in its configuration).
+    pub name: String,
+    /// Its Raft id; leases granted through it are held by it.
+    pub raft_node_id: NodeId,
+    /// Its cluster.
+    pub cluster_id: String,
+    /// The Raft address the other nodes reach it at.
+    pub advertise_addr: String,
+    /// The configured voters `Init` forms the group from.
+    pub peers: BTreeMap<NodeId, BasicNode>,
+}
+
+/// The admin service of one node; cheap to clone.
+#[derive(Clone)]
+pub struct AdminService {
+    node: Arc<AdminNode>,
+    quota: RaftGroup<QuotaGroup>,
+    policy: Arc<ArcSwap<PolicySet>>,
+}
+
+impl AdminService {
+    /// The service over this node's quota group, resolving rules in `policy`.
+    pub fn new(
+        node: AdminNode,
+        quota: RaftGroup<QuotaGroup>,
+        policy: Arc<ArcSwap<PolicySet>>,
+    ) -> Self {
+        Self { node: Arc::new(node), quota, policy }
+    }
+
+    /// The tonic service with the message size limits set both ways.
+    pub fn into_server(self) -> AdminServer<Self> {
+        AdminServer::new(self)
+            .max_decoding_message_size(ADMIN_MESSAGE_BYTES_MAX)
+            .max_encoding_message_size(ADMIN_MESSAGE_BYTES_MAX)
+    }
+
+    /// Serves the admin API on `listener` until `shutdown` completes.
+    ///
+    /// # Errors
+    /// The transport error that stopped the server.
+    pub async fn serve(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), tonic::transport::Error> {
+        let incoming =
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+        tonic::transport::Server::builder()
+            // A backstop: each handler bounds its own work by the caller's deadline.
+            .timeout(ADMIN_DEADLINE_MAX + Duration::from_secs(5))
+            .concurrency_limit_per_connection(ADMIN_CONCURRENT_REQUESTS_PER_CONNECTION_MAX)
+            .add_service(self.into_server())
+            .serve_with_incoming_shutdown(incoming, shutdown)
+            .await
+    }
+
+    fn members(&self) -> Vec<proto::Member> {
+        let metrics = self.quota.metrics();
+        let membership = metrics.membership_config.membership();
+        let voters: std::collections::BTreeSet<NodeId> = membership.voter_ids().collect();
+        membership
+            .nodes()
+            .map(|(id, node)| proto::Member {
+                node_id: id.0,
+                raft_addr: node.addr.clone(),
+                voter: voters.contains(id),
+            })
+            .collect()
+    }
+
+    /// A membership error as a status, naming the leader's address when this is not it.
+    fn membership_status(&self, error: MembershipError) -> Status {
+        if let MembershipError::NotLeader { leader: Some(leader) } = &error {
+            let metrics = self.quota.metrics();
+            let address = metrics
+                .membership_config
+                .membership()
+                .get_node(leader)
+                .map_or_else(|| "unknown address".to_owned(), |node| node.addr.clone());
+            return Status::failed_precondition(format!(
+                "node {} is not the leader of the quota group; node {leader} is (Raft address \
+                 {address}): send membership changes to its admin address",
+                self.node.raft_node_id
+            ));
+        }
+        crate::api::status::membership_status(error)
+    }
+
+    /// Checks every item, resolves its rule, and builds the ledger's lease requests.
+    fn lease_requests(
+        &self,
+        request: &proto::AcquireLeasesRequest,
+    ) -> Result<(Vec<u32>, Vec<LeaseRequest>), Status> {
+        if request.leases.is_empty() {
+            return Err(Status::invalid_argument("no leases requested"));
+        }
+        if request.leases.len() > LEASE_REQUESTS_PER_COMMAND_MAX {
+            return Err(Status::invalid_argument(format!(
+                "{} leases requested in one call; at most {LEASE_REQUESTS_PER_COMMAND_MAX}",
+                request.leases.len()
+            )));
+        }
+        let lease_ttl_ms = match request.lease_ttl_ms {
+            0 => LEASE_TTL_MS_DEFAULT,
+            ttl if ttl > LEASE_TTL_MS_MAX => {
+                return Err(Status::invalid_argument(format!(
+                    "lease_ttl_ms must be at most {LEASE_TTL_MS_MAX}, got {ttl}"
+                )));
+            }
+            ttl => ttl,
+        };
+        let policy = self.policy.load();
+        let mut items = Vec::with_capacity(request.leases.len());
+        let mut requests = Vec::with_capacity(request.leases.len());
+        for (index, wanted) in request.leases.iter().enumerate() {
+            let item = u32::try_from(index).expect("bounded by LEASE_REQUESTS_PER_COMMAND_MAX");
+            let refuse =
+                |reason: String| Status::invalid_argument(format!("item {index}: {reason}"));
+            check_wanted(wanted).map_err(refuse)?;
+            let entries: Vec<Entry<'_>> = wanted
+                .entries
+                .iter()
+                .map(|entry| Entry { key: &entry.key, value: &entry.value })
+                .collect();
+            let rule = match policy.match_descriptor(&wanted.domain, &entries) {
+                Match::DomainNotFound => {
+                    return Err(Status::not_found(format!(
+                        "item {index}: no policy for domain {:?}",
+                        wanted.domain
+                    )));
+                }
+                Match::NoRule => {
+                    return Err(Status::not_found(format!(
+                        "item {index}: no rule of domain {:?} matches the descriptor {}",
+                        wanted.domain,
+                        descriptor_path(&wanted.entries)
+                    )));
+                }
+                Match::Rule(rule) if rule.limits.is_empty() => {
+                    return Err(Status::not_found(format!(
+                        "item {index}: rule {:?} of domain {:?} has no limit: nothing to lease",
+                        rule.path, wanted.domain
+                    )));
+                }
+                Match::Rule(rule) => rule,
+            };
+            for (limit_index, limit) in rule.limits.iter().enumerate() {
+                let key = ledger_key(&wanted.domain, &wanted.entries, limit_index);
+                let lease = LeaseRequest {
+                    key,
+                    limit: limit.spec,
+                    tokens_wanted: wanted.tokens_wanted,
+                    lease_ttl_ms,
+                };
+                check_lease_request(&lease).map_err(|error| refuse(error.to_string()))?;
+                items.push(item);
+                requests.push(lease);
+            }
+        }
+        if requests.len() > LEASE_REQUESTS_PER_COMMAND_MAX {
+            return Err(Status::invalid_argument(format!(
+                "the items' rules need {} lease requests; at most {LEASE_REQUESTS_PER_COMMAND_MAX} \
+                 fit in one command",
+                requests.len()
+            )));
+        }
+        Ok((items, requests))
+    }
+}
+
+/// Checks the fields of one item that need no policy.
+fn check_wanted(wanted: &proto::LeaseWanted) -> Result<(), String> {
+    if wanted.tokens_wanted == 0 || wanted.tokens_wanted > LEASE_TOKENS_MAX {
+        return Err(format!(
+            "tokens_wanted must be between 1 and {LEASE_TOKENS_MAX}, got {}",
+            wanted.tokens_wanted
+        ));
+    }
+    if wanted.domain.is_empty() || wanted.domain.len() > FIELD_BYTES_MAX {
+        return Err(format!("domain must be 1 to {FIELD_BYTES_MAX} bytes"));
+    }
+    if wanted.entries.is_empty() || wanted.entries.len() > DESCRIPTOR_DEPTH_MAX {
+        return Err(format!(
+            "a descriptor has 1 to {DESCRIPTOR_DEPTH_MAX} entries, got {}",
+            wanted.entries.len()
+        ));
+    }
+    for (position, entry) in wanted.entries.iter().enumerate() {
+        if entry.key.is_empty() {
+            return Err(format!("entry {position}: key must not be empty"));
+        }
+        if entry.key.len() > FIELD_BYTES_MAX || entry.value.len() > FIELD_BYTES_MAX {
+            return Err(format!(
+                "entry {position}: key and value are at most {FIELD_BYTES_MAX} bytes"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `key=value/key=value` for messages.
+fn descriptor_path(entries: &[proto::DescriptorEntry]) -> String {
+    entries
+        .iter()
+        .map(|entry| format!("{}={}", entry.key, entry.value))
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+/// The ledger key of limit `limit_index` of a descriptor: `rl:{domain}:{key=value/...}`, with
+/// `#n` for the n-th limit (n >= 1) of a rule with several. `%`, `/`, `=`, `#` and `:` in
+/// the domain, keys and values are percent-escaped, so two descriptors never share a key.
+pub fn ledger_key(domain: &str, entries: &[proto::DescriptorEntry], limit_index: usize) -> String {
+    let mut key = String::from(KEY_PREFIX);
+    escape_into(&mut key, domain);
+    key.push(':');
+    for (position, entry) in entries.iter().enumerate() {
+        if position > 0 {
+            key.push('/');
+        }
+        escape_into(&mut key, &entry.key);
+        key.push('=');
+        escape_into(&mut key, &entry.value);
+    }
+    if limit_index > 0 {
+        key.push('#');
+        key.push_str(&limit_index.to_string());
+    }
+    key
+}
+
+fn escape_into(key: &mut String, text: &str) {
+    for character in text.chars() {
+        match character {
+            '%' => key.push_str("%25"),
+            '/' => key.push_str("%2F"),
+            '=' => key.push_str("%3D"),
+            '#' => key.push_str("%23"),
+            ':' => key.push_str("%3A"),
+            other => key.push(other),
+        }
+    }
+}
+
+/// The caller's deadline from its `grpc-timeout` header, capped; the default when absent.
+fn deadline<T>(request: &Request<T>) -> Duration {
+    let sent = request
+        .metadata()
+        .get("grpc-timeout")
+        .and_then(|value| value.to_str().ok())
+        .and_then(parse_grpc_timeout);
+    sent.unwrap_or(ADMIN_DEADLINE_DEFAULT).min(ADMIN_DEADLINE_MAX)
+}
+
+/// Parses gRPC's `TimeoutValue TimeoutUnit`: up to 8 digits and one of `HMSmun`.
+fn parse_grpc_timeout(text: &str) -> Option<Duration> {
+    let (digits, unit) = text.split_at_checked(text.len().checked_sub(1)?)?;
+    if digits.is_empty() || digits.len() > 8 {
+        return None;
+    }
+    let value: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(value.saturating_mul(3600)),
+        "M" => Duration::from_secs(value.saturating_mul(60)),
+        "S" => Duration::from_secs(value),
+        "m" => Duration::from_millis(value),
+        "u" => Duration::from_micros(value),
+        "n" => Duration::from_nanos(value),
+        _ => return None,
+    })
+}
+
+/// The part of a deadline spent on work, leaving room to send the answer before the caller
+/// gives up.
+fn work_budget(deadline: Duration) -> Duration {
+    deadline.mul_f64(0.9)
+}
+
+fn outstanding_by_node(ledger: &QuotaLedger) -> Vec<proto::NodeTokens> {
+    let mut totals: BTreeMap<NodeId, u64> = BTreeMap::new();
+    for (_, entry) in ledger.keys() {
+        for (node_id, lease) in &entry.leases {
+            let total = totals.entry(*node_id).or_default();
+            *total = total.saturating_add(lease.tokens);
+        }
+    }
+    totals
+        .into_iter()
+        .map(|(node_id, tokens)| proto::NodeTokens { node_id: node_id.0, tokens })
+        .collect()
+}
+
+#[tonic::async_trait]
+impl Admin for AdminService {
+    async fn init(
+        &self,
+        request: Request<proto::InitRequest>,
+    ) -> Result<Response<proto::MembershipReply>, Status> {
+        let budget = work_budget(deadline(&request));
+        if self.node.peers.is_empty() {
+            return Err(Status::failed_precondition(
+                "this node has no [[peers]] configured: it is a single-node region and formed \
+                 its quota group on first start",
+            ));
+        }
+        tokio::time::timeout(budget, self.quota.initialize(self.node.peers.clone()))
+            .await
+            .map_err(|_| Status::deadline_exceeded("initialize did not finish in time"))?
+            .map_err(|error| self.membership_status(error))?;
+        tracing::info!(voters = ?self.node.peers.keys().collect::<Vec<_>>(), "quota group formed");
+        Ok(Response::new(proto::MembershipReply { members: self.members() }))
+    }
+
+    async fn add_node(
+        &self,
+        request: Request<proto::AddNodeRequest>,
+    ) -> Result<Response<proto::MembershipReply>, Status> {
+        let budget = work_budget(deadline(&request));
+        let started = tokio::time::Instant::now();
+        let request = request.into_inner();
+        if request.node_id == 0 {
+            return Err(Status::invalid_argument("node_id must be at least 1"));
+        }
+        crate::config::check_peer_addr(&request.raft_addr)
+            .map_err(|reason| Status::invalid_argument(format!("raft_addr {reason}")))?;
+        let node_id = NodeId(request.node_id);
+        let (known, is_voter) = {
+            let metrics = self.quota.metrics();
+            let membership = metrics.membership_config.membership();
+            let known = membership.get_node(&node_id).map(|node| node.addr.clone());
+            (known, membership.voter_ids().any(|voter| voter == node_id))
+        };
+        if let Some(address) = &known
+            && *address != request.raft_addr
+        {
+            return Err(Status::failed_precondition(format!(
+                "node {node_id} is a member already, at {address}; remove it first to move it"
+            )));
+        }
+        if is_voter {
+            if request.learner_only {
+                return Err(Status::failed_precondition(format!(
+                    "node {node_id} is a voter already; remove it first to make it a learner"
+                )));
+            }
+            return Ok(Response::new(proto::MembershipReply { members: self.members() }));
+        }
+        let learner = self.quota.add_learner(node_id, BasicNode::new(request.raft_addr.clone()));
+        tokio::time::timeout(budget, learner)
+            .await
+            .map_err(|_| {
+                Status::deadline_exceeded(format!(
+                    "node {node_id} may have been added as a learner but has not caught up in \
+                     time; run add-node again to finish"
+                ))
+            })?
+            .map_err(|error| self.membership_status(error))?;
+        tracing::info!(%node_id, raft_addr = %request.raft_addr, "learner added and caught up");
+        if !request.learner_only {
+            let remaining = budget.saturating_sub(started.elapsed());
+            tokio::time::timeout(remaining, self.quota.promote_voter(node_id))
+                .await
+                .map_err(|_| {
+                    Status::deadline_exceeded(format!(
+                        "node {node_id} is a learner; making it a voter did not finish in time \
+                         (it may still); run add-node again to finish"
+                    ))
+                })?
+                .map_err(|error| self.membership_status(error))?;
+            tracing::info!(%node_id, "learner promoted to voter");
+        }
+        Ok(Response::new(proto::MembershipReply { members: self.members() }))
+    }
+
+    async fn remove_node(
+        &self,
+        request: Request<proto::RemoveNodeRequest>,
+    ) -> Result<Response<proto::MembershipReply>, Status> {
+        let budget = work_budget(deadline(&request));
+        let node_id = NodeId(request.into_inner().node_id);
+        let (member, voters) = {
+            let metrics = self.quota.metrics();
+            let membership = metrics.membership_config.membership();
+            let voters: Vec<NodeId> = membership.voter_ids().collect();
+            (membership.get_node(&node_id).is_some(), voters)
+        };
+        if !member {
+            return Err(Status::not_found(format!(
+                "node {node_id} is not a member of the quota group"
+            )));
+        }
+        if voters == [node_id] {
+            return Err(Status::failed_precondition(format!(
+                "node {node_id} is the only voter; the group cannot lose it"
+            )));
+        }
+        tokio::time::timeout(budget, self.quota.remove_member(node_id))
+            .await
+            .map_err(|_| {
+                Status::deadline_exceeded(format!(
+                    "removing node {node_id} did not finish in time (it may still)"
+                ))
+            })?
+            .map_err(|error| self.membership_status(error))?;
+        tracing::info!(%node_id, "node removed from the quota group");
+        Ok(Response::new(proto::MembershipReply { members: self.members() }))
+    }
+
+    async fn status(
+        &self,
+        _request: Request<proto::StatusRequest>,
+    ) -> Result<Response<proto::StatusReply>, Status> {
+        let commit_index =
+            self.quota.committed_index().await.map_err(crate::api::status::membership_status)?;
+        let metrics = self.quota.metrics();
+        let followers = metrics
+            .replication
+            .as_ref()
+            .map(|replication| {
+                replication
+                    .iter()
+                    .filter(|(id, _)| **id != metrics.id)
+                    .map(|(id, matched)| {
+                        let matched_index = matched.map(|log_id| log_id.index);
+                        let last = metrics.last_log_index.unwrap_or(0);
+                        proto::FollowerLag {
+                            node_id: id.0,
+                            matched_index,
+                            lag_entries: last.saturating_sub(matched_index.unwrap_or(0)),
+                        }
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let ((state_digest, ledger_keys, outstanding_tokens, ledger_time_ms), applied_index) =
+            self.quota.read_at_applied(|ledger| {
+                (
+                    ledger.digest(),
+                    ledger.key_count() as u64,
+                    outstanding_by_node(ledger),
+                    ledger.last_seen_ms(),
+                )
+            });
+        Ok(Response::new(proto::StatusReply {
+            node_id: self.node.raft_node_id.0,
+            cluster_id: self.node.cluster_id.clone(),
+            node_name: self.node.name.clone(),
+            raft_addr: self.node.advertise_addr.clone(),
+            state: format!("{:?}", metrics.state),
+            leader_id: metrics.current_leader.map(|id| id.0),
+            term: metrics.current_term,
+            last_log_index: metrics.last_log_index,
+            commit_index,
+            applied_index,
+            snapshot_index: metrics.snapshot.map(|id| id.index),
+            purged_index: metrics.purged.map(|id| id.index),
+            members: self.members(),
+            followers,
+            state_digest,
+            ledger_keys,
+            outstanding_tokens,
+            ledger_time_ms,
+            millis_since_quorum_ack: metrics.millis_since_quorum_ack,
+        }))
+    }
+
+    async fn acquire_leases(
+        &self,
+        request: Request<proto::AcquireLeasesRequest>,
+    ) -> Result<Response<proto::AcquireLeasesReply>, Status> {
+        let budget = work_budget(deadline(&request));
+        let (items, requests) = self.lease_requests(request.get_ref())?;
+        let keys: Vec<String> = requests.iter().map(|lease| lease.key.clone()).collect();
+        let command = QuotaCommand::AcquireLeases {
+            now_ms: crate::clock::now_ms(),
+            node_id: self.node.raft_node_id,
+            requests,
+        };
+        let response = self.quota.write(command, budget).await.map_err(Status::from)?;
+        let grants = match response {
+            QuotaResponse::Leases(grants) => grants,
+            QuotaResponse::Rejected(refused) => {
+                return Err(Status::invalid_argument(refused.to_string()));
+            }
+            other => {
+                return Err(Status::internal(format!(
+                    "the ledger answered an AcquireLeases command with {other:?}"
+                )));
+            }
+        };
+        let results = grants
+            .into_iter()
+            .zip(items)
+            .zip(keys)
+            .map(|((grant, item), key)| match grant {
+                Ok(grant) => proto::LeaseResult {
+                    item,
+                    key,
+                    granted_tokens: grant.granted_tokens,
+                    retry_after_ms: grant.retry_after_ms,
+                    remaining_tokens: grant.remaining_tokens,
+                    lease_expires_at_ms: grant.lease_expires_at_ms,
+                    error: String::new(),
+                },
+                Err(error) => {
+                    proto::LeaseResult { item, key, error: error.to_string(), ..Default::default() }
+                }
+            })
+            .collect();
+        Ok(Response::new(proto::AcquireLeasesReply {
+            results,
+            leaseholder_node_id: self.node.raft_node_id.0,
+        }))
+    }
+
+    async fn read_keys(
+        &self,
+        request: Request<proto::ReadKeysRequest>,
+    ) -> Result<Response<proto::ReadKeysReply>, Status> {
+        let keys = request.into_inner().keys;
+        if keys.len() > READ_KEYS_MAX {
+            return Err(Status::invalid_argument(format!(
+                "{} keys asked for; at most {READ_KEYS_MAX}",
+                keys.len()
+            )));
+        }
+        let (entries, applied_index) = self.quota.read_at_applied(|ledger| {
+            keys.into_iter()
+                .map(|key| match ledger.key(&key) {
+                    None => proto::KeyEntry { key, ..Default::default() },
+                    Some(entry) => proto::KeyEntry {
+                        found: true,
+                        leases: entry
+                            .leases
+                            .iter()
+                            .map(|(node_id, lease)| proto::KeyLease {
+                                node_id: node_id.0,
+                                tokens: lease.tokens,
+                                expires_at_ms: lease.expires_at_ms,
+                            })
+                            .collect(),
+                        last_used_ms: entry.last_used_ms,
+                        key,
+                    },
+                })
+                .collect()
+        });
+        Ok(Response::new(proto::ReadKeysReply { entries, applied_index }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(key: &str, value: &str) -> proto::DescriptorEntry {
+        proto::DescriptorEntry { key: key.to_owned(), value: value.to_owned() }
+    }
+
+    /// Separators inside values are escaped, so different descriptors get different keys.
+    #[test]
+    fn ledger_keys_are_unambiguous() {
+        let plain = ledger_key("d", &[entry("a", "b"), entry("c", "d")], 0);
+        assert_eq!(plain, "rl:d:a=b/c=d");
+        let tricky = ledger_key("d", &[entry("a", "b/c=d")], 0);
+        assert_eq!(tricky, "rl:d:a=b%2Fc%3Dd");
+        assert_ne!(plain, tricky);
+        assert_eq!(ledger_key("d", &[entry("a", "")], 2), "rl:d:a=#2");
+    }
+
+    /// gRPC timeouts parse in every unit; junk is ignored.
+    #[test]
+    fn grpc_timeouts_parse() {
+        assert_eq!(parse_grpc_timeout("250m"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_grpc_timeout("3S"), Some(Duration::from_secs(3)));
+        assert_eq!(parse_grpc_timeout("2M"), Some(Duration::from_secs(120)));
+        assert_eq!(parse_grpc_timeout("m"), None);
+        assert_eq!(parse_grpc_timeout("123456789m"), None);
+        assert_eq!(parse_grpc_timeout("5x"), None);
+    }
+}

@@ -1,0 +1,430 @@
+//! `quotamesh cluster init|add-node|remove-node|status|acquire-leases`: the command-line
+//! client of the admin gRPC service (`crate::api::admin`).
+//!
+//! Membership changes run on the quota group's leader. Give `--admin-addr` every node of the
+//! region (comma-separated or repeated) and the command finds the leader by asking each for
+//! its status; with one address, that node must lead. Output is readable text, or one JSON
+//! document with `--json`.
+
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::{Args, Subcommand};
+use tonic::transport::Channel;
+
+use crate::api::proto::quotamesh::admin::v1 as proto;
+use crate::api::proto::quotamesh::admin::v1::admin_client::AdminClient;
+
+/// How long connecting to a node may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// How often `init` looks for an elected leader.
+const LEADER_POLL: Duration = Duration::from_millis(100);
+
+/// Where to reach the region and how long to wait.
+#[derive(Debug, Args)]
+pub struct Target {
+    /// Admin gRPC address of a node, `host:port` or `http://host:port`; comma-separated or
+    /// repeated to give every node of the region.
+    #[arg(long = "admin-addr", value_delimiter = ',', default_value = "127.0.0.1:8083")]
+    pub admin_addrs: Vec<String>,
+    /// Deadline of each call, in milliseconds (adding a node waits until it caught up).
+    #[arg(long, default_value_t = 30_000)]
+    pub timeout_ms: u64,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Cluster subcommands.
+#[derive(Debug, Subcommand)]
+pub enum ClusterCommand {
+    /// Form the quota group from the node's configured `[[peers]]` (once, on one of them),
+    /// then wait until a leader is elected.
+    Init {
+        #[command(flatten)]
+        target: Target,
+    },
+    /// Add a node: as a learner, wait until it caught up, then make it a voter.
+    AddNode {
+        #[command(flatten)]
+        target: Target,
+        /// The new node's `raft_node_id`.
+        #[arg(long)]
+        node_id: u64,
+        /// Its Raft address as the other nodes reach it, `host:port`.
+        #[arg(long)]
+        raft_addr: String,
+        /// Keep it a learner (a non-voting gateway).
+        #[arg(long)]
+        learner_only: bool,
+    },
+    /// Remove a node from the voters and the members.
+    RemoveNode {
+        #[command(flatten)]
+        target: Target,
+        /// The node's `raft_node_id`.
+        #[arg(long)]
+        node_id: u64,
+    },
+    /// Show each node's view: leader, term, commit and applied index, members, lag per
+    /// follower, ledger digest.
+    Status {
+        #[command(flatten)]
+        target: Target,
+    },
+    /// Ask for leases on one descriptor (held by the node asked), e.g. to check a rule.
+    AcquireLeases {
+        #[command(flatten)]
+        target: Target,
+        /// The descriptor's domain.
+        #[arg(long)]
+        domain: String,
+        /// A descriptor entry `key=value`; repeat for a nested descriptor.
+        #[arg(long = "entry", required = true)]
+        entries: Vec<String>,
+        /// Tokens wanted.
+        #[arg(long, default_value_t = 1)]
+        tokens: u64,
+        /// Lease TTL in milliseconds (0: the node's default).
+        #[arg(long, default_value_t = 0)]
+        lease_ttl_ms: u64,
+    },
+}
+
+/// Runs a cluster subcommand.
+///
+/// # Errors
+/// When no node can be reached in time, or the node refuses the call (the message says why).
+pub async fn run(command: ClusterCommand) -> anyhow::Result<()> {
+    match command {
+        ClusterCommand::Init { target } => init(&target).await,
+        ClusterCommand::AddNode { target, node_id, raft_addr, learner_only } => {
+            let mut client = leader(&target).await?;
+            if !target.json {
+                eprintln!(
+                    "adding node {node_id} ({raft_addr}) as a learner; waiting until it has caught up..."
+                );
+            }
+            let request = proto::AddNodeRequest { node_id, raft_addr, learner_only };
+            let reply = client
+                .add_node(with_deadline(request, &target))
+                .await
+                .map_err(rpc_error)?
+                .into_inner();
+            print_members(&target, "node added", &reply)
+        }
+        ClusterCommand::RemoveNode { target, node_id } => {
+            let mut client = leader(&target).await?;
+            let request = proto::RemoveNodeRequest { node_id };
+            let reply = client
+                .remove_node(with_deadline(request, &target))
+                .await
+                .map_err(rpc_error)?
+                .into_inner();
+            print_members(&target, "node removed", &reply)
+        }
+        ClusterCommand::Status { target } => status(&target).await,
+        ClusterCommand::AcquireLeases { target, domain, entries, tokens, lease_ttl_ms } => {
+            let entries = entries
+                .iter()
+                .map(|entry| {
+                    let (key, value) = entry
+                        .split_once('=')
+                        .with_context(|| format!("{entry:?} is not key=value"))?;
+                    Ok(proto::DescriptorEntry { key: key.to_owned(), value: value.to_owned() })
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            let address = first_address(&target)?;
+            let mut client = connect(address, &target).await?;
+            let request = proto::AcquireLeasesRequest {
+                leases: vec![proto::LeaseWanted { domain, entries, tokens_wanted: tokens }],
+                lease_ttl_ms,
+            };
+            let reply = client
+                .acquire_leases(with_deadline(request, &target))
+                .await
+                .map_err(rpc_error)?
+                .into_inner();
+            let results: Vec<serde_json::Value> = reply
+                .results
+                .iter()
+                .map(|result| {
+                    serde_json::json!({
+                        "key": result.key,
+                        "granted_tokens": result.granted_tokens,
+                        "retry_after_ms": result.retry_after_ms,
+                        "remaining_tokens": result.remaining_tokens,
+                        "lease_expires_at_ms": result.lease_expires_at_ms,
+                        "error": (!result.error.is_empty()).then_some(&result.error),
+                    })
+                })
+                .collect();
+            let answer = serde_json::json!({
+                "leaseholder_node_id": reply.leaseholder_node_id,
+                "results": results,
+            });
+            println!("{}", serde_json::to_string_pretty(&answer)?);
+            Ok(())
+        }
+    }
+}
+
+/// A refused call as its gRPC code and the node's message, which says why.
+fn rpc_error(status: tonic::Status) -> anyhow::Error {
+    anyhow::anyhow!("{:?}: {}", status.code(), status.message())
+}
+
+fn with_deadline<T>(message: T, target: &Target) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.set_timeout(Duration::from_millis(target.timeout_ms));
+    request
+}
+
+fn first_address(target: &Target) -> anyhow::Result<&str> {
+    target.admin_addrs.first().map(String::as_str).context("no --admin-addr given")
+}
+
+async fn connect(address: &str, target: &Target) -> anyhow::Result<AdminClient<Channel>> {
+    let url =
+        if address.contains("://") { address.to_owned() } else { format!("http://{address}") };
+    let channel = tonic::transport::Endpoint::from_shared(url)
+        .with_context(|| format!("invalid admin address {address:?}"))?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .timeout(Duration::from_millis(target.timeout_ms))
+        .connect()
+        .await
+        .with_context(|| format!("cannot connect to the admin API at {address}"))?;
+    Ok(AdminClient::new(channel)
+        .max_decoding_message_size(crate::api::admin::ADMIN_MESSAGE_BYTES_MAX)
+        .max_encoding_message_size(crate::api::admin::ADMIN_MESSAGE_BYTES_MAX))
+}
+
+/// The client of the node that leads the quota group among the given ones.
+async fn leader(target: &Target) -> anyhow::Result<AdminClient<Channel>> {
+    if let [only] = target.admin_addrs.as_slice() {
+        // One address: send it there; a follower answers with the leader's name.
+        return connect(only, target).await;
+    }
+    let mut seen = Vec::new();
+    for address in &target.admin_addrs {
+        let reply = async {
+            let mut client = connect(address, target).await?;
+            let status = client
+                .status(with_deadline(proto::StatusRequest {}, target))
+                .await
+                .map_err(rpc_error)?
+                .into_inner();
+            anyhow::Ok((client, status))
+        }
+        .await;
+        match reply {
+            Ok((client, status)) if status.state == "Leader" => return Ok(client),
+            Ok((_, status)) => seen.push(format!(
+                "{address}: node {} is {} (leader: {})",
+                status.node_id,
+                status.state,
+                status.leader_id.map_or_else(|| "none".to_owned(), |id| id.to_string())
+            )),
+            Err(error) => seen.push(format!("{address}: {error:#}")),
+        }
+    }
+    bail!("no node among the given admin addresses leads the quota group:\n  {}", seen.join("\n  "))
+}
+
+async fn init(target: &Target) -> anyhow::Result<()> {
+    let address = first_address(target)?;
+    let mut client = connect(address, target).await?;
+    let reply = client
+        .init(with_deadline(proto::InitRequest {}, target))
+        .await
+        .map_err(rpc_error)?
+        .into_inner();
+    if !target.json {
+        eprintln!("quota group formed; waiting for a leader...");
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(target.timeout_ms);
+    loop {
+        let status = client
+            .status(with_deadline(proto::StatusRequest {}, target))
+            .await
+            .map_err(rpc_error)?
+            .into_inner();
+        if let Some(leader) = status.leader_id {
+            if target.json {
+                let answer = serde_json::json!({
+                    "leader_id": leader,
+                    "term": status.term,
+                    "members": members_json(&reply.members),
+                });
+                println!("{}", serde_json::to_string_pretty(&answer)?);
+            } else {
+                println!("leader: node {leader}, term {}", status.term);
+                print_member_lines(&reply.members);
+            }
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            bail!("the group was formed but no leader was elected within {} ms", target.timeout_ms);
+        }
+        tokio::time::sleep(LEADER_POLL).await;
+    }
+}
+
+async fn status(target: &Target) -> anyhow::Result<()> {
+    let mut views = Vec::new();
+    let mut failures = 0usize;
+    for address in &target.admin_addrs {
+        let reply = async {
+            let mut client = connect(address, target).await?;
+            let status = client
+                .status(with_deadline(proto::StatusRequest {}, target))
+                .await
+                .map_err(rpc_error)?
+                .into_inner();
+            anyhow::Ok(status)
+        }
+        .await;
+        match reply {
+            Ok(status) => views.push((address.clone(), Ok(status))),
+            Err(error) => {
+                failures += 1;
+                views.push((address.clone(), Err(format!("{error:#}"))));
+            }
+        }
+    }
+    if target.json {
+        let nodes: Vec<serde_json::Value> = views
+            .iter()
+            .map(|(address, view)| match view {
+                Ok(status) => status_json(address, status),
+                Err(error) => serde_json::json!({"admin_addr": address, "error": error}),
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "nodes": nodes }))?);
+    } else {
+        for (address, view) in &views {
+            match view {
+                Ok(status) => print_status(address, status),
+                Err(error) => println!("{address}: unreachable: {error}\n"),
+            }
+        }
+    }
+    if failures == views.len() {
+        bail!("no node answered");
+    }
+    Ok(())
+}
+
+fn members_json(members: &[proto::Member]) -> serde_json::Value {
+    members
+        .iter()
+        .map(|member| {
+            serde_json::json!({
+                "node_id": member.node_id,
+                "raft_addr": member.raft_addr,
+                "voter": member.voter,
+            })
+        })
+        .collect()
+}
+
+fn status_json(address: &str, status: &proto::StatusReply) -> serde_json::Value {
+    let followers: Vec<serde_json::Value> = status
+        .followers
+        .iter()
+        .map(|lag| {
+            serde_json::json!({
+                "node_id": lag.node_id,
+                "matched_index": lag.matched_index,
+                "lag_entries": lag.lag_entries,
+            })
+        })
+        .collect();
+    let outstanding: serde_json::Map<String, serde_json::Value> = status
+        .outstanding_tokens
+        .iter()
+        .map(|tokens| (tokens.node_id.to_string(), tokens.tokens.into()))
+        .collect();
+    serde_json::json!({
+        "admin_addr": address,
+        "node_id": status.node_id,
+        "node_name": status.node_name,
+        "cluster_id": status.cluster_id,
+        "raft_addr": status.raft_addr,
+        "state": status.state,
+        "leader_id": status.leader_id,
+        "term": status.term,
+        "last_log_index": status.last_log_index,
+        "commit_index": status.commit_index,
+        "applied_index": status.applied_index,
+        "snapshot_index": status.snapshot_index,
+        "purged_index": status.purged_index,
+        "members": members_json(&status.members),
+        "followers": followers,
+        "state_digest": format!("{:016x}", status.state_digest),
+        "ledger_keys": status.ledger_keys,
+        "outstanding_tokens": outstanding,
+        "ledger_time_ms": status.ledger_time_ms,
+        "millis_since_quorum_ack": status.millis_since_quorum_ack,
+    })
+}
+
+fn index(value: Option<u64>) -> String {
+    value.map_or_else(|| "-".to_owned(), |index| index.to_string())
+}
+
+fn print_status(address: &str, status: &proto::StatusReply) {
+    println!(
+        "node {} ({}) at {address}, cluster {}: {}, leader {}, term {}",
+        status.node_id,
+        status.node_name,
+        status.cluster_id,
+        status.state,
+        index(status.leader_id),
+        status.term
+    );
+    println!(
+        "  log {}  committed {}  applied {}  snapshot {}  purged {}",
+        index(status.last_log_index),
+        index(status.commit_index),
+        index(status.applied_index),
+        index(status.snapshot_index),
+        index(status.purged_index)
+    );
+    println!(
+        "  ledger: {} keys, digest {:016x}, time {} ms",
+        status.ledger_keys, status.state_digest, status.ledger_time_ms
+    );
+    print_member_lines(&status.members);
+    for lag in &status.followers {
+        println!(
+            "  follower {}: matched {}, {} entries behind",
+            lag.node_id,
+            index(lag.matched_index),
+            lag.lag_entries
+        );
+    }
+    println!();
+}
+
+fn print_member_lines(members: &[proto::Member]) {
+    for member in members {
+        let role = if member.voter { "voter" } else { "learner" };
+        println!("  member {} {role} at {}", member.node_id, member.raft_addr);
+    }
+}
+
+fn print_members(
+    target: &Target,
+    what: &str,
+    reply: &proto::MembershipReply,
+) -> anyhow::Result<()> {
+    if target.json {
+        let answer = serde_json::json!({ "members": members_json(&reply.members) });
+        println!("{}", serde_json::to_string_pretty(&answer)?);
+    } else {
+        println!("{what}; members now:");
+        print_member_lines(&reply.members);
+    }
+    Ok(())
+}

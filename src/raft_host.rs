@@ -1,0 +1,253 @@
+//! The Raft side of one node: the data directory's identity, the Raft groups the node runs
+//! (the quota group; the billing group joins it), and the Raft peer listener they share.
+//!
+//! ```text
+//! start:    claim data_dir (identity.json) ─▶ open <data_dir>/quota ─▶ register with the
+//!           RaftPeer service ─▶ listen on raft_addr ─▶ single-node region? form the group
+//! shutdown: stop every group (storage released) ─▶ stop the RaftPeer listener
+//! ```
+//!
+//! The groups themselves (storage, transport, writes) are `crate::ledger`'s; the admin API
+//! over them is `crate::api::admin`'s; `crate::node` starts and stops this with the rest.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::Path;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::config::NodeConfig;
+use crate::identity::{Claim, IdentityError, NodeIdentity};
+use crate::ledger::service::RegisterError;
+use crate::ledger::{
+    BasicNode, GroupSettings, MembershipError, NodeId, OpenError, PeerChannels, QUOTA_GROUP_NAME,
+    QuotaGroup, RaftGroup, RaftPeerService,
+};
+
+/// Why the Raft side of a node could not start. None of these goes away by retrying as is.
+#[derive(Debug, thiserror::Error)]
+pub enum RaftHostError {
+    /// The data directory belongs to another cluster or node, or is damaged.
+    #[error(transparent)]
+    Identity(#[from] IdentityError),
+    /// A group's storage could not be opened (corrupt, locked, bad settings).
+    #[error("cannot open the {group} Raft group: {source}")]
+    Open {
+        /// The group.
+        group: &'static str,
+        /// Why (boxed: openraft's configuration errors are large).
+        #[source]
+        source: Box<OpenError>,
+    },
+    /// The Raft peer listener could not be bound.
+    #[error("cannot listen for Raft peers on {address}: {source}")]
+    Bind {
+        /// The address.
+        address: SocketAddr,
+        /// The IO error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A group could not be registered with the peer service.
+    #[error(transparent)]
+    Register(#[from] RegisterError),
+    /// The single-node group could not be formed.
+    #[error("cannot form the single-node {group} group: {source}")]
+    Initialize {
+        /// The group.
+        group: &'static str,
+        /// Why.
+        #[source]
+        source: MembershipError,
+    },
+}
+
+impl RaftHostError {
+    /// Starting again unchanged will not help.
+    pub fn retry_may_help(&self) -> bool {
+        false
+    }
+}
+
+/// The Raft groups of a running node and their shared transport.
+pub struct RaftHost {
+    node_id: NodeId,
+    cluster_id: String,
+    raft_addr: SocketAddr,
+    advertise_addr: String,
+    peers: BTreeMap<NodeId, BasicNode>,
+    channels: PeerChannels,
+    service: RaftPeerService,
+    quota: RaftGroup<QuotaGroup>,
+    stop: watch::Sender<bool>,
+    server: JoinHandle<()>,
+}
+
+impl RaftHost {
+    /// Claims the data directory, opens the quota group in `<data_dir>/quota`, serves the
+    /// Raft peer service on `raft_addr`, and forms a single-node group when no peers are
+    /// configured and the group was never formed.
+    ///
+    /// # Errors
+    /// [`RaftHostError`] naming the step that failed; nothing is left running.
+    pub async fn start(config: &NodeConfig) -> Result<Self, RaftHostError> {
+        let identity = NodeIdentity::new(config.cluster_id.clone(), config.raft_node_id);
+        let claim = crate::identity::claim(&config.data_dir, &identity, &[QUOTA_GROUP_NAME])?;
+        let channels = PeerChannels::new();
+        let quota = RaftGroup::<QuotaGroup>::open(
+            &quota_settings(config, &config.data_dir),
+            channels.clone(),
+        )
+        .await
+        .map_err(|source| RaftHostError::Open {
+            group: QUOTA_GROUP_NAME,
+            source: Box::new(source),
+        })?;
+        match Self::serve(config, channels, quota.clone(), claim).await {
+            Ok(host) => Ok(host),
+            Err(error) => {
+                // Release the storage so a retry in this process can open it again.
+                if let Err(shutdown) = quota.shutdown().await {
+                    tracing::warn!(%shutdown, "quota group did not stop cleanly");
+                }
+                Err(error)
+            }
+        }
+    }
+
+    async fn serve(
+        config: &NodeConfig,
+        channels: PeerChannels,
+        quota: RaftGroup<QuotaGroup>,
+        claim: Claim,
+    ) -> Result<Self, RaftHostError> {
+        let service = RaftPeerService::new();
+        service.register_group(&quota)?;
+        let listener = tokio::net::TcpListener::bind(config.raft_addr)
+            .await
+            .map_err(|source| RaftHostError::Bind { address: config.raft_addr, source })?;
+        let raft_addr = listener
+            .local_addr()
+            .map_err(|source| RaftHostError::Bind { address: config.raft_addr, source })?;
+        let advertise_addr = config.raft_advertise_addr();
+        if config.peers.is_empty() {
+            // A single-node region: the group must exist for the node to serve, and with no
+            // peers nobody else can form it. Only a group that never had a membership is
+            // formed, so this never re-initializes (crate::identity refuses a lost one).
+            let initialized = quota
+                .is_initialized()
+                .await
+                .map_err(|source| RaftHostError::Initialize { group: QUOTA_GROUP_NAME, source })?;
+            if !initialized {
+                let members =
+                    BTreeMap::from([(config.raft_node_id, BasicNode::new(advertise_addr.clone()))]);
+                quota.initialize(members).await.map_err(|source| RaftHostError::Initialize {
+                    group: QUOTA_GROUP_NAME,
+                    source,
+                })?;
+                tracing::info!(node = %config.raft_node_id, ?claim, "formed a single-node quota group");
+            }
+        }
+        let (stop, mut stopped) = watch::channel(false);
+        let server = {
+            let service = service.clone();
+            tokio::spawn(async move {
+                let shutdown = async move {
+                    let _ = stopped.wait_for(|stop| *stop).await;
+                };
+                if let Err(error) = service.serve(listener, shutdown).await {
+                    tracing::error!(%error, "Raft peer server stopped");
+                }
+            })
+        };
+        let peers = config
+            .peers
+            .iter()
+            .map(|peer| (peer.id, BasicNode::new(peer.raft_addr.clone())))
+            .collect();
+        tracing::info!(%raft_addr, advertise = %advertise_addr, node = %config.raft_node_id, cluster = %config.cluster_id, "Raft peer service listening");
+        Ok(Self {
+            node_id: config.raft_node_id,
+            cluster_id: config.cluster_id.clone(),
+            raft_addr,
+            advertise_addr,
+            peers,
+            channels,
+            service,
+            quota,
+            stop,
+            server,
+        })
+    }
+
+    /// This node's Raft id.
+    pub fn node_id(&self) -> NodeId {
+        self.node_id
+    }
+
+    /// The cluster this node belongs to.
+    pub fn cluster_id(&self) -> &str {
+        &self.cluster_id
+    }
+
+    /// The bound Raft peer address (useful when configured with port 0).
+    pub fn raft_addr(&self) -> SocketAddr {
+        self.raft_addr
+    }
+
+    /// The Raft address the other nodes reach this one at.
+    pub fn advertise_addr(&self) -> &str {
+        &self.advertise_addr
+    }
+
+    /// The configured voters, as `cluster init` forms the group from them.
+    pub fn peers(&self) -> &BTreeMap<NodeId, BasicNode> {
+        &self.peers
+    }
+
+    /// The quota group.
+    pub fn quota(&self) -> &RaftGroup<QuotaGroup> {
+        &self.quota
+    }
+
+    /// The channels to peers, for another group to share.
+    pub fn channels(&self) -> &PeerChannels {
+        &self.channels
+    }
+
+    /// The peer service, for another group to register with.
+    pub fn peer_service(&self) -> &RaftPeerService {
+        &self.service
+    }
+
+    /// Stops every group (releasing their storage), then the peer listener: peers keep
+    /// reaching this node until its groups have stopped, so a leader's last heartbeats and a
+    /// follower's last acknowledgements still flow.
+    pub async fn shutdown(self) {
+        if let Err(error) = self.quota.shutdown().await {
+            tracing::error!(%error, "the quota group did not stop cleanly");
+        }
+        self.service.unregister(QUOTA_GROUP_NAME);
+        let _ = self.stop.send(true);
+        let mut server = self.server;
+        if tokio::time::timeout(crate::node::SHUTDOWN_DRAIN_TIMEOUT, &mut server).await.is_err() {
+            tracing::warn!("the Raft peer server did not drain; closing it");
+            server.abort();
+            let _ = server.await;
+        }
+    }
+}
+
+/// The quota group's settings from the node's configuration.
+fn quota_settings(config: &NodeConfig, data_dir: &Path) -> GroupSettings {
+    let mut settings =
+        GroupSettings::new(QUOTA_GROUP_NAME, config.raft_node_id, data_dir.join(QUOTA_GROUP_NAME));
+    let group = &config.quota_group;
+    settings.heartbeat_interval_ms = group.heartbeat_interval_ms;
+    settings.election_timeout_min_ms = group.election_timeout_min_ms;
+    settings.election_timeout_max_ms = group.election_timeout_max_ms;
+    settings.snapshot_every_logs = group.snapshot_every_logs;
+    settings.logs_kept_after_snapshot = group.logs_kept_after_snapshot;
+    settings
+}
