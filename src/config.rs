@@ -32,7 +32,7 @@
 //!
 //! [headers]
 //! ietf_draft10 = true              # RateLimit-Policy and RateLimit
-//! legacy = true                    # RateLimit-Limit, RateLimit-Remaining, RateLimit-Reset
+//! legacy = false                   # RateLimit-Limit, RateLimit-Remaining, RateLimit-Reset
 //! retry_after = true               # Retry-After when over the limit
 //! ```
 
@@ -159,6 +159,8 @@ pub struct HeaderConfig {
     /// IETF draft-ietf-httpapi-ratelimit-headers-10: `RateLimit-Policy` and `RateLimit`.
     pub ietf_draft10: bool,
     /// The older `RateLimit-Limit`, `RateLimit-Remaining`, `RateLimit-Reset` (seconds).
+    /// Off by default, as envoyproxy/ratelimit's `LIMIT_RESPONSE_HEADERS_ENABLED`: Envoy's
+    /// own `X-RateLimit-*` headers carry the same numbers, and every header costs encoding.
     pub legacy: bool,
     /// `Retry-After` (seconds) on over-limit answers.
     pub retry_after: bool,
@@ -206,7 +208,7 @@ impl Default for ShardConfig {
 
 impl Default for HeaderConfig {
     fn default() -> Self {
-        Self { ietf_draft10: true, legacy: true, retry_after: true }
+        Self { ietf_draft10: true, legacy: false, retry_after: true }
     }
 }
 
@@ -440,11 +442,11 @@ mod tests {
     /// Nested tables override only what they name.
     #[test]
     fn nested_tables_override_fields() {
-        let config = NodeConfig::from_toml("[shards]\ncount = 3\n[headers]\nlegacy = false")
-            .expect("parses");
+        let config =
+            NodeConfig::from_toml("[shards]\ncount = 3\n[headers]\nlegacy = true").expect("parses");
         assert_eq!(config.shards.count, 3);
         assert_eq!(config.shards.keys_per_shard_max, ShardConfig::default().keys_per_shard_max);
-        assert!(!config.headers.legacy);
+        assert!(config.headers.legacy);
         assert!(config.headers.ietf_draft10);
         assert!(config.validate().is_ok());
     }

@@ -88,7 +88,12 @@ fn start_envoy(rls: SocketAddr, directory: &std::path::Path) -> anyhow::Result<E
 #[test]
 fn envoy_enforces_quotamesh_decisions() -> anyhow::Result<()> {
     let directory = tempfile::tempdir()?;
-    let node = NodeProcess::start(&write_file(directory.path(), "policy.yaml", POLICY))?;
+    let policy = write_file(directory.path(), "policy.yaml", POLICY);
+    // Every header generation on, to see each pass through Envoy.
+    let config = write_file(directory.path(), "node.toml", "[headers]\nlegacy = true\n");
+    let config = config.to_str().context("UTF-8 path")?;
+    let node =
+        NodeProcess::start_with(&policy, &directory.path().join("data"), &["--config", config])?;
     let envoy = start_envoy(node.rls_addr, directory.path())?;
     let alice = [("x-api-key", "alice")];
 

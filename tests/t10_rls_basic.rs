@@ -40,6 +40,18 @@ fn start() -> (NodeProcess, tempfile::TempDir) {
     (NodeProcess::start(&policy).expect("node starts"), directory)
 }
 
+/// A node whose config file also turns on the legacy RateLimit-Limit/-Remaining/-Reset.
+fn start_with_legacy_headers() -> (NodeProcess, tempfile::TempDir) {
+    let directory = tempfile::tempdir().expect("temp dir");
+    let policy = write_file(directory.path(), "t10.yaml", POLICY);
+    let config = write_file(directory.path(), "node.toml", "[headers]\nlegacy = true\n");
+    let config = config.to_str().expect("UTF-8 path");
+    let data_dir = directory.path().join("data");
+    let node =
+        NodeProcess::start_with(&policy, &data_dir, &["--config", config]).expect("node starts");
+    (node, directory)
+}
+
 fn header<'r>(response: &'r RateLimitResponse, name: &str) -> Option<&'r str> {
     response
         .response_headers_to_add
@@ -52,7 +64,7 @@ fn header<'r>(response: &'r RateLimitResponse, name: &str) -> Option<&'r str> {
 /// the limit, remaining, reset and headers Envoy needs.
 #[tokio::test]
 async fn key_only_rule_admits_up_to_the_limit() -> anyhow::Result<()> {
-    let (node, _dir) = start();
+    let (node, _dir) = start_with_legacy_headers();
     let mut client = node.client().await?;
     for expected_remaining in [2, 1, 0] {
         let response = client
@@ -66,6 +78,7 @@ async fn key_only_rule_admits_up_to_the_limit() -> anyhow::Result<()> {
         assert_eq!((limit.requests_per_unit, limit.unit()), (3, Unit::Minute));
         assert_eq!(header(&response, "ratelimit-policy"), Some("\"api_key\";q=3;w=60"));
         assert_eq!(header(&response, "retry-after"), None);
+        assert_eq!(header(&response, "ratelimit-limit"), Some("3"));
     }
     let over = client
         .should_rate_limit(request("t10", vec![descriptor(&[("api_key", "alice")])]))
@@ -104,7 +117,11 @@ async fn hits_addend_is_honoured() -> anyhow::Result<()> {
     three.hits_addend = 3;
     let response = client.should_rate_limit(three.clone()).await?.into_inner();
     assert_eq!((response.overall_code(), response.statuses[0].limit_remaining), (Code::Ok, 0));
-    assert_eq!(client.should_rate_limit(three).await?.into_inner().overall_code(), Code::OverLimit);
+    let over = client.should_rate_limit(three).await?.into_inner();
+    assert_eq!(over.overall_code(), Code::OverLimit);
+    // By default (as in envoyproxy/ratelimit) the legacy single-limit headers are off.
+    assert!(header(&over, "ratelimit").is_some() && header(&over, "retry-after").is_some());
+    assert_eq!(header(&over, "ratelimit-remaining"), None);
 
     let mut own = descriptor(&[("api_key", "dave")]);
     own.hits_addend = Some(2);

@@ -328,8 +328,8 @@ pub struct ShardSet {
 
 /// The hashing state of one descriptor, from which its stripe and counters derive.
 pub struct DescriptorHash {
-    low: std::hash::DefaultHasher,
-    high: std::hash::DefaultHasher,
+    low: u64,
+    high: u64,
 }
 
 /// Why the shard actors could not be started.
@@ -407,12 +407,12 @@ impl ShardSet {
             key.hash(&mut high);
             value.hash(&mut high);
         }
-        DescriptorHash { low, high }
+        DescriptorHash { low: low.finish(), high: high.finish() }
     }
 
     /// The stripe that holds every counter of a descriptor.
     pub fn stripe_of(&self, descriptor: &DescriptorHash) -> StripeId {
-        let word = descriptor.high.clone().finish();
+        let word = descriptor.high;
         let shard_count = self.shards.len() as u64;
         StripeId {
             shard: u32::try_from(word % shard_count).expect("shard count fits u32"),
@@ -423,17 +423,21 @@ impl ShardSet {
 
     /// The counter of a descriptor's `index`-th limit. The limit's numbers are part of the
     /// key, so a changed limit starts from a fresh state instead of misreading an old one.
+    ///
+    /// The descriptor's keyed hashes already resist collisions chosen by clients; the limit
+    /// only needs mixing in, which a finalizer does without another keyed pass.
     pub fn counter_of(
         &self,
         descriptor: &DescriptorHash,
         index: usize,
         spec: &LimitSpec,
     ) -> CounterKey {
-        let mut low = descriptor.low.clone();
-        let mut high = descriptor.high.clone();
-        (index, spec).hash(&mut low);
-        (index, spec, 1_u8).hash(&mut high);
-        CounterKey([low.finish(), high.finish()])
+        let algorithm = spec.algorithm as u64;
+        let limit = mix(index as u64 ^ algorithm.rotate_left(32))
+            ^ mix(spec.requests_per_window).rotate_left(17)
+            ^ mix(spec.window_ms).rotate_left(31)
+            ^ mix(spec.burst_tokens).rotate_left(47);
+        CounterKey([mix(descriptor.low ^ limit), mix(descriptor.high ^ limit.rotate_left(29))])
     }
 
     /// Decides a request: every probe's limits are evaluated under the stripes' locks, and
@@ -557,6 +561,15 @@ impl ShardSet {
             let _ = shard.join.await;
         }
     }
+}
+
+/// MurmurHash3's 64-bit finalizer: every input bit affects every output bit.
+fn mix(mut word: u64) -> u64 {
+    word ^= word >> 33;
+    word = word.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    word ^= word >> 33;
+    word = word.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    word ^ (word >> 33)
 }
 
 /// Milliseconds after an update at which a limit's state equals a fresh key's: a token
