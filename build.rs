@@ -7,8 +7,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     let mut compiler = protox::Compiler::new(["proto"])?;
     compiler.include_imports(true).include_source_info(true);
-    compiler
-        .open_files(["envoy/service/ratelimit/v3/rls.proto", "quotamesh/raft/v1/raft.proto"])?;
+    compiler.open_files([
+        "envoy/service/ratelimit/v3/rls.proto",
+        "quotamesh/raft/v1/raft.proto",
+        "quotamesh/billing/v1/billing.proto",
+    ])?;
     std::fs::write(
         out_dir.join("quotamesh_descriptor.bin"),
         compiler.encode_file_descriptor_set(),

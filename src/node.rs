@@ -1,8 +1,10 @@
 //! Wires one node together and takes it apart again.
 //!
 //! ```text
-//! start:    config ─▶ data dir lock ─▶ metrics ─▶ policy ─▶ shard actors ─▶ listeners ─▶ ready
-//! shutdown: not ready ─▶ stop accepting, drain calls ─▶ stop watcher ─▶ stop shard actors ─▶ unlock
+//! start:    config ─▶ data dir lock ─▶ metrics ─▶ policy ─▶ shard actors ─▶ listeners
+//!           ─▶ billing group (node/billing.rs) ─▶ ready
+//! shutdown: not ready ─▶ stop accepting, drain calls ─▶ stop billing group ─▶ stop watcher
+//!           ─▶ stop shard actors ─▶ unlock
 //! ```
 
 use std::net::SocketAddr;
@@ -23,6 +25,8 @@ use crate::config::{ConfigError, NodeConfig};
 use crate::core::headers::HeaderOptions;
 use crate::metrics::Metrics;
 use crate::policy_store::{PolicyLoadError, PolicyOrigin, PolicyStore};
+
+mod billing;
 
 /// Deadline for one gRPC call on the server side.
 pub const GRPC_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -77,6 +81,9 @@ pub enum NodeError {
 pub struct Node {
     rls_addr: SocketAddr,
     metrics_addr: SocketAddr,
+    billing_addr: SocketAddr,
+    raft_addr: SocketAddr,
+    billing: billing::BillingPart,
     ready: Arc<AtomicBool>,
     stop: watch::Sender<bool>,
     servers: Vec<JoinHandle<()>>,
@@ -102,6 +109,10 @@ impl Node {
         let metrics_listener = bind("metrics HTTP", config.metrics_addr).await?;
         let rls_addr = local_addr("Envoy RLS gRPC", &rls_listener, config.rls_addr)?;
         let metrics_addr = local_addr("metrics HTTP", &metrics_listener, config.metrics_addr)?;
+        let raft_listener = bind("Raft peer gRPC", config.raft_addr).await?;
+        let billing_listener = bind("billing gRPC", config.billing_addr).await?;
+        let raft_addr = local_addr("Raft peer gRPC", &raft_listener, config.raft_addr)?;
+        let billing_addr = local_addr("billing gRPC", &billing_listener, config.billing_addr)?;
 
         let shards = Arc::new(
             ShardSet::start(
@@ -124,6 +135,18 @@ impl Node {
         let (stop, stopped) = watch::channel(false);
         let ready = Arc::new(AtomicBool::new(false));
         let grpc = grpc_server(rls, rls_listener, until_stopped(stopped.clone())).await?;
+        // One Raft peer service and one set of peer channels for every group of the node.
+        let peers = crate::ledger::RaftPeerService::new();
+        let billing = billing::start(
+            &config,
+            raft_addr,
+            &peers,
+            crate::ledger::PeerChannels::new(),
+            billing_listener,
+            until_stopped(stopped.clone()),
+        )
+        .await?;
+        let raft = billing::serve_raft(peers, raft_listener, until_stopped(stopped.clone()));
         let http = {
             let (metrics, ready, shutdown) =
                 (metrics.clone(), Arc::clone(&ready), until_stopped(stopped.clone()));
@@ -140,13 +163,16 @@ impl Node {
         })?;
 
         ready.store(true, Ordering::Release);
-        tracing::info!(%rls_addr, %metrics_addr, node_id = %config.node_id, region = %config.region, "quotamesh node ready");
+        tracing::info!(%rls_addr, %metrics_addr, %billing_addr, %raft_addr, node_id = %config.node_id, region = %config.region, "quotamesh node ready");
         Ok(Self {
             rls_addr,
             metrics_addr,
+            billing_addr,
+            raft_addr,
+            billing,
             ready,
             stop,
-            servers: vec![grpc, http],
+            servers: vec![grpc, http, raft],
             watcher,
             shards,
             policy,
@@ -164,12 +190,23 @@ impl Node {
         self.metrics_addr
     }
 
+    /// The bound billing gRPC address.
+    pub fn billing_addr(&self) -> SocketAddr {
+        self.billing_addr
+    }
+
+    /// The bound Raft peer gRPC address.
+    pub fn raft_addr(&self) -> SocketAddr {
+        self.raft_addr
+    }
+
     /// The policy store (to reload by hand).
     pub fn policy(&self) -> &PolicyStore {
         &self.policy
     }
 
-    /// Stops in order: readiness, listeners (draining calls), policy watch, shard actors.
+    /// Stops in order: readiness, listeners (draining calls), billing group, policy watch,
+    /// shard actors.
     pub async fn shutdown(self) {
         self.ready.store(false, Ordering::Release);
         let _ = self.stop.send(true);
@@ -183,6 +220,7 @@ impl Node {
                 let _ = server.await;
             }
         }
+        self.billing.shutdown(SHUTDOWN_DRAIN_TIMEOUT).await;
         let _ = self.watcher.await;
         match Arc::try_unwrap(self.shards) {
             Ok(shards) => shards.shutdown().await,

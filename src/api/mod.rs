@@ -2,10 +2,12 @@
 //! endpoints for Prometheus and health checks. No rate-limit rule lives here.
 //!
 //! - [`rls`]: Envoy Rate Limit Service v3 (`ShouldRateLimit`).
+//! - [`billing`]: the billing-debit API (`quotamesh.billing.v1.Billing`).
 //! - [`status`]: the one mapping from domain and operating errors to `tonic::Status`.
 //! - [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`proto`]: generated protobuf code.
 
+pub mod billing;
 pub mod http;
 pub mod proto;
 pub mod rls;

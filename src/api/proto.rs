@@ -35,5 +35,15 @@ pub mod envoy {
     }
 }
 
+/// quotamesh's own public APIs.
+pub mod quotamesh {
+    /// The billing-debit API.
+    pub mod billing {
+        pub mod v1 {
+            tonic::include_proto!("quotamesh.billing.v1");
+        }
+    }
+}
+
 /// Encoded descriptor set of every compiled file, served by gRPC reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("quotamesh_descriptor");
