@@ -1,6 +1,7 @@
 //! The `quotamesh` command line: one module per subcommand; `main.rs` only dispatches.
 
 pub mod bench;
+pub mod billing;
 pub mod policy;
 pub mod rls;
 pub mod serve;
@@ -39,6 +40,8 @@ pub enum Command {
     /// Talk to a node's Envoy RLS endpoint.
     #[command(subcommand)]
     Rls(rls::RlsCommand),
+    /// Talk to a node's billing-debit API (operations, balances, audit, verify).
+    Billing(billing::BillingArgs),
     /// Helpers for load tests (request bodies for h2load, a constant-OK ceiling server).
     #[command(subcommand)]
     Bench(bench::BenchCommand),

@@ -251,6 +251,48 @@ pub fn entry_pb(entry: &AuditEntry) -> pb::Entry {
     }
 }
 
+/// A trail entry read back from the wire, for `billing audit` and `billing verify`.
+///
+/// # Errors
+/// A message naming the field that does not decode.
+pub fn entry_from_pb(entry: &pb::Entry) -> Result<AuditEntry, String> {
+    let account = entry.account.as_ref().ok_or("entry without an account")?;
+    let kind = match pb::OperationKind::try_from(entry.operation) {
+        Ok(pb::OperationKind::CreateAccount) => OperationKind::CreateAccount,
+        Ok(pb::OperationKind::Credit) => OperationKind::Credit,
+        Ok(pb::OperationKind::Debit) => OperationKind::Debit,
+        Ok(pb::OperationKind::Reserve) => OperationKind::Reserve,
+        Ok(pb::OperationKind::Capture) => OperationKind::Capture,
+        Ok(pb::OperationKind::Void) => OperationKind::Void,
+        Ok(pb::OperationKind::Expire) => OperationKind::Expire,
+        Ok(pb::OperationKind::Unspecified) | Err(_) => {
+            return Err(format!("entry {}: unknown operation {}", entry.sequence, entry.operation));
+        }
+    };
+    let decision = match pb::Decision::try_from(entry.decision) {
+        Ok(pb::Decision::Approved) => Decision::Approved,
+        Ok(pb::Decision::InsufficientFunds) => Decision::InsufficientFunds,
+        _ => return Err(format!("entry {}: unknown decision {}", entry.sequence, entry.decision)),
+    };
+    Ok(AuditEntry {
+        sequence: entry.sequence,
+        ledger_index: entry.ledger_index,
+        time_ms: entry.time_ms,
+        caller: entry.caller.clone(),
+        key: (!entry.idempotency_key.is_empty())
+            .then(|| IdempotencyKey(entry.idempotency_key.clone())),
+        kind,
+        account: AccountId { tenant: account.tenant.clone(), meter: account.meter.clone() },
+        amount: entry.amount,
+        hold: entry.hold_id.map(HoldId),
+        decision,
+        balance_before: entry.balance_before,
+        balance_after: entry.balance_after,
+        held_before: entry.held_before,
+        held_after: entry.held_after,
+    })
+}
+
 #[tonic::async_trait]
 impl Billing for BillingService {
     async fn create_account(
