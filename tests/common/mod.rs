@@ -3,6 +3,9 @@
 
 #![allow(dead_code)] // Each test binary uses a different part of the harness.
 
+pub mod billing;
+pub mod billing_checker;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};

@@ -37,6 +37,10 @@ use auth::{Authenticator, Principal};
 use pb::billing_server::{Billing, BillingServer};
 use proposer::{Proposer, ProposerSettings};
 
+/// Reply metadata: the id of the node that answered.
+pub const METADATA_NODE: &str = "x-quotamesh-node";
+/// Reply metadata: the billing group leader that node knew of when it answered.
+pub const METADATA_LEADER: &str = "x-quotamesh-leader";
 /// Largest billing request or reply message.
 pub const BILLING_MESSAGE_BYTES_MAX: usize = 1024 * 1024;
 /// Default page of `ListEntries`.
@@ -97,6 +101,31 @@ impl BillingService {
             .and_then(parse_grpc_timeout);
         let budget = client.map_or(self.settings.deadline, |c| c.min(self.settings.deadline));
         Instant::now() + budget
+    }
+
+    /// A reply carrying which node answered and whom it follows, so clients and fault tests
+    /// learn the leader without scraping logs.
+    fn stamped<T>(&self, result: Result<Response<T>, Status>) -> Result<Response<T>, Status> {
+        let stamp = |metadata: &mut tonic::metadata::MetadataMap| {
+            if let Ok(value) = self.group.node_id().to_string().parse() {
+                metadata.insert(METADATA_NODE, value);
+            }
+            if let Some(leader) = self.group.leader()
+                && let Ok(value) = leader.to_string().parse()
+            {
+                metadata.insert(METADATA_LEADER, value);
+            }
+        };
+        match result {
+            Ok(mut response) => {
+                stamp(response.metadata_mut());
+                Ok(response)
+            }
+            Err(mut status) => {
+                stamp(status.metadata_mut());
+                Err(status)
+            }
+        }
     }
 
     fn principal<T>(&self, request: &Request<T>) -> Result<Arc<Principal>, Status> {
@@ -302,7 +331,7 @@ impl Billing for BillingService {
         let body = request.get_ref().clone();
         let account = account_of(body.account)?;
         let operation = OperationRequest::CreateAccount { account, floor: body.floor };
-        self.operate(&request, &body.idempotency_key, operation).await
+        self.stamped(self.operate(&request, &body.idempotency_key, operation).await)
     }
 
     async fn credit(
@@ -312,7 +341,7 @@ impl Billing for BillingService {
         let body = request.get_ref().clone();
         let account = account_of(body.account)?;
         let operation = OperationRequest::Credit { account, amount: body.amount };
-        self.operate(&request, &body.idempotency_key, operation).await
+        self.stamped(self.operate(&request, &body.idempotency_key, operation).await)
     }
 
     async fn debit(
@@ -322,7 +351,7 @@ impl Billing for BillingService {
         let body = request.get_ref().clone();
         let account = account_of(body.account)?;
         let operation = OperationRequest::Debit { account, amount: body.amount };
-        self.operate(&request, &body.idempotency_key, operation).await
+        self.stamped(self.operate(&request, &body.idempotency_key, operation).await)
     }
 
     async fn reserve(
@@ -333,7 +362,7 @@ impl Billing for BillingService {
         let account = account_of(body.account)?;
         let operation =
             OperationRequest::Reserve { account, amount: body.amount, ttl_ms: body.ttl_ms };
-        self.operate(&request, &body.idempotency_key, operation).await
+        self.stamped(self.operate(&request, &body.idempotency_key, operation).await)
     }
 
     async fn capture(
@@ -344,7 +373,7 @@ impl Billing for BillingService {
         let account = account_of(body.account)?;
         let operation =
             OperationRequest::Capture { account, hold: HoldId(body.hold_id), amount: body.amount };
-        self.operate(&request, &body.idempotency_key, operation).await
+        self.stamped(self.operate(&request, &body.idempotency_key, operation).await)
     }
 
     async fn void(
@@ -354,10 +383,26 @@ impl Billing for BillingService {
         let body = request.get_ref().clone();
         let account = account_of(body.account)?;
         let operation = OperationRequest::Void { account, hold: HoldId(body.hold_id) };
-        self.operate(&request, &body.idempotency_key, operation).await
+        self.stamped(self.operate(&request, &body.idempotency_key, operation).await)
     }
 
     async fn get_balance(
+        &self,
+        request: Request<pb::GetBalanceRequest>,
+    ) -> Result<Response<pb::BalanceReply>, Status> {
+        self.stamped(self.balance(request).await)
+    }
+
+    async fn list_entries(
+        &self,
+        request: Request<pb::ListEntriesRequest>,
+    ) -> Result<Response<pb::ListEntriesReply>, Status> {
+        self.stamped(self.entries(request).await)
+    }
+}
+
+impl BillingService {
+    async fn balance(
         &self,
         request: Request<pb::GetBalanceRequest>,
     ) -> Result<Response<pb::BalanceReply>, Status> {
@@ -380,7 +425,7 @@ impl Billing for BillingService {
         }))
     }
 
-    async fn list_entries(
+    async fn entries(
         &self,
         request: Request<pb::ListEntriesRequest>,
     ) -> Result<Response<pb::ListEntriesReply>, Status> {
