@@ -35,8 +35,16 @@
 //! A refused operation (an error, e.g. unknown account) stores nothing, so a retry after the
 //! cause is fixed may succeed. A key is kept for the `key_retention_ms` the command carries
 //! (the node's setting, 24 h by default) after its first commit, then forgotten by a
-//! deterministic sweep (at most [`SWEEP_PER_COMMAND_MAX`] keys per command, oldest first):
-//! a retry later than that applies again.
+//! deterministic sweep at the start of the first command whose time reaches it (every due
+//! key, oldest first; each key is swept once, so the work is bounded by the commits that
+//! made the keys): a retry later than that applies again.
+//!
+//! # Storage
+//! A key's record is the trail entry that committed it, so keys are not stored apart: the
+//! trail is handed out (and stored) as one [`TrailBlock`] per command, with the command's
+//! retention, and [`BillingLedger::from_parts`] rebuilds the keys from it. One store write
+//! per command instead of two per operation is what lets a batch of a thousand debits
+//! commit in one step.
 //!
 //! # Audit trail
 //! Every committed result and every hold expiry appends one [`AuditEntry`] (sequence, ledger
@@ -84,8 +92,8 @@ pub const KEYS_MAX: usize = 10_000_000;
 /// the ledger refuses new operations (fail-closed) until the trail is archived (not yet
 /// built). About 150 bytes each in memory.
 pub const AUDIT_ENTRIES_MAX: u64 = 4_000_000;
-/// Most expired keys and resolved holds forgotten by one command, so one apply does
-/// bounded work; forgetting late only keeps them longer.
+/// Most resolved holds forgotten by one command, so one apply does bounded work;
+/// forgetting late only keeps them longer (they are stored records, equal on every replica).
 pub const SWEEP_PER_COMMAND_MAX: usize = 4096;
 /// The caller named in the trail for entries the ledger makes itself (hold expiry).
 pub const LEDGER_CALLER: &str = "ledger";
@@ -530,7 +538,7 @@ pub struct Hold {
     pub forget_at_ms: u64,
 }
 
-/// The record kept under a (tenant, key).
+/// The record kept under a (tenant, key), in memory; rebuilt from its trail entry on load.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KeyRecord {
     /// The parameters of the original operation.
@@ -563,6 +571,8 @@ pub struct AuditEntry {
     pub amount: u64,
     /// The hold concerned, if any.
     pub hold: Option<HoldId>,
+    /// The TTL a `Reserve` asked for.
+    pub ttl_ms: Option<u64>,
     /// The result.
     pub decision: Decision,
     /// Balance before.
@@ -584,6 +594,16 @@ pub struct LedgerClock {
     pub next_hold: u64,
 }
 
+/// The trail entries one command appended, with the key retention it carried (which says
+/// when the keys of these entries are forgotten).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TrailBlock {
+    /// The command's `key_retention_ms`.
+    pub key_retention_ms: u64,
+    /// Its entries, in order, without gaps.
+    pub entries: Vec<AuditEntry>,
+}
+
 /// What changed since the last [`BillingLedger::take_changes`]: `None` values were removed.
 #[derive(Debug, Default)]
 pub struct BillingChanges {
@@ -593,10 +613,8 @@ pub struct BillingChanges {
     pub accounts: Vec<(AccountId, Option<Account>)>,
     /// Changed holds.
     pub holds: Vec<(HoldId, Option<Hold>)>,
-    /// Changed keys (tenant, key).
-    pub keys: Vec<((String, IdempotencyKey), Option<KeyRecord>)>,
-    /// New trail entries.
-    pub entries: Vec<AuditEntry>,
+    /// New trail entries, one block per command that appended any.
+    pub blocks: Vec<TrailBlock>,
 }
 
 /// Why a ledger could not be rebuilt from its records.
@@ -620,9 +638,8 @@ pub struct BillingLedger {
     changed_clock: bool,
     changed_accounts: BTreeSet<AccountId>,
     changed_holds: BTreeSet<HoldId>,
-    changed_keys: BTreeSet<(String, IdempotencyKey)>,
-    /// Trail entries from this position on are not yet taken by `take_changes`.
-    untaken_from: usize,
+    /// Trail ranges (start, end, retention) appended by commands since `take_changes`.
+    untaken_blocks: Vec<(usize, usize, u64)>,
 }
 
 impl BillingLedger {
@@ -633,6 +650,10 @@ impl BillingLedger {
 
     /// Rebuilds a ledger from stored parts (what [`Self::take_changes`] handed out).
     ///
+    /// The idempotency keys are rebuilt from the trail: every keyed entry whose key is not
+    /// yet forgotten at the clock's time (the sweep forgets every due key at the start of a
+    /// command, so this is exactly the set a running replica holds).
+    ///
     /// # Errors
     /// [`LoadError`] when the parts contradict each other (trail gaps, holds of unknown
     /// accounts, `held` sums that do not match the open holds).
@@ -640,8 +661,7 @@ impl BillingLedger {
         clock: LedgerClock,
         accounts: impl IntoIterator<Item = (AccountId, Account)>,
         holds: impl IntoIterator<Item = (HoldId, Hold)>,
-        keys: impl IntoIterator<Item = ((String, IdempotencyKey), KeyRecord)>,
-        entries: impl IntoIterator<Item = AuditEntry>,
+        blocks: impl IntoIterator<Item = TrailBlock>,
     ) -> Result<Self, LoadError> {
         let mut ledger = Self { clock, ..Self::default() };
         ledger.accounts = accounts.into_iter().collect();
@@ -673,20 +693,33 @@ impl BillingLedger {
                 )));
             }
         }
-        for (id, record) in keys {
-            ledger.keys_by_forget.insert((record.forget_at_ms, id.0.clone(), id.1.clone()));
-            ledger.keys.insert(id, record);
-        }
-        for (position, entry) in entries.into_iter().enumerate() {
-            if entry.sequence != position as u64 {
-                return Err(LoadError(format!(
-                    "trail entry {} found at position {position}",
-                    entry.sequence
-                )));
+        for block in blocks {
+            for entry in block.entries {
+                let position = ledger.trail.len();
+                if entry.sequence != position as u64 {
+                    return Err(LoadError(format!(
+                        "trail entry {} found at position {position}",
+                        entry.sequence
+                    )));
+                }
+                let forget_at_ms = entry.time_ms.saturating_add(block.key_retention_ms);
+                if forget_at_ms > ledger.clock.last_seen_ms
+                    && let Some(key) = entry.key.clone()
+                    && let Some(request) = request_of(&entry)
+                {
+                    let floor = ledger.accounts.get(&entry.account).map_or(0, |a| a.floor);
+                    let outcome = outcome_of(&entry, floor);
+                    let id = (entry.account.tenant.clone(), key);
+                    ledger.keys_by_forget.insert((forget_at_ms, id.0.clone(), id.1.clone()));
+                    if let Some(previous) =
+                        ledger.keys.insert(id.clone(), KeyRecord { request, outcome, forget_at_ms })
+                    {
+                        ledger.keys_by_forget.remove(&(previous.forget_at_ms, id.0, id.1));
+                    }
+                }
+                ledger.trail.push(entry);
             }
-            ledger.trail.push(entry);
         }
-        ledger.untaken_from = ledger.trail.len();
         Ok(ledger)
     }
 
@@ -709,6 +742,7 @@ impl BillingLedger {
                 .collect();
             return BillingResponse { ledger_index, outcomes };
         }
+        let trail_before = self.trail.len();
         let now_ms = self.advance(command.now_ms);
         self.expire_holds(ledger_index, now_ms, command.key_retention_ms);
         self.forget_expired(now_ms);
@@ -719,6 +753,9 @@ impl BillingLedger {
                 self.apply_operation(ledger_index, now_ms, command.key_retention_ms, operation)
             })
             .collect();
+        if self.trail.len() > trail_before {
+            self.untaken_blocks.push((trail_before, self.trail.len(), command.key_retention_ms));
+        }
         BillingResponse { ledger_index, outcomes }
     }
 
@@ -741,17 +778,17 @@ impl BillingLedger {
         }
     }
 
-    /// Forgets keys and resolved holds past their time, oldest first, a bounded number.
+    /// Forgets every key past its time, and resolved holds past theirs (a bounded number),
+    /// oldest first.
     fn forget_expired(&mut self, now_ms: u64) {
-        for _ in 0..SWEEP_PER_COMMAND_MAX {
-            match self.keys_by_forget.first() {
-                Some((forget_at_ms, _, _)) if *forget_at_ms <= now_ms => {}
-                _ => break,
+        // All due keys, not a bounded number: a replica rebuilt from the trail holds exactly
+        // the keys not yet due, so a running one must too.
+        while let Some((forget_at_ms, _, _)) = self.keys_by_forget.first() {
+            if *forget_at_ms > now_ms {
+                break;
             }
             if let Some((_, tenant, key)) = self.keys_by_forget.pop_first() {
-                let id = (tenant, key);
-                self.keys.remove(&id);
-                self.changed_keys.insert(id);
+                self.keys.remove(&(tenant, key));
             }
         }
         for _ in 0..SWEEP_PER_COMMAND_MAX {
@@ -815,6 +852,7 @@ impl BillingLedger {
             account: account_id,
             amount,
             hold: Some(id),
+            ttl_ms: None,
             decision: Decision::Approved,
             balance_before: before.balance,
             balance_after: after.balance,
@@ -996,24 +1034,10 @@ impl BillingLedger {
                 )
             }
         };
-        let outcome = Outcome {
-            decision: entry.decision,
-            replayed: false,
-            balance_after: entry.balance_after,
-            held_after: entry.held_after,
-            floor: self.accounts.get(&entry.account).map_or(0, |a| a.floor),
-            ledger_index,
-            entry_sequence: entry.sequence,
-            hold: match request {
-                OperationRequest::Reserve { .. } => entry.hold,
-                _ => None,
-            },
-        };
+        let outcome = outcome_of(&entry, self.accounts.get(&entry.account).map_or(0, |a| a.floor));
         let forget_at_ms = now_ms.saturating_add(retention_ms);
         self.keys_by_forget.insert((forget_at_ms, key_id.0.clone(), key_id.1.clone()));
-        self.keys
-            .insert(key_id.clone(), KeyRecord { request: request.clone(), outcome, forget_at_ms });
-        self.changed_keys.insert(key_id);
+        self.keys.insert(key_id, KeyRecord { request: request.clone(), outcome, forget_at_ms });
         Ok(outcome)
     }
 
@@ -1097,6 +1121,10 @@ impl BillingLedger {
             account: request.account().clone(),
             amount,
             hold,
+            ttl_ms: match request {
+                OperationRequest::Reserve { ttl_ms, .. } => Some(*ttl_ms),
+                _ => None,
+            },
             decision,
             balance_before: before.balance,
             balance_after: after.balance,
@@ -1119,16 +1147,14 @@ impl BillingLedger {
             .into_iter()
             .map(|id| (id, self.holds.get(&id).cloned()))
             .collect();
-        let keys = std::mem::take(&mut self.changed_keys)
+        let blocks = std::mem::take(&mut self.untaken_blocks)
             .into_iter()
-            .map(|id| {
-                let record = self.keys.get(&id).cloned();
-                (id, record)
+            .map(|(start, end, key_retention_ms)| TrailBlock {
+                key_retention_ms,
+                entries: self.trail[start..end].to_vec(),
             })
             .collect();
-        let entries = self.trail[self.untaken_from..].to_vec();
-        self.untaken_from = self.trail.len();
-        BillingChanges { clock, accounts, holds, keys, entries }
+        BillingChanges { clock, accounts, holds, blocks }
     }
 
     /// Ledger time: the greatest `now_ms` applied.
@@ -1189,6 +1215,37 @@ impl BillingLedger {
             digest.write_encoded(entry);
         }
         digest.finish()
+    }
+}
+
+/// The request a keyed trail entry committed (`None` for a ledger-made expiry).
+fn request_of(entry: &AuditEntry) -> Option<OperationRequest> {
+    let account = entry.account.clone();
+    let amount = entry.amount;
+    Some(match entry.kind {
+        OperationKind::CreateAccount => OperationRequest::CreateAccount { account, floor: amount },
+        OperationKind::Credit => OperationRequest::Credit { account, amount },
+        OperationKind::Debit => OperationRequest::Debit { account, amount },
+        OperationKind::Reserve => {
+            OperationRequest::Reserve { account, amount, ttl_ms: entry.ttl_ms? }
+        }
+        OperationKind::Capture => OperationRequest::Capture { account, hold: entry.hold?, amount },
+        OperationKind::Void => OperationRequest::Void { account, hold: entry.hold? },
+        OperationKind::Expire => return None,
+    })
+}
+
+/// The outcome a trail entry answered when it was committed.
+fn outcome_of(entry: &AuditEntry, floor: u64) -> Outcome {
+    Outcome {
+        decision: entry.decision,
+        replayed: false,
+        balance_after: entry.balance_after,
+        held_after: entry.held_after,
+        floor,
+        ledger_index: entry.ledger_index,
+        entry_sequence: entry.sequence,
+        hold: if entry.kind == OperationKind::Reserve { entry.hold } else { None },
     }
 }
 

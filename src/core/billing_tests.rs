@@ -540,39 +540,32 @@ fn check_invariants(ledger: &BillingLedger, model: &Model) {
     assert_eq!(ledger.accounts().count(), recomputed.len());
 }
 
-/// Keeps the last value of every record, as the sled store does.
-fn store_changes(
-    store: &mut (
-        Option<LedgerClock>,
-        BTreeMap<AccountId, Account>,
-        BTreeMap<HoldId, Hold>,
-        BTreeMap<(String, IdempotencyKey), KeyRecord>,
-        Vec<AuditEntry>,
-    ),
-    changes: BillingChanges,
-) {
+/// What a store keeps: the last value of every record, and every trail block.
+#[derive(Default)]
+struct Stored {
+    clock: Option<LedgerClock>,
+    accounts: BTreeMap<AccountId, Account>,
+    holds: BTreeMap<HoldId, Hold>,
+    blocks: Vec<TrailBlock>,
+}
+
+fn store_changes(store: &mut Stored, changes: BillingChanges) {
     if let Some(clock) = changes.clock {
-        store.0 = Some(clock);
+        store.clock = Some(clock);
     }
     for (id, value) in changes.accounts {
         match value {
-            Some(value) => store.1.insert(id, value),
-            None => store.1.remove(&id),
+            Some(value) => store.accounts.insert(id, value),
+            None => store.accounts.remove(&id),
         };
     }
     for (id, value) in changes.holds {
         match value {
-            Some(value) => store.2.insert(id, value),
-            None => store.2.remove(&id),
+            Some(value) => store.holds.insert(id, value),
+            None => store.holds.remove(&id),
         };
     }
-    for (id, value) in changes.keys {
-        match value {
-            Some(value) => store.3.insert(id, value),
-            None => store.3.remove(&id),
-        };
-    }
-    store.4.extend(changes.entries);
+    store.blocks.extend(changes.blocks);
 }
 
 proptest! {
@@ -586,7 +579,7 @@ proptest! {
     fn ledger_matches_naive_model(commands in prop::collection::vec(command_strategy(), 1..40)) {
         let mut ledger = BillingLedger::new();
         let mut model = Model::default();
-        let mut store = Default::default();
+        let mut store = Stored::default();
         let mut now_ms = 1_000u64;
         for (position, (step, operations)) in commands.into_iter().enumerate() {
             let index = position as u64 * 2 + 1;
@@ -617,9 +610,13 @@ proptest! {
             check_invariants(&ledger, &model);
             store_changes(&mut store, ledger.take_changes());
         }
-        let (clock, accounts, holds, keys, entries) = store;
-        let reloaded = BillingLedger::from_parts(clock.unwrap_or_default(), accounts, holds, keys, entries)
-            .expect("reload");
+        let reloaded = BillingLedger::from_parts(
+            store.clock.unwrap_or_default(),
+            store.accounts,
+            store.holds,
+            store.blocks,
+        )
+        .expect("reload");
         prop_assert_eq!(reloaded.digest(), ledger.digest());
     }
 

@@ -9,15 +9,16 @@
 //! - `m`: the ledger clock (time, next hold id);
 //! - `c` tenant `0x00` meter: one account;
 //! - `h` hold id (8 bytes, big-endian): one hold;
-//! - `k` tenant `0x00` key: one idempotency key's record;
-//! - `a` sequence (8 bytes, big-endian): one audit entry, so records scan in trail order.
+//! - `b` first sequence (8 bytes, big-endian): the trail entries of one command with its key
+//!   retention, so records scan in trail order and a batch of debits is one write. The
+//!   idempotency keys are rebuilt from these on load (`BillingLedger::from_parts`).
 //!
 //! Tenant names never contain `0x00` (`AccountId::check`), so the separator is unambiguous.
 
 use std::io::Cursor;
 
 use crate::core::billing::{
-    AccountId, BillingCommand, BillingLedger, BillingResponse, HoldId, IdempotencyKey, LedgerClock,
+    AccountId, BillingCommand, BillingLedger, BillingResponse, HoldId, LedgerClock, TrailBlock,
 };
 
 use super::{
@@ -36,7 +37,8 @@ pub const BILLING_GROUP_NAME: &str = "billing";
 /// hold id and length prefixes, as postcard varints.
 const OPERATION_FIXED_BYTES_MAX: usize = 64;
 
-// The largest valid command must fit the transport's command limit.
+// The largest valid command must fit the transport's command limit (its trail block, a
+// little larger per operation, is a store record and has no such limit).
 const _: () = assert!(
     OPERATIONS_PER_COMMAND_MAX
         * (CALLER_BYTES_MAX
@@ -66,8 +68,7 @@ impl GroupConfig for BillingGroup {
 const RECORD_CLOCK: &[u8] = b"m";
 const PREFIX_ACCOUNT: u8 = b'c';
 const PREFIX_HOLD: u8 = b'h';
-const PREFIX_KEY: u8 = b'k';
-const PREFIX_ENTRY: u8 = b'a';
+const PREFIX_BLOCK: u8 = b'b';
 
 fn encode<T: serde::Serialize>(value: &T) -> Vec<u8> {
     postcard::to_allocvec(value).expect("postcard encodes billing records into a Vec without error")
@@ -123,10 +124,7 @@ impl GroupMachine for BillingLedger {
     fn take_changes(&mut self) -> Vec<RecordChange> {
         let changes = BillingLedger::take_changes(self);
         let mut records = Vec::with_capacity(
-            1 + changes.accounts.len()
-                + changes.holds.len()
-                + changes.keys.len()
-                + changes.entries.len(),
+            1 + changes.accounts.len() + changes.holds.len() + changes.blocks.len(),
         );
         if let Some(clock) = changes.clock {
             records.push(RecordChange { key: RECORD_CLOCK.to_vec(), value: Some(encode(&clock)) });
@@ -143,16 +141,11 @@ impl GroupMachine for BillingLedger {
                 value: hold.map(|hold| encode(&hold)),
             });
         }
-        for ((tenant, key), record) in changes.keys {
+        for block in changes.blocks {
+            let first = block.entries.first().map_or(0, |entry| entry.sequence);
             records.push(RecordChange {
-                key: pair_record(PREFIX_KEY, &tenant, &key.0),
-                value: record.map(|record| encode(&record)),
-            });
-        }
-        for entry in changes.entries {
-            records.push(RecordChange {
-                key: number_record(PREFIX_ENTRY, entry.sequence),
-                value: Some(encode(&entry)),
+                key: number_record(PREFIX_BLOCK, first),
+                value: Some(encode(&block)),
             });
         }
         records
@@ -165,8 +158,7 @@ impl GroupMachine for BillingLedger {
         let mut clock = LedgerClock::default();
         let mut accounts = Vec::new();
         let mut holds = Vec::new();
-        let mut keys = Vec::new();
-        let mut entries = Vec::new();
+        let mut blocks: Vec<TrailBlock> = Vec::new();
         // sled scans in key order: entries come out in sequence order (big-endian keys).
         for (key, value) in records {
             let decode_error = |e: postcard::Error| undecodable(&key, e);
@@ -183,19 +175,14 @@ impl GroupMachine for BillingLedger {
                     let id = HoldId(split_number(&key)?);
                     holds.push((id, postcard::from_bytes(&value).map_err(decode_error)?));
                 }
-                Some(&PREFIX_KEY) => {
-                    let (tenant, idempotency_key) = split_pair(&key)?;
-                    let record = postcard::from_bytes(&value).map_err(decode_error)?;
-                    keys.push(((tenant, IdempotencyKey(idempotency_key)), record));
-                }
-                Some(&PREFIX_ENTRY) => {
+                Some(&PREFIX_BLOCK) => {
                     split_number(&key)?;
-                    entries.push(postcard::from_bytes(&value).map_err(decode_error)?);
+                    blocks.push(postcard::from_bytes(&value).map_err(decode_error)?);
                 }
                 _ => return Err(undecodable(&key, "unknown record")),
             }
         }
-        BillingLedger::from_parts(clock, accounts, holds, keys, entries)
+        BillingLedger::from_parts(clock, accounts, holds, blocks)
             .map_err(|e| RecordError { key: "billing".to_owned(), reason: e.to_string() })
     }
 
@@ -207,7 +194,7 @@ impl GroupMachine for BillingLedger {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::billing::{Operation, OperationRequest};
+    use crate::core::billing::{IdempotencyKey, Operation, OperationRequest};
 
     /// Every record the machine hands out rebuilds the same machine.
     #[test]
