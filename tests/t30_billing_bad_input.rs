@@ -74,7 +74,7 @@ async fn bad_requests_get_clear_errors_and_change_nothing() -> anyhow::Result<()
         code_of(c.credit(with_token(overflow, ADMIN_TOKEN))).await,
         Code::FailedPrecondition
     );
-    // Undo the accepted credit's effect on the comparison below by reading again.
+    // The accepted credit above is the one change this test makes: expect it at the end.
     let before = (before.0 + i64::MAX as u64, before.1, before.2 + 1);
     let reserve = pb::ReserveRequest {
         account: Some(account("t1", "api")),

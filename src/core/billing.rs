@@ -1098,6 +1098,7 @@ impl BillingLedger {
             .expect("an open hold has its account")
     }
 
+    // Every argument is one field of the entry; a struct for them would only rename it.
     #[allow(clippy::too_many_arguments)]
     fn entry_from(
         &mut self,
