@@ -44,8 +44,15 @@ impl BillingNode {
     /// Starts (or restarts) the process on its data directory and ports.
     pub fn start(&mut self) -> anyhow::Result<()> {
         let config = self.config.to_string_lossy().into_owned();
-        self.process =
-            Some(NodeProcess::start_with(&policy(), &self.data_dir, &["--config", &config])?);
+        let arguments = [
+            "--config",
+            &config,
+            "--billing-addr",
+            &self.billing_addr,
+            "--raft-addr",
+            &self.raft_addr,
+        ];
+        self.process = Some(NodeProcess::start_with(&policy(), &self.data_dir, &arguments)?);
         Ok(())
     }
 

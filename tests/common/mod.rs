@@ -51,6 +51,15 @@ impl NodeProcess {
     pub fn start_with(policy: &Path, data_dir: &Path, extra: &[&str]) -> anyhow::Result<Self> {
         let rls_addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse()?;
         let metrics_addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse()?;
+        // The billing and Raft ports too, unless the caller names them: nodes of parallel
+        // tests must not meet on the defaults.
+        let mut ports = Vec::new();
+        for flag in ["--billing-addr", "--raft-addr"] {
+            if !extra.contains(&flag) {
+                ports.push(flag.to_owned());
+                ports.push(format!("127.0.0.1:{}", free_port()));
+            }
+        }
         let child = Command::new(env!("CARGO_BIN_EXE_quotamesh"))
             .arg("serve")
             .arg("--rls-addr")
@@ -61,6 +70,7 @@ impl NodeProcess {
             .arg(data_dir)
             .arg("--policy")
             .arg(policy)
+            .args(&ports)
             .args(extra)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
