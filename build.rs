@@ -11,6 +11,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "envoy/service/ratelimit/v3/rls.proto",
         "quotamesh/raft/v1/raft.proto",
         "quotamesh/admin/v1/admin.proto",
+        "quotamesh/billing/v1/billing.proto",
     ])?;
     std::fs::write(
         out_dir.join("quotamesh_descriptor.bin"),

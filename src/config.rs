@@ -13,6 +13,7 @@
 //! cluster_id = "local"             # the region's cluster; stored in data_dir on first start
 //! raft_addr = "0.0.0.0:8084"       # Raft peer gRPC (listen)
 //! admin_addr = "0.0.0.0:8083"      # admin gRPC: `quotamesh cluster ...`
+//! billing_addr = "0.0.0.0:8082"    # the billing-debit gRPC API
 //!
 //! [[peers]]                        # the region's voters for `cluster init`; none = single node
 //! id = 1
@@ -34,6 +35,21 @@
 //! ietf_draft10 = true              # RateLimit-Policy and RateLimit
 //! legacy = false                   # RateLimit-Limit, RateLimit-Remaining, RateLimit-Reset
 //! retry_after = true               # Retry-After when over the limit
+//!
+//! [billing]                        # its Raft group has the quota group's members (peers)
+//! bootstrap = false                # with peers: this node forms the group on its first start
+//! deadline_ms = 1000               # no commit within it: UNAVAILABLE
+//! key_retention_ms = 86400000      # idempotency keys are kept this long
+//!
+//! [[billing.tokens]]               # none: every billing call is UNAUTHENTICATED
+//! name = "checkout"                # the caller named in the audit trail
+//! sha256 = "<64 hex digits>"       # `quotamesh billing hash-token` prints it
+//! tenants = ["acme"]               # or ["*"] for every tenant
+//!
+//! [billing.tls]                    # optional: TLS on the billing port
+//! cert = "billing.pem"
+//! key = "billing.key"
+//! client_ca = "clients-ca.pem"     # optional: require client certificates (mTLS)
 //! ```
 
 use std::net::SocketAddr;
@@ -60,6 +76,14 @@ pub const CLUSTER_ID_BYTES_MAX: usize = 128;
 pub const PEERS_MAX: usize = crate::ledger::network::PEER_CHANNELS_MAX;
 /// Longest peer address (`host:port`), in bytes.
 pub const PEER_ADDR_BYTES_MAX: usize = 256;
+/// Default billing-debit gRPC address.
+pub const BILLING_ADDR_DEFAULT: &str = "0.0.0.0:8082";
+/// Most billing tokens in the configuration.
+pub const BILLING_TOKENS_MAX: usize = 1024;
+/// Longest billing token name, in bytes (it is the caller in the audit trail).
+pub const BILLING_TOKEN_NAME_BYTES_MAX: usize = crate::core::billing::CALLER_BYTES_MAX;
+/// The tenant entry that grants a token every tenant.
+pub const BILLING_ALL_TENANTS: &str = "*";
 /// Default data directory of the embedded single-node setup.
 pub const DATA_DIR_DEFAULT: &str = "./quotamesh-data";
 /// Most shard actors a node may run.
@@ -85,6 +109,10 @@ pub struct NodeConfig {
     pub rls_addr: SocketAddr,
     /// Prometheus `/metrics`, `/healthz` and `/readyz` listen address.
     pub metrics_addr: SocketAddr,
+    /// Billing-debit gRPC listen address.
+    pub billing_addr: SocketAddr,
+    /// The billing group and API.
+    pub billing: BillingConfig,
     /// Tenant-shard actors.
     pub shards: ShardConfig,
     /// Rate-limit headers added to Envoy's responses.
@@ -166,6 +194,104 @@ pub struct HeaderConfig {
     pub retry_after: bool,
 }
 
+/// The billing group and its API.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BillingConfig {
+    /// With `peers`: this node forms the billing group (of every peer) on its first start;
+    /// set it on one node. Without peers the node forms a single-node group of itself.
+    pub bootstrap: bool,
+    /// How long a billing call waits for its commit before answering `UNAVAILABLE`.
+    pub deadline_ms: u64,
+    /// How long idempotency keys are kept after their first commit.
+    pub key_retention_ms: u64,
+    /// Callers: bearer tokens (hashed) and the tenants each may touch.
+    pub tokens: Vec<BillingToken>,
+    /// TLS on the billing port; `None` serves plaintext.
+    pub tls: Option<BillingTls>,
+}
+
+/// One billing caller.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BillingToken {
+    /// The caller's name, written in the audit trail.
+    pub name: String,
+    /// SHA-256 of the token, 64 hex digits; the token itself is never stored.
+    pub sha256: String,
+    /// Tenants the token may touch; `"*"` for all.
+    pub tenants: Vec<String>,
+}
+
+/// TLS files of the billing port (PEM).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BillingTls {
+    /// The server's certificate chain.
+    pub cert: PathBuf,
+    /// The server's private key.
+    pub key: PathBuf,
+    /// When set, clients must present a certificate signed by this CA (mTLS).
+    pub client_ca: Option<PathBuf>,
+}
+
+impl Default for BillingConfig {
+    fn default() -> Self {
+        Self {
+            bootstrap: false,
+            deadline_ms: 1000,
+            key_retention_ms: crate::core::billing::KEY_RETENTION_MS_DEFAULT,
+            tokens: Vec::new(),
+            tls: None,
+        }
+    }
+}
+
+impl BillingConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        use crate::core::billing::{KEY_RETENTION_MS_MAX, KEY_RETENTION_MS_MIN};
+        let invalid = |message: String| Err(ConfigError::Invalid(message));
+        if !(10..=60_000).contains(&self.deadline_ms) {
+            return invalid("billing.deadline_ms must be between 10 and 60000".to_owned());
+        }
+        if !(KEY_RETENTION_MS_MIN..=KEY_RETENTION_MS_MAX).contains(&self.key_retention_ms) {
+            return invalid(format!(
+                "billing.key_retention_ms must be between {KEY_RETENTION_MS_MIN} and {KEY_RETENTION_MS_MAX}"
+            ));
+        }
+        if self.tokens.len() > BILLING_TOKENS_MAX {
+            return invalid(format!("billing.tokens: at most {BILLING_TOKENS_MAX}"));
+        }
+        for token in &self.tokens {
+            if token.name.is_empty() || token.name.len() > BILLING_TOKEN_NAME_BYTES_MAX {
+                return invalid(format!(
+                    "billing.tokens: name must be 1 to {BILLING_TOKEN_NAME_BYTES_MAX} bytes, got {:?}",
+                    token.name
+                ));
+            }
+            if token.sha256.len() != 64 || !token.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return invalid(format!(
+                    "billing.tokens {:?}: sha256 must be 64 hex digits",
+                    token.name
+                ));
+            }
+            if token.tenants.is_empty() {
+                return invalid(format!("billing.tokens {:?}: no tenants", token.name));
+            }
+            for tenant in &token.tenants {
+                let account = crate::core::billing::AccountId::new(tenant.as_str(), "m");
+                if tenant != BILLING_ALL_TENANTS && account.check().is_err() {
+                    return invalid(format!(
+                        "billing.tokens {:?}: bad tenant {tenant:?}",
+                        token.name
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Default for NodeConfig {
     fn default() -> Self {
         Self {
@@ -175,6 +301,8 @@ impl Default for NodeConfig {
             policy: None,
             rls_addr: RLS_ADDR_DEFAULT.parse().expect("constant address parses"),
             metrics_addr: METRICS_ADDR_DEFAULT.parse().expect("constant address parses"),
+            billing_addr: BILLING_ADDR_DEFAULT.parse().expect("constant address parses"),
+            billing: BillingConfig::default(),
             shards: ShardConfig::default(),
             headers: HeaderConfig::default(),
             raft_node_id: NodeId(1),
@@ -293,7 +421,8 @@ impl NodeConfig {
         if !(10..=3_600_000).contains(&self.shards.sweep_interval_ms) {
             return invalid("shards.sweep_interval_ms must be between 10 and 3600000".to_owned());
         }
-        self.validate_cluster()
+        self.validate_cluster()?;
+        self.billing.validate()
     }
 
     /// Checks the Raft and cluster settings.
@@ -458,6 +587,26 @@ mod tests {
         let config = NodeConfig::from_toml(include_str!("../cluster/node.toml")).expect("parses");
         assert!(config.validate().is_ok());
         assert_eq!(config, NodeConfig::default());
+    }
+
+    /// A billing section with a token parses and validates; a malformed token digest or an
+    /// unknown key is refused.
+    #[test]
+    fn billing_section_parses_and_validates() {
+        let text = r#"
+            [billing]
+            bootstrap = true
+            [[billing.tokens]]
+            name = "svc"
+            sha256 = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+            tenants = ["t1", "*"]
+        "#;
+        let config = NodeConfig::from_toml(text).expect("parses");
+        assert!(config.validate().is_ok(), "{:?}", config.validate());
+        let mut bad_digest = config;
+        bad_digest.billing.tokens[0].sha256 = "abc".to_owned();
+        assert!(bad_digest.validate().is_err());
+        assert!(NodeConfig::from_toml("[billing]\nvoters = []").is_err());
     }
 
     /// Out-of-range values are refused by validate.

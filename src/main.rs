@@ -8,6 +8,8 @@ use quotamesh::cli::{Cli, Command, LogFormat};
 fn main() -> anyhow::Result<ExitCode> {
     let cli = Cli::parse();
     init_tracing(cli.log_format);
+    // Before any TLS object exists: ring is the only rustls provider compiled in.
+    quotamesh::api::billing::tls::install_crypto_provider();
     match cli.command {
         Command::Policy(command) => Ok(quotamesh::cli::policy::run(command)),
         Command::Serve(arguments) => {
@@ -22,6 +24,7 @@ fn main() -> anyhow::Result<ExitCode> {
             runtime()?.block_on(quotamesh::cli::cluster::run(command))?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Billing(arguments) => runtime()?.block_on(quotamesh::cli::billing::run(arguments)),
         Command::Bench(command) => {
             runtime()?.block_on(quotamesh::cli::bench::run(command))?;
             Ok(ExitCode::SUCCESS)

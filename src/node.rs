@@ -2,9 +2,11 @@
 //!
 //! ```text
 //! start:    config ─▶ data dir lock ─▶ metrics ─▶ policy ─▶ listeners ─▶ shard actors
-//!           ─▶ Raft groups (identity, quota group, Raft peer listener) ─▶ servers ─▶ ready
-//! shutdown: not ready ─▶ stop accepting, drain calls (RLS, HTTP, admin) ─▶ stop watcher
-//!           ─▶ stop shard actors ─▶ stop Raft groups, then the Raft peer listener ─▶ unlock
+//!           ─▶ Raft groups (identity, quota group, Raft peer listener) ─▶ billing group
+//!           (node/billing.rs) ─▶ servers ─▶ ready
+//! shutdown: not ready ─▶ stop accepting, drain calls (RLS, HTTP, admin) ─▶ stop billing
+//!           group ─▶ stop watcher ─▶ stop shard actors ─▶ stop Raft groups, then the Raft
+//!           peer listener ─▶ unlock
 //! ```
 //!
 //! The Raft groups are `crate::raft_host`'s; the admin API over them is `crate::api::admin`.
@@ -29,6 +31,8 @@ use crate::core::headers::HeaderOptions;
 use crate::metrics::Metrics;
 use crate::policy_store::{PolicyLoadError, PolicyOrigin, PolicyStore};
 use crate::raft_host::{RaftHost, RaftHostError};
+
+mod billing;
 
 /// Concurrent HTTP/2 streams per client connection (Envoy multiplexes on few connections).
 pub const GRPC_STREAMS_PER_CONNECTION_MAX: u32 = 4096;
@@ -85,7 +89,9 @@ pub struct Node {
     rls_addr: SocketAddr,
     metrics_addr: SocketAddr,
     admin_addr: SocketAddr,
+    billing_addr: SocketAddr,
     raft: RaftHost,
+    billing: billing::BillingPart,
     ready: Arc<AtomicBool>,
     stop: watch::Sender<bool>,
     servers: Vec<JoinHandle<()>>,
@@ -113,6 +119,8 @@ impl Node {
         let rls_addr = local_addr("Envoy RLS gRPC", &rls_listener, config.rls_addr)?;
         let metrics_addr = local_addr("metrics HTTP", &metrics_listener, config.metrics_addr)?;
         let admin_addr = local_addr("admin gRPC", &admin_listener, config.admin_addr)?;
+        let billing_listener = bind("billing gRPC", config.billing_addr).await?;
+        let billing_addr = local_addr("billing gRPC", &billing_listener, config.billing_addr)?;
 
         let shards = Arc::new(
             ShardSet::start(
@@ -161,6 +169,24 @@ impl Node {
                 }
             })
         };
+        // The billing group shares the node's Raft peer service and channels.
+        let billing = match billing::start(
+            &config,
+            raft.advertise_addr(),
+            raft.peer_service(),
+            raft.channels().clone(),
+            billing_listener,
+            until_stopped(stopped.clone()),
+        )
+        .await
+        {
+            Ok(billing) => billing,
+            Err(error) => {
+                let _ = stop.send(true);
+                raft.shutdown().await;
+                return Err(error);
+            }
+        };
         let http = {
             let (metrics, ready, shutdown) =
                 (metrics.clone(), Arc::clone(&ready), until_stopped(stopped.clone()));
@@ -176,18 +202,21 @@ impl Node {
             Ok(watcher) => watcher,
             Err(error) => {
                 let _ = stop.send(true);
+                billing.shutdown(SHUTDOWN_DRAIN_TIMEOUT).await;
                 raft.shutdown().await;
                 return Err(NodeError::Setup { what: "policy watch", reason: error.to_string() });
             }
         };
 
         ready.store(true, Ordering::Release);
-        tracing::info!(%rls_addr, %metrics_addr, %admin_addr, raft_addr = %raft.raft_addr(), node_id = %config.node_id, region = %config.region, "quotamesh node ready");
+        tracing::info!(%rls_addr, %metrics_addr, %admin_addr, %billing_addr, raft_addr = %raft.raft_addr(), node_id = %config.node_id, region = %config.region, "quotamesh node ready");
         Ok(Self {
             rls_addr,
             metrics_addr,
             admin_addr,
+            billing_addr,
             raft,
+            billing,
             ready,
             stop,
             servers: vec![grpc, http, admin_server],
@@ -218,13 +247,18 @@ impl Node {
         &self.raft
     }
 
+    /// The bound billing gRPC address.
+    pub fn billing_addr(&self) -> SocketAddr {
+        self.billing_addr
+    }
+
     /// The policy store (to reload by hand).
     pub fn policy(&self) -> &PolicyStore {
         &self.policy
     }
 
-    /// Stops in order: readiness, listeners (draining calls), policy watch, shard actors,
-    /// Raft groups and their peer listener.
+    /// Stops in order: readiness, listeners (draining calls), billing group, policy watch,
+    /// shard actors, Raft groups and their peer listener.
     pub async fn shutdown(self) {
         self.ready.store(false, Ordering::Release);
         let _ = self.stop.send(true);
@@ -238,6 +272,7 @@ impl Node {
                 let _ = server.await;
             }
         }
+        self.billing.shutdown(SHUTDOWN_DRAIN_TIMEOUT).await;
         let _ = self.watcher.await;
         match Arc::try_unwrap(self.shards) {
             Ok(shards) => shards.shutdown().await,

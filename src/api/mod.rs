@@ -4,11 +4,13 @@
 //! - [`rls`]: Envoy Rate Limit Service v3 (`ShouldRateLimit`).
 //! - [`admin`]: the admin API (`quotamesh.admin.v1.Admin`): the quota group's membership and
 //!   status, lease grants by hand.
+//! - [`billing`]: the billing-debit API (`quotamesh.billing.v1.Billing`).
 //! - [`status`]: the one mapping from domain and operating errors to `tonic::Status`.
 //! - [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`proto`]: generated protobuf code.
 
 pub mod admin;
+pub mod billing;
 pub mod http;
 pub mod proto;
 pub mod rls;

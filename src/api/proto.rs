@@ -37,9 +37,16 @@ pub mod envoy {
 
 /// quotamesh's own packages served by the node (the Raft transport's is `crate::ledger::proto`).
 pub mod quotamesh {
+    /// The admin API: the quota group's membership and status.
     pub mod admin {
         pub mod v1 {
             tonic::include_proto!("quotamesh.admin.v1");
+        }
+    }
+    /// The billing-debit API.
+    pub mod billing {
+        pub mod v1 {
+            tonic::include_proto!("quotamesh.billing.v1");
         }
     }
 }

@@ -2,10 +2,18 @@
 //!
 //! Storage, quorum or overload trouble reaches Envoy as `UNAVAILABLE`, so the filter's
 //! `failure_mode_deny` decides; never as an RLS `UNKNOWN` code, which Envoy lets through.
+//!
+//! Billing: a refused operation maps to the code that says why (`INVALID_ARGUMENT`,
+//! `NOT_FOUND`, `ALREADY_EXISTS`, `FAILED_PRECONDITION`, `RESOURCE_EXHAUSTED`); an operation
+//! without a commit is `UNAVAILABLE` (fail-closed, outcome unknown); credentials map to
+//! `UNAUTHENTICATED` and `PERMISSION_DENIED`.
 
 use tonic::Status;
 
 use crate::actors::shard::ShardError;
+use crate::api::billing::auth::AuthError;
+use crate::api::billing::proposer::ProposeError;
+use crate::core::billing::OperationError;
 use crate::ledger::{MembershipError, WriteError};
 
 /// Why a `ShouldRateLimit` request was refused before any state was touched.
@@ -117,5 +125,49 @@ pub fn membership_status(error: MembershipError) -> Status {
             Status::failed_precondition(error.to_string())
         }
         MembershipError::Stopped(_) => Status::unavailable(error.to_string()),
+    }
+}
+
+impl From<OperationError> for Status {
+    fn from(error: OperationError) -> Self {
+        let message = error.to_string();
+        match error {
+            OperationError::Invalid(_) | OperationError::Command(_) => {
+                Status::invalid_argument(message)
+            }
+            OperationError::AccountNotFound(_) | OperationError::HoldNotFound { .. } => {
+                Status::not_found(message)
+            }
+            OperationError::AccountExists(_) => Status::already_exists(message),
+            OperationError::KeyReused { .. }
+            | OperationError::HoldExpired(_)
+            | OperationError::HoldResolved { .. }
+            | OperationError::CaptureExceedsHold { .. }
+            | OperationError::BalanceOverflow { .. } => Status::failed_precondition(message),
+            OperationError::Full(_) => Status::resource_exhausted(message),
+        }
+    }
+}
+
+impl From<ProposeError> for Status {
+    fn from(error: ProposeError) -> Self {
+        match error {
+            ProposeError::Refused(refused) => refused.into(),
+            ProposeError::Unavailable(_) | ProposeError::Stopped => {
+                Status::unavailable(error.to_string())
+            }
+            ProposeError::Overloaded => Status::resource_exhausted(error.to_string()),
+        }
+    }
+}
+
+impl From<AuthError> for Status {
+    fn from(error: AuthError) -> Self {
+        match error {
+            AuthError::Missing | AuthError::Malformed | AuthError::Unknown => {
+                Status::unauthenticated(error.to_string())
+            }
+            AuthError::Forbidden { .. } => Status::permission_denied(error.to_string()),
+        }
     }
 }

@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod bench_ledger;
+pub mod billing;
 pub mod cluster;
 pub mod policy;
 pub mod rls;
@@ -44,6 +45,8 @@ pub enum Command {
     /// Form and change the region's quota group, show its status (admin gRPC client).
     #[command(subcommand)]
     Cluster(cluster::ClusterCommand),
+    /// Talk to a node's billing-debit API (operations, balances, audit, verify).
+    Billing(billing::BillingArgs),
     /// Helpers for load tests (request bodies for h2load, a constant-OK ceiling server).
     #[command(subcommand)]
     Bench(bench::BenchCommand),

@@ -25,6 +25,9 @@ pub struct ServeArgs {
     /// Prometheus and health HTTP listen address [default: 0.0.0.0:6070].
     #[arg(long, env = "QUOTAMESH_METRICS_ADDR")]
     pub metrics_addr: Option<SocketAddr>,
+    /// Billing-debit gRPC listen address [default: 0.0.0.0:8082].
+    #[arg(long, env = "QUOTAMESH_BILLING_ADDR")]
+    pub billing_addr: Option<SocketAddr>,
     /// Data directory [default: ./quotamesh-data].
     #[arg(long, env = "QUOTAMESH_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
@@ -67,6 +70,9 @@ impl ServeArgs {
         }
         if let Some(address) = self.metrics_addr {
             config.metrics_addr = address;
+        }
+        if let Some(address) = self.billing_addr {
+            config.billing_addr = address;
         }
         if let Some(directory) = &self.data_dir {
             config.data_dir.clone_from(directory);

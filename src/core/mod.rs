@@ -1,4 +1,5 @@
-//! The pure core: rate-limit math, policy matching, leasing and the ledger state machine.
+//! The pure core: rate-limit math, policy matching, leasing, and the quota and billing
+//! ledgers' state machines.
 //!
 //! Nothing here does IO, reads a clock, or imports tokio, tonic, sled, ractor or quinn:
 //! every function takes `now_ms` as an argument, so the same code runs in the node, in
@@ -12,6 +13,7 @@
 //! - [`circuit`]: the circuit breaker around ledger calls.
 //! - [`ledger`]: the regional quota ledger's deterministic state machine.
 
+pub mod billing;
 pub mod circuit;
 pub mod headers;
 pub mod lease;

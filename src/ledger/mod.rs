@@ -26,10 +26,12 @@
 //! - [`service`]: the server side, one tonic service routing to every group of the process.
 //! - [`group`]: [`RaftGroup`], the handle a node uses: open, initialize, write, read, members.
 //! - [`quota`]: the quota group's type configuration over `crate::core::ledger`.
+//! - [`billing`]: the billing group's type configuration over `crate::core::billing`.
 
 // openraft's error types are fixed by its traits and are large; boxing ours alone gains nothing.
 #![allow(clippy::result_large_err)]
 
+pub mod billing;
 pub mod group;
 pub mod log_store;
 pub mod network;
@@ -40,6 +42,7 @@ pub mod state_store;
 use std::io::Cursor;
 
 pub use crate::core::ledger::NodeId;
+pub use billing::{BILLING_GROUP_NAME, BillingGroup};
 pub use group::{GroupSettings, MembershipError, OpenError, RaftGroup, ShutdownError, WriteError};
 pub use network::{PeerChannels, PeerNetwork};
 pub use openraft::BasicNode;

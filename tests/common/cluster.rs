@@ -152,7 +152,11 @@ impl ClusterNode {
             self.metrics_addr,
             &self.data_dir,
             &arguments,
-            &[("QUOTAMESH_ADMIN_ADDR", self.admin_addr.to_string())],
+            &[
+                ("QUOTAMESH_ADMIN_ADDR", self.admin_addr.to_string()),
+                // The billing API is not under test here; keep it off the shared default port.
+                ("QUOTAMESH_BILLING_ADDR", format!("{}:0", self.admin_addr.ip())),
+            ],
             Some(&self.log_path),
         )
         .with_context(|| format!("node {}", self.id))

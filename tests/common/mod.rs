@@ -4,6 +4,8 @@
 
 #![allow(dead_code)] // Each test binary uses a different part of the harness.
 
+pub mod billing;
+pub mod billing_checker;
 pub mod cluster;
 
 use std::ffi::OsString;
@@ -54,19 +56,16 @@ impl NodeProcess {
     pub fn start_with(policy: &Path, data_dir: &Path, extra: &[&str]) -> anyhow::Result<Self> {
         let rls_addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse()?;
         let metrics_addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse()?;
-        // The admin and Raft listeners too, so nodes of parallel tests never share a port.
-        let admin_addr = format!("127.0.0.1:{}", free_port());
-        let raft_addr = format!("127.0.0.1:{}", free_port());
-        let mut arguments: Vec<OsString> = vec![
-            "--data-dir".into(),
-            data_dir.into(),
-            "--policy".into(),
-            policy.into(),
-            "--admin-addr".into(),
-            admin_addr.into(),
-            "--raft-addr".into(),
-            raft_addr.into(),
-        ];
+        // The admin, billing and Raft listeners too, unless the caller names them, so nodes
+        // of parallel tests never share a port.
+        let mut arguments: Vec<OsString> =
+            vec!["--data-dir".into(), data_dir.into(), "--policy".into(), policy.into()];
+        for flag in ["--admin-addr", "--billing-addr", "--raft-addr"] {
+            if !extra.contains(&flag) {
+                arguments.push(flag.into());
+                arguments.push(format!("127.0.0.1:{}", free_port()).into());
+            }
+        }
         arguments.extend(extra.iter().map(OsString::from));
         Self::spawn(rls_addr, metrics_addr, data_dir, &arguments, &[], None)
     }
