@@ -60,6 +60,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
+use crate::core::digest::Fnv1a;
+
 /// Largest amount of one operation: `i64::MAX`, so a negative number cast to `u64` by a
 /// client is refused instead of being read as a huge amount.
 pub const AMOUNT_MAX: u64 = i64::MAX as u64;
@@ -1428,36 +1430,6 @@ pub fn verify_trail<'a>(
         accounts.insert(entry.account.clone(), expected);
     }
     Ok(accounts)
-}
-
-/// 64-bit FNV-1a: tiny, stable across platforms and versions, enough to compare replicas.
-struct Fnv1a(u64);
-
-impl Default for Fnv1a {
-    fn default() -> Self {
-        Self(0xcbf2_9ce4_8422_2325)
-    }
-}
-
-impl Fnv1a {
-    fn write(&mut self, bytes: &[u8]) {
-        for byte in bytes {
-            self.0 ^= u64::from(*byte);
-            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-
-    fn write_encoded<T: Serialize>(&mut self, value: &T) {
-        let bytes = postcard::to_allocvec(value)
-            .expect("postcard encodes billing types into a Vec without error");
-        // Length first, so adjacent values cannot run into each other.
-        self.write(&(bytes.len() as u64).to_le_bytes());
-        self.write(&bytes);
-    }
-
-    fn finish(&self) -> u64 {
-        self.0
-    }
 }
 
 #[cfg(test)]

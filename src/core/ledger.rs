@@ -35,6 +35,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
+use crate::core::digest::Fnv1a;
+
 use crate::core::rate::{Algorithm, LimitSpec, LimitState};
 
 /// Longest key, in bytes (`rl:{domain}:{descriptor path}`).
@@ -730,35 +732,5 @@ fn subtract_outstanding(
         if *total == 0 {
             outstanding_by_node.remove(&node_id);
         }
-    }
-}
-
-/// 64-bit FNV-1a: tiny, stable across platforms and versions, enough to compare replicas.
-struct Fnv1a(u64);
-
-impl Default for Fnv1a {
-    fn default() -> Self {
-        Self(0xcbf2_9ce4_8422_2325)
-    }
-}
-
-impl Fnv1a {
-    fn write(&mut self, bytes: &[u8]) {
-        for byte in bytes {
-            self.0 ^= u64::from(*byte);
-            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-
-    fn write_encoded<T: Serialize>(&mut self, value: &T) {
-        let bytes = postcard::to_allocvec(value)
-            .expect("postcard encodes ledger types into a Vec without error");
-        // Length first, so adjacent values cannot run into each other.
-        self.write(&(bytes.len() as u64).to_le_bytes());
-        self.write(&bytes);
-    }
-
-    fn finish(&self) -> u64 {
-        self.0
     }
 }

@@ -15,6 +15,7 @@
 
 pub mod billing;
 pub mod circuit;
+pub mod digest;
 pub mod headers;
 pub mod lease;
 pub mod ledger;
