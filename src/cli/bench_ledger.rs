@@ -250,9 +250,12 @@ impl Region {
             let mut config = format!(
                 "node_id = \"bench-{id}\"\nraft_node_id = {id}\ncluster_id = \"bench\"\n\
                  data_dir = \"{}\"\npolicy = \"{}\"\nrls_addr = \"{rls}\"\n\
-                 metrics_addr = \"{metrics}\"\nadmin_addr = \"{admin}\"\nraft_addr = \"{raft}\"\n",
+                 metrics_addr = \"{metrics}\"\nadmin_addr = \"{admin}\"\nraft_addr = \"{raft}\"\n\
+                 billing_addr = \"{}:0\"\n",
                 data_dir.display(),
                 policy.display(),
+                // The billing API is not measured here; keep it off the shared default port.
+                admin.ip(),
             );
             // One node: no peers, so it forms its own group on first start.
             if size > 1 {
