@@ -1,12 +1,20 @@
 //! Resident memory per tracked key: creates 1,000,000 distinct keys through the shard set
 //! (each a cold key, created by its shard actor) and divides the growth of the process's
 //! resident set by the number of keys. Run: `cargo bench --bench memory_per_key`.
+//!
+//! The keys fall under a limit of 0, which every decision refuses without a lease, so the
+//! ledger (in this process) stays empty and only the shards' slots are measured; a slot's
+//! size does not depend on the lease it holds.
 
 use std::time::Duration;
 
-use quotamesh::actors::shard::{Probe, ShardSet, ShardSetOptions};
+use quotamesh::actors::shard::{LedgerName, Probe};
+use quotamesh::core::lease::LeaseTuning;
+use quotamesh::core::policy::FailureMode;
 use quotamesh::core::rate::{Algorithm, LimitSpec};
 use quotamesh::metrics::Metrics;
+
+mod support;
 
 const KEYS: usize = 1_000_000;
 
@@ -26,14 +34,11 @@ fn main() -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async {
         let metrics = Metrics::new();
-        let options = ShardSetOptions {
-            shard_count: 2,
-            keys_per_shard_max: KEYS,
-            // No sweep during the measurement: every key stays tracked.
-            sweep_interval: Duration::from_secs(3600),
-        };
-        let shards = ShardSet::start(options, &metrics).await?;
-        let spec = LimitSpec::new(Algorithm::TokenBucket, 10, 1000, None)?;
+        let ledger = support::ledger(true).await?;
+        // No sweep during the measurement: every key stays tracked.
+        let shards = support::shard_set(&ledger, support::Setup { keys_per_shard_max: KEYS, sweep_interval: Duration::from_secs(3600), ..support::Setup::default() }, support::no_policy(), &metrics).await?;
+        let spec = LimitSpec::new(Algorithm::TokenBucket, 0, 1000, None)?;
+        let lease = LeaseTuning::default();
         let now_ms = quotamesh::clock::now_ms();
         let before = resident_bytes()?;
         for index in 0..KEYS {
@@ -44,6 +49,13 @@ fn main() -> anyhow::Result<()> {
                 counters: smallvec::smallvec![(shards.counter_of(&hash, 0, &spec), &spec)],
                 hits: 1,
                 enforced: true,
+                lease: &lease,
+                failure_mode: FailureMode::Open,
+                rule: None,
+                name: LedgerName {
+                    domain: "bench",
+                    entries: smallvec::smallvec![("api_key", value.as_str())],
+                },
             }];
             shards.decide(&probe, now_ms).await?;
         }

@@ -1,15 +1,21 @@
 //! Latency of one rate-limit decision in process, without gRPC: through the shard set
-//! (a key the shard has seen, and a key that is over its limit), and through the whole RLS
+//! (a key paid from its leased balance, a key the ledger blocked, and the same key paid
+//! from the local fallback bucket while the ledger is unreachable, which is the decision
+//! the node made before leasing: a bucket under a stripe lock), and through the whole RLS
 //! handler (validation, policy match, decision, response with headers).
 //!
-//! Prints p50, p99 and p999 in ns. Each sample times a batch of calls, so the cost of
-//! reading the clock is spread over the batch. Run: `cargo bench --bench shard_decision`.
+//! The leases come from a real single-node quota group on disk. Prints p50, p99 and p999
+//! in ns, and the leased decision's p99 as a ratio of the local one in the same run. Each
+//! sample times a batch of calls, so the cost of reading the clock is spread over the
+//! batch. Run: `cargo bench --bench shard_decision`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
-use quotamesh::actors::shard::{Probe, ShardSet, ShardSetOptions};
+use quotamesh::actors::shard::{Probe, ShardSet};
+use quotamesh::core::lease::LeaseTuning;
+use quotamesh::core::policy::FailureMode;
 use quotamesh::api::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use quotamesh::api::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use quotamesh::api::proto::envoy::service::ratelimit::v3::RateLimitRequest;
@@ -19,21 +25,35 @@ use quotamesh::core::policy::{PolicySet, PolicySource};
 use quotamesh::core::rate::{Algorithm, LimitSpec};
 use quotamesh::metrics::Metrics;
 
+mod support;
+
 const BATCH: usize = 16;
 const SAMPLES: usize = 100_000;
 
-fn percentiles(name: &str, mut samples_ns: Vec<f64>) {
+/// Prints the percentiles; returns the p99.
+fn percentiles(name: &str, mut samples_ns: Vec<f64>) -> f64 {
     samples_ns.sort_by(f64::total_cmp);
     let at = |quantile: f64| samples_ns[((samples_ns.len() as f64 - 1.0) * quantile) as usize];
     println!(
-        "{name:<44} p50 {:>8.0} ns   p99 {:>8.0} ns   p999 {:>8.0} ns",
+        "{name:<52} p50 {:>8.0} ns   p99 {:>8.0} ns   p999 {:>8.0} ns",
         at(0.50),
         at(0.99),
         at(0.999)
     );
+    at(0.99)
 }
 
-async fn measure<F: AsyncFnMut()>(name: &str, mut call: F) {
+/// A probe for one descriptor `api_key=value` of domain `bench` under `spec`.
+fn probe<'p>(
+    shards: &ShardSet,
+    value: &'p str,
+    spec: &'p LimitSpec,
+    lease: &'p LeaseTuning,
+) -> [Probe<'p>; 1] {
+    support::probe(shards, "bench", ("api_key", value), spec, lease, FailureMode::Open, 1)
+}
+
+async fn measure<F: AsyncFnMut()>(name: &str, mut call: F) -> f64 {
     for _ in 0..10_000 {
         call().await;
     }
@@ -52,42 +72,50 @@ fn main() -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async {
         let metrics = Metrics::new();
-        let options = ShardSetOptions {
-            shard_count: 2,
-            keys_per_shard_max: 1_000_000,
-            sweep_interval: Duration::from_secs(1),
-        };
-        let shards = Arc::new(ShardSet::start(options, &metrics).await?);
-        let now_ms = quotamesh::clock::now_ms();
-
+        let ledger = support::ledger(true).await?;
+        let shards = Arc::new(
+            support::shard_set(&ledger, support::Setup::default(), support::no_policy(), &metrics).await?,
+        );
+        // A hot key: the largest leases and the longest TTL, so the refill asked at the
+        // watermark arrives long before the balance runs out even at millions per second.
+        let hot_lease = LeaseTuning::with_sizes(1_000, 1_000_000, 500)?;
         let roomy = LimitSpec::new(Algorithm::TokenBucket, 1_000_000_000_000, 1000, None)?;
-        let hash = shards.hash_descriptor("bench", [("api_key", "hot")].into_iter());
-        let probe = [Probe {
-            stripe: shards.stripe_of(&hash),
-            counters: smallvec::smallvec![(shards.counter_of(&hash, 0, &roomy), &roomy)],
-            hits: 1,
-            enforced: true,
-        }];
-        measure("shard decision, existing key, admitted", async || {
-            let decision = shards.decide(&probe, now_ms).await.expect("decides");
-            assert!(decision.admitted);
+        let hot = probe(&shards, "hot", &roomy, &hot_lease);
+        let default_lease = LeaseTuning::default();
+        let leased_p99 = measure("shard decision, leased balance, admitted", async || {
+            let decision = shards.decide(&hot, quotamesh::clock::now_ms()).await.expect("decides");
+            assert!(decision.admitted && decision.bypass.is_none());
         })
         .await;
 
         let tight = LimitSpec::new(Algorithm::TokenBucket, 1, 3_600_000, None)?;
-        let hash = shards.hash_descriptor("bench", [("api_key", "blocked")].into_iter());
-        let probe = [Probe {
-            stripe: shards.stripe_of(&hash),
-            counters: smallvec::smallvec![(shards.counter_of(&hash, 0, &tight), &tight)],
-            hits: 1,
-            enforced: true,
-        }];
-        shards.decide(&probe, now_ms).await?;
-        measure("shard decision, blocked key, rejected", async || {
-            let decision = shards.decide(&probe, now_ms).await.expect("decides");
+        let blocked = probe(&shards, "blocked", &tight, &default_lease);
+        shards.decide(&blocked, quotamesh::clock::now_ms()).await?;
+        measure("shard decision, blocked by the ledger, rejected", async || {
+            let decision =
+                shards.decide(&blocked, quotamesh::clock::now_ms()).await.expect("decides");
             assert!(!decision.admitted);
         })
         .await;
+
+        // The same hot key on a node whose ledger never answers: once the circuit is open,
+        // every decision is the local bucket's.
+        let unreachable = support::ledger(false).await?;
+        let local =
+            support::shard_set(&unreachable, support::Setup::default(), support::no_policy(), &metrics).await?;
+        let local_hot = probe(&local, "hot", &roomy, &hot_lease);
+        let opened = tokio::time::Instant::now() + Duration::from_secs(10);
+        while local.decide(&local_hot, quotamesh::clock::now_ms()).await?.bypass
+            != Some(quotamesh::actors::shard::BypassReason::CircuitOpen)
+        {
+            anyhow::ensure!(tokio::time::Instant::now() < opened, "the circuit never opened");
+        }
+        let local_p99 = measure("shard decision, local fallback bucket, admitted", async || {
+            let decision = local.decide(&local_hot, quotamesh::clock::now_ms()).await.expect("decides");
+            assert!(decision.admitted);
+        })
+        .await;
+        println!("leased / local decision p99: x{:.2}", leased_p99 / local_p99);
 
         let policy = PolicySet::parse(&[PolicySource {
             name: "bench.yaml".to_owned(),
@@ -106,7 +134,8 @@ fn main() -> anyhow::Result<()> {
             hits_addend: 0,
         };
         measure("RLS handler (validate, match, decide, encode)", async || {
-            let response = service.decide(&request, now_ms).await.expect("decides");
+            let response =
+                service.decide(&request, quotamesh::clock::now_ms()).await.expect("decides");
             assert_eq!(response.overall_code, 1);
         })
         .await;

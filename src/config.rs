@@ -29,12 +29,21 @@
 //! [shards]
 //! count = 0                        # 0 = one per core
 //! keys_per_shard_max = 1000000
-//! sweep_interval_ms = 1000
+//! sweep_interval_ms = 250         # returns idle and surplus leases, drops idle keys
 //!
 //! [headers]
 //! ietf_draft10 = true              # RateLimit-Policy and RateLimit
 //! legacy = false                   # RateLimit-Limit, RateLimit-Remaining, RateLimit-Reset
 //! retry_after = true               # Retry-After when over the limit
+//!
+//! [leasing]                        # the lease broker, its circuit breaker, the fallback
+//! ledger_timeout_ms = 5            # per ledger call; longest a short key waits for a lease
+//! batch_window_ms = 1              # lease requests gathered into one ledger command
+//! fallback_multiplier = 1.0        # fallback bucket: multiplier x limit / nodes_in_region
+//! nodes_in_region = 0              # 0 = the number of [[peers]] (1 without)
+//! circuit_failures_to_open = 3
+//! circuit_probe_interval_ms = 1000
+//! circuit_close_after_ms = 30000   # healthy probing (p99 below ledger_timeout_ms) to close
 //!
 //! [billing]                        # its Raft group has the quota group's members (peers)
 //! bootstrap = false                # with peers: this node forms the group on its first start
@@ -139,6 +148,80 @@ pub struct NodeConfig {
     pub peers: Vec<PeerConfig>,
     /// Raft timings and log compaction of the quota group.
     pub quota_group: RaftGroupConfig,
+    /// How the node leases tokens from the quota ledger, and what it does without it.
+    pub leasing: LeasingConfig,
+}
+
+/// The lease broker, its circuit breaker, and the fallback (DESIGN sections 2 and 3).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LeasingConfig {
+    /// Every ledger call's timeout, and the longest a request waits for a key's lease
+    /// before deciding from the fallback.
+    pub ledger_timeout_ms: u64,
+    /// Longest the broker gathers lease requests into one ledger command.
+    pub batch_window_ms: u64,
+    /// Fallback bucket per node and key: `fallback_multiplier * limit / nodes_in_region`.
+    pub fallback_multiplier: f64,
+    /// Nodes leasing from the region (voters and gateways); 0: the number of `[[peers]]`
+    /// (1 for a single-node region).
+    pub nodes_in_region: u64,
+    /// Consecutive failed ledger calls that open the circuit.
+    pub circuit_failures_to_open: u32,
+    /// While open, one probe per this interval.
+    pub circuit_probe_interval_ms: u64,
+    /// Healthy probing needed before the circuit closes again.
+    pub circuit_close_after_ms: u64,
+}
+
+impl Default for LeasingConfig {
+    /// DESIGN section 2: 5 ms, 1 ms batches, multiplier 1.0, 3 failures, 1 probe/s, 30 s.
+    fn default() -> Self {
+        Self {
+            ledger_timeout_ms: 5,
+            batch_window_ms: 1,
+            fallback_multiplier: 1.0,
+            nodes_in_region: 0,
+            circuit_failures_to_open: 3,
+            circuit_probe_interval_ms: 1_000,
+            circuit_close_after_ms: 30_000,
+        }
+    }
+}
+
+impl LeasingConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |message: &str| Err(ConfigError::Invalid(format!("leasing.{message}")));
+        if !(1..=10_000).contains(&self.ledger_timeout_ms) {
+            return invalid("ledger_timeout_ms must be between 1 and 10000");
+        }
+        if !(1..=100).contains(&self.batch_window_ms) {
+            return invalid("batch_window_ms must be between 1 and 100");
+        }
+        if !(self.fallback_multiplier.is_finite() && (0.001..=100.0).contains(&self.fallback_multiplier))
+        {
+            return invalid("fallback_multiplier must be between 0.001 and 100");
+        }
+        if self.nodes_in_region > 10_000 {
+            return invalid("nodes_in_region must be at most 10000");
+        }
+        if !(1..=1_000).contains(&self.circuit_failures_to_open) {
+            return invalid("circuit_failures_to_open must be between 1 and 1000");
+        }
+        if !(10..=60_000).contains(&self.circuit_probe_interval_ms) {
+            return invalid("circuit_probe_interval_ms must be between 10 and 60000");
+        }
+        if self.circuit_close_after_ms > 3_600_000 {
+            return invalid("circuit_close_after_ms must be at most 3600000");
+        }
+        Ok(())
+    }
+
+    /// `fallback_multiplier` in per mille (validated to a range where this is exact enough).
+    pub fn fallback_multiplier_permille(&self) -> u64 {
+        // In 1..=100_000 after validation, so the cast neither truncates nor wraps.
+        (self.fallback_multiplier * 1000.0).round() as u64
+    }
 }
 
 /// One voter of the region, as `[[peers]]` lists it.
@@ -176,7 +259,9 @@ pub struct ShardConfig {
     pub count: usize,
     /// Keys one shard tracks before it evicts the least recently useful one.
     pub keys_per_shard_max: usize,
-    /// How often a shard drops keys whose state has returned to that of a fresh key.
+    /// How often a shard returns surplus and idle balances to the ledger and drops keys that
+    /// hold nothing; at most a lookahead (250 ms by default), or idle balances expire
+    /// unspent before they are returned.
     pub sweep_interval_ms: u64,
 }
 
@@ -311,6 +396,7 @@ impl Default for NodeConfig {
             admin_addr: ADMIN_ADDR_DEFAULT.parse().expect("constant address parses"),
             peers: Vec::new(),
             quota_group: RaftGroupConfig::default(),
+            leasing: LeasingConfig::default(),
         }
     }
 }
@@ -330,7 +416,7 @@ impl Default for RaftGroupConfig {
 
 impl Default for ShardConfig {
     fn default() -> Self {
-        Self { count: 0, keys_per_shard_max: 1_000_000, sweep_interval_ms: 1000 }
+        Self { count: 0, keys_per_shard_max: 1_000_000, sweep_interval_ms: 250 }
     }
 }
 
@@ -422,6 +508,7 @@ impl NodeConfig {
             return invalid("shards.sweep_interval_ms must be between 10 and 3600000".to_owned());
         }
         self.validate_cluster()?;
+        self.leasing.validate()?;
         self.billing.validate()
     }
 
@@ -505,6 +592,14 @@ impl NodeConfig {
             });
         }
         address.to_string()
+    }
+
+    /// Nodes leasing from the region: `leasing.nodes_in_region`, or the configured peers.
+    pub fn nodes_in_region(&self) -> u64 {
+        match self.leasing.nodes_in_region {
+            0 => (self.peers.len() as u64).max(1),
+            nodes => nodes,
+        }
     }
 
     /// The number of shard actors to run: the configured count, or one per core.

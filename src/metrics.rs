@@ -44,6 +44,33 @@ pub struct Metrics {
     pub policy_reload_failures: IntCounter,
     /// `quotamesh_grpc_request_duration_seconds{service}`: whole-call latency per gRPC service.
     pub grpc_request_duration: HistogramVec,
+    /// `quotamesh_rate_limit_bypassed_total{reason}`: admitted decisions that some limit paid
+    /// from the fallback bucket instead of a ledger lease (`circuit_open`, `ledger_timeout`,
+    /// `overloaded`).
+    pub rate_limit_bypassed: IntCounterVec,
+    /// `quotamesh_rate_limit_failed_closed_total`: decisions a fail-closed rule denied because
+    /// no lease could be had.
+    pub rate_limit_failed_closed: IntCounter,
+    /// `quotamesh_lease_asks_total{result}`: per-key lease requests handed to the broker
+    /// (`queued`) or refused at once (`refused`: broker full or circuit open).
+    pub lease_asks: IntCounterVec,
+    /// `quotamesh_lease_size_tokens`: tokens per grant.
+    pub lease_size: Histogram,
+    /// `quotamesh_lease_returned_tokens_total{result}`: unspent tokens given back
+    /// (`returned`, `failed`, `dropped` while the circuit is open).
+    pub lease_returned_tokens: IntCounterVec,
+    /// `quotamesh_lease_held_tokens{domain, rule}`: leased tokens this node holds per rule,
+    /// at the last sweep; summed over the region's nodes it is the live drift.
+    pub lease_held_tokens: IntGaugeVec,
+    /// `quotamesh_lease_drift_bound_tokens{domain, rule}`: the configured bound on tokens
+    /// outside the ledger per key, `N * (1 + watermark) * max_lease`.
+    pub lease_drift_bound_tokens: IntGaugeVec,
+    /// `quotamesh_ledger_calls_total{result}`: batched ledger calls (`ok`, `slow`, `error`).
+    pub ledger_calls: IntCounterVec,
+    /// `quotamesh_ledger_call_duration_seconds`: latency of batched ledger calls.
+    pub ledger_call_duration: Histogram,
+    /// `quotamesh_ledger_circuit_state`: 0 closed, 1 recovering (probing), 2 open.
+    pub ledger_circuit_state: IntGauge,
 }
 
 impl Default for Metrics {
@@ -99,6 +126,17 @@ impl Metrics {
         )
         .expect("valid metric");
         registry.register(Box::new(grpc_request_duration.clone())).expect("unique metric");
+        let histogram = |name: &str, help: &str, buckets: Vec<f64>| {
+            let metric = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))
+                .expect("valid metric");
+            registry.register(Box::new(metric.clone())).expect("unique metric");
+            metric
+        };
+        let counter = |name: &str, help: &str| {
+            let metric = IntCounter::new(name, help).expect("valid metric");
+            registry.register(Box::new(metric.clone())).expect("unique metric");
+            metric
+        };
         let policy_reload_failures = IntCounter::new(
             "quotamesh_policy_reload_failures_total",
             "Policy loads refused since start; the previous policy stays active.",
@@ -160,6 +198,55 @@ impl Metrics {
             ),
             policy_reload_failures,
             grpc_request_duration,
+            rate_limit_bypassed: counter_vec(
+                "quotamesh_rate_limit_bypassed_total",
+                "Admitted decisions paid from the local fallback instead of a ledger lease.",
+                &["reason"],
+            ),
+            rate_limit_failed_closed: counter(
+                "quotamesh_rate_limit_failed_closed_total",
+                "Decisions a fail-closed rule denied because no lease could be had.",
+            ),
+            lease_asks: counter_vec(
+                "quotamesh_lease_asks_total",
+                "Per-key lease requests: queued for the broker, or refused at once.",
+                &["result"],
+            ),
+            lease_size: histogram(
+                "quotamesh_lease_size_tokens",
+                "Tokens per lease grant.",
+                vec![0.0, 1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1_000.0, 10_000.0],
+            ),
+            lease_returned_tokens: counter_vec(
+                "quotamesh_lease_returned_tokens_total",
+                "Unspent leased tokens given back: returned, failed, or dropped.",
+                &["result"],
+            ),
+            lease_held_tokens: gauge_vec(
+                "quotamesh_lease_held_tokens",
+                "Leased tokens this node holds per rule at the last sweep.",
+                &["domain", "rule"],
+            ),
+            lease_drift_bound_tokens: gauge_vec(
+                "quotamesh_lease_drift_bound_tokens",
+                "Configured bound on tokens outside the ledger per key: N x (1 + watermark) x \
+                 max_lease.",
+                &["domain", "rule"],
+            ),
+            ledger_calls: counter_vec(
+                "quotamesh_ledger_calls_total",
+                "Batched lease calls to the quota ledger by result: ok, slow, error.",
+                &["result"],
+            ),
+            ledger_call_duration: histogram(
+                "quotamesh_ledger_call_duration_seconds",
+                "Latency of batched lease calls to the quota ledger.",
+                vec![0.000_25, 0.000_5, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1],
+            ),
+            ledger_circuit_state: gauge(
+                "quotamesh_ledger_circuit_state",
+                "Circuit breaker around ledger calls: 0 closed, 1 recovering, 2 open.",
+            ),
             registry,
         }
     }

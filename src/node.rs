@@ -1,12 +1,12 @@
 //! Wires one node together and takes it apart again.
 //!
 //! ```text
-//! start:    config ─▶ data dir lock ─▶ metrics ─▶ policy ─▶ listeners ─▶ shard actors
-//!           ─▶ Raft groups (identity, quota group, Raft peer listener) ─▶ billing group
-//!           (node/billing.rs) ─▶ servers ─▶ ready
+//! start:    config ─▶ data dir lock ─▶ metrics ─▶ policy ─▶ listeners ─▶ Raft groups
+//!           (identity, quota group, Raft peer listener) ─▶ lease broker ─▶ shard actors
+//!           ─▶ billing group (node/billing.rs) ─▶ servers ─▶ ready
 //! shutdown: not ready ─▶ stop accepting, drain calls (RLS, HTTP, admin) ─▶ stop billing
-//!           group ─▶ stop watcher ─▶ stop shard actors ─▶ stop Raft groups, then the Raft
-//!           peer listener ─▶ unlock
+//!           group ─▶ stop watcher ─▶ stop shard actors ─▶ stop lease broker ─▶ stop Raft
+//!           groups, then the Raft peer listener ─▶ unlock
 //! ```
 //!
 //! The Raft groups are `crate::raft_host`'s; the admin API over them is `crate::api::admin`.
@@ -22,11 +22,13 @@ use tokio::task::JoinHandle;
 use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
 
+use crate::actors::lease_broker::{BrokerSettings, LeaseBroker};
 use crate::actors::shard::{ShardSet, ShardSetOptions, ShardSpawnError};
 use crate::api::admin::{AdminNode, AdminService};
 use crate::api::proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use crate::api::rls::{GRPC_MESSAGE_BYTES_MAX, RlsService};
 use crate::config::{ConfigError, NodeConfig};
+use crate::core::circuit::BreakerSettings;
 use crate::core::headers::HeaderOptions;
 use crate::metrics::Metrics;
 use crate::policy_store::{PolicyLoadError, PolicyOrigin, PolicyStore};
@@ -97,6 +99,7 @@ pub struct Node {
     servers: Vec<JoinHandle<()>>,
     watcher: JoinHandle<()>,
     shards: Arc<ShardSet>,
+    broker: (LeaseBroker, JoinHandle<()>),
     policy: Arc<PolicyStore>,
     _data_dir_lock: std::fs::File,
 }
@@ -122,24 +125,20 @@ impl Node {
         let billing_listener = bind("billing gRPC", config.billing_addr).await?;
         let billing_addr = local_addr("billing gRPC", &billing_listener, config.billing_addr)?;
 
-        let shards = Arc::new(
-            ShardSet::start(
-                ShardSetOptions {
-                    shard_count: config.shard_count(),
-                    keys_per_shard_max: config.shards.keys_per_shard_max,
-                    sweep_interval: Duration::from_millis(config.shards.sweep_interval_ms),
-                },
-                &metrics,
-            )
-            .await?,
-        );
+        let raft = RaftHost::start(&config).await?;
+        let (broker, shards) = match start_leasing(&config, &raft, &metrics, &policy).await {
+            Ok(started) => started,
+            Err(error) => {
+                raft.shutdown().await;
+                return Err(error);
+            }
+        };
         let headers = HeaderOptions {
             ietf_draft10: config.headers.ietf_draft10,
             legacy: config.headers.legacy,
             retry_after: config.headers.retry_after,
         };
         let rls = RlsService::new(Arc::clone(&shards), policy.active(), metrics.clone(), headers);
-        let raft = RaftHost::start(&config).await?;
         let admin = AdminService::new(
             AdminNode {
                 name: config.node_id.clone(),
@@ -222,6 +221,7 @@ impl Node {
             servers: vec![grpc, http, admin_server],
             watcher,
             shards,
+            broker,
             policy,
             _data_dir_lock: data_dir_lock,
         })
@@ -278,8 +278,52 @@ impl Node {
             Ok(shards) => shards.shutdown().await,
             Err(_) => tracing::error!("shard actors still referenced at shutdown; not stopped"),
         }
+        let (broker, broker_task) = self.broker;
+        broker.stop();
+        let _ = broker_task.await;
         self.raft.shutdown().await;
         tracing::info!("quotamesh node stopped");
+    }
+}
+
+/// Starts the lease broker over the quota group, then the shard actors that lease from it.
+async fn start_leasing(
+    config: &NodeConfig,
+    raft: &RaftHost,
+    metrics: &Metrics,
+    policy: &PolicyStore,
+) -> Result<((LeaseBroker, JoinHandle<()>), Arc<ShardSet>), NodeError> {
+    let leasing = &config.leasing;
+    let settings = BrokerSettings {
+        node_id: raft.node_id(),
+        batch_window_ms: leasing.batch_window_ms,
+        breaker: BreakerSettings {
+            call_timeout_ms: leasing.ledger_timeout_ms,
+            failures_to_open: leasing.circuit_failures_to_open,
+            probe_interval_ms: leasing.circuit_probe_interval_ms,
+            healthy_probing_ms: leasing.circuit_close_after_ms,
+            healthy_p99_ms: leasing.ledger_timeout_ms,
+        },
+    };
+    let (broker, broker_task) =
+        LeaseBroker::start(raft.quota().clone(), settings, metrics.clone()).await.map_err(
+            |error| NodeError::Setup { what: "lease broker", reason: error.to_string() },
+        )?;
+    let options = ShardSetOptions {
+        shard_count: config.shard_count(),
+        keys_per_shard_max: config.shards.keys_per_shard_max,
+        sweep_interval: Duration::from_millis(config.shards.sweep_interval_ms),
+        ledger_timeout: Duration::from_millis(leasing.ledger_timeout_ms),
+        fallback_multiplier_permille: leasing.fallback_multiplier_permille(),
+        nodes_in_region: config.nodes_in_region(),
+    };
+    match ShardSet::start(options, metrics, broker.clone(), policy.active()).await {
+        Ok(shards) => Ok(((broker, broker_task), Arc::new(shards))),
+        Err(error) => {
+            broker.stop();
+            let _ = broker_task.await;
+            Err(error.into())
+        }
     }
 }
 

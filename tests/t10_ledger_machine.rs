@@ -184,6 +184,53 @@ fn bad_requests_are_refused_item_by_item() {
     assert_eq!(with_bad.digest(), before);
 }
 
+// Proves a batch of returns credits exactly what the same returns one by one would, and an
+// oversized batch of returns is refused whole.
+#[test]
+fn batched_returns_equal_single_returns() {
+    let grant = |ledger: &mut QuotaLedger| {
+        ledger.apply(&acquire(
+            1_000,
+            1,
+            vec![request("rl:d:a", bucket(10, 1_000, 10), 6), request("rl:d:b", bucket(10, 1_000, 10), 4)],
+        ))
+    };
+    let mut single = QuotaLedger::new();
+    let mut batched = QuotaLedger::new();
+    grant(&mut single);
+    grant(&mut batched);
+    let returns = [("rl:d:a", 2), ("rl:d:b", 9), ("rl:d:missing", 1), ("rl:d:a", 1)];
+    let mut one_by_one = Vec::new();
+    for (key, tokens) in returns {
+        let reply = single.apply(&QuotaCommand::ReturnLease {
+            now_ms: 1_010,
+            node_id: NodeId(1),
+            key: key.to_owned(),
+            tokens,
+        });
+        let QuotaResponse::Returned(result) = reply else { panic!("{reply:?}") };
+        one_by_one.push(result);
+    }
+    let reply = batched.apply(&QuotaCommand::ReturnLeases {
+        now_ms: 1_010,
+        node_id: NodeId(1),
+        returns: returns.iter().map(|(key, tokens)| ((*key).to_owned(), *tokens)).collect(),
+    });
+    assert_eq!(reply, QuotaResponse::ReturnedMany(one_by_one));
+    assert_eq!(single.digest(), batched.digest());
+    let before = batched.digest();
+    let oversized = QuotaCommand::ReturnLeases {
+        now_ms: 2_000,
+        node_id: NodeId(1),
+        returns: vec![("rl:d:a".to_owned(), 1); LEASE_REQUESTS_PER_COMMAND_MAX + 1],
+    };
+    assert_eq!(
+        batched.apply(&oversized),
+        QuotaResponse::Rejected(CommandError::BatchTooLarge(LEASE_REQUESTS_PER_COMMAND_MAX + 1))
+    );
+    assert_eq!(batched.digest(), before);
+}
+
 // Proves a batch over the maximum is refused as a whole before anything, even time, moves.
 #[test]
 fn an_oversized_batch_changes_nothing() {
@@ -246,8 +293,10 @@ fn arbitrary_command() -> impl Strategy<Value = (u64, QuotaCommand)> {
     prop_oneof![
         4 => (step_ms.clone(), 1..4u64, prop::collection::vec(lease_request, 0..6))
             .prop_map(|(step, node, requests)| (step, QuotaCommand::AcquireLeases { now_ms: 0, node_id: NodeId(node), requests })),
-        2 => (step_ms.clone(), 1..4u64, keys, 0..30u64)
+        2 => (step_ms.clone(), 1..4u64, keys.clone(), 0..30u64)
             .prop_map(|(step, node, key, tokens)| (step, QuotaCommand::ReturnLease { now_ms: 0, node_id: NodeId(node), key: key.to_owned(), tokens })),
+        1 => (step_ms.clone(), 1..4u64, prop::collection::vec((keys, 0..30u64), 0..4))
+            .prop_map(|(step, node, returns)| (step, QuotaCommand::ReturnLeases { now_ms: 0, node_id: NodeId(node), returns: returns.into_iter().map(|(key, tokens)| (key.to_owned(), tokens)).collect() })),
         1 => (step_ms, 0..4u64, "[a-c]{1,3}")
             .prop_map(|(step, version, text)| (step, QuotaCommand::PutPolicySet { now_ms: 0, version, policy_yaml: vec![("p.yaml".to_owned(), text)] })),
     ]
@@ -264,6 +313,7 @@ fn stamped(commands: Vec<(u64, QuotaCommand)>, back_jumps: &[bool]) -> Vec<Quota
             match &mut command {
                 QuotaCommand::AcquireLeases { now_ms, .. }
                 | QuotaCommand::ReturnLease { now_ms, .. }
+                | QuotaCommand::ReturnLeases { now_ms, .. }
                 | QuotaCommand::PutPolicySet { now_ms, .. } => *now_ms = clock_ms,
             }
             command

@@ -1,33 +1,48 @@
-//! Tenant-shard actors and the per-key state they own.
+//! Tenant-shard actors and the per-key lease state they own.
 //!
 //! Keys are spread over K shards by a process-random 128-bit hash of `(domain, descriptor
 //! entries)`; each shard is a ractor actor plus a table of striped maps that it publishes
-//! to the RLS handlers. Ownership is split by who may change what:
+//! to the RLS handlers. A key's slot holds its lease (`crate::core::lease::KeyLease`:
+//! leased balance, expiry, traffic estimate, request in flight, `blocked_until`), its
+//! name in the ledger, and, only while the ledger is out of reach, a fallback bucket.
+//! Ownership is split by who may change what:
 //!
 //! - the **actor** alone inserts and removes keys: it creates a key on its first hit
-//!   (a cold key, reached by a cast carrying a one-shot reply), evicts when the shard is
-//!   full, and sweeps keys whose state has returned to that of a fresh key;
-//! - an **RLS handler** only updates the state of keys that exist, under the stripe lock,
-//!   using the pure math of `crate::core::rate`.
+//!   (a cold key, reached by a cast carrying a one-shot reply), applies the lease broker's
+//!   answers, returns surplus and idle balances, evicts when the shard is full, and sweeps
+//!   keys that hold nothing;
+//! - an **RLS handler** spends from the slots of keys that exist, under the stripe lock,
+//!   and asks the lease broker for a refill when a balance falls below its watermark.
+//!
+//! ```text
+//!  decide ─▶ lock stripes ─▶ spend leased tokens ── all paid ──▶ commit, ask refills ─▶ OK
+//!                               │ Blocked: OVER_LIMIT until the ledger's retry_after
+//!                               │ Short: ask a lease, wait for the broker's answer
+//!                               ▼        (at most ledger_timeout_ms from the request)
+//!                   fallback: fail-open rules pay from a local bucket at
+//!                   multiplier x limit / nodes (counted as a bypass); fail-closed deny
+//! ```
 //!
 //! A request's descriptors may live in several stripes. The handler locks all of them in
 //! ascending order (no deadlock), decides every limit, and writes the new states back only
 //! if the whole request is admitted: rejected hits never consume quota.
-//!
-//! Memory per key: a 16-byte fingerprint and a 32-byte slot in a hash map, about 100 bytes
-//! with the map's spare capacity (measured by `benches/memory_per_key.rs`).
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher, RandomState};
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use parking_lot::{Mutex, MutexGuard};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use smallvec::SmallVec;
-use tokio::sync::{Semaphore, oneshot};
+use tokio::sync::{Notify, Semaphore, oneshot};
 
-use crate::core::rate::{Evaluation, LimitSpec, LimitState};
+use crate::actors::lease_broker::{LeaseAnswer, LeaseAsk, LeaseBroker};
+use crate::core::lease::{KeyLease, LeaseTuning, Spend, fallback_limit};
+use crate::core::lease_key::LeaseKey;
+use crate::core::policy::{FailureMode, PolicySet, RuleId};
+use crate::core::rate::{LimitSpec, LimitState};
 use crate::metrics::Metrics;
 
 /// Stripes per shard: enough that handlers on different cores rarely meet on one lock.
@@ -35,16 +50,24 @@ pub const STRIPES_PER_SHARD: usize = 64;
 /// Cold-key admissions awaiting a shard actor at once, over all shards; beyond this the
 /// node answers `UNAVAILABLE` instead of growing the actors' unbounded mailboxes.
 pub const COLD_ADMISSIONS_INFLIGHT_MAX: usize = 4096;
+/// Requests waiting for a lease at once; beyond this a short key decides from the
+/// fallback at once.
+pub const LEASE_WAITERS_MAX: usize = 4096;
 /// How long a handler waits for a shard actor to create its keys.
 pub const COLD_ADMISSION_TIMEOUT: Duration = Duration::from_millis(100);
 /// Rounds of "create missing keys, then decide" before giving up: a key can be evicted
 /// between its creation and the decision only under extreme churn.
 pub const COLD_ROUNDS_MAX: usize = 3;
-/// A freshly created key is kept at least this long even if it stays pristine, so the
-/// sweep cannot remove it before the request that created it has used it.
+/// A freshly created key is kept at least this long, so the sweep cannot remove it before
+/// the request that created it has used it.
 pub const FRESH_KEY_GRACE_MS: u64 = 5_000;
+/// What a fail-closed rule tells a client to wait while the ledger is out of reach: the
+/// circuit breaker's probe interval, the soonest the ledger can be back.
+pub const FAIL_CLOSED_RETRY_AFTER_MS: u64 = 1_000;
 /// Keys sampled when a full shard must evict one (approximate LRU, as Redis does).
 const EVICTION_SAMPLE: usize = 16;
+/// `Slot::rule` of a counter that no policy rule owns (a request's `limit` override).
+const NO_RULE: u32 = u32::MAX;
 
 /// 128-bit fingerprint of one counter: (domain, descriptor entries, limit).
 ///
@@ -86,6 +109,16 @@ pub struct StripeId {
     stripe: u32,
 }
 
+/// The strings that name a descriptor's counters in the ledger; read only when a key is
+/// created (`crate::core::lease_key`).
+#[derive(Debug, Clone)]
+pub struct LedgerName<'p> {
+    /// The request's domain.
+    pub domain: &'p str,
+    /// The descriptor's entries, in order.
+    pub entries: SmallVec<[(&'p str, &'p str); 4]>,
+}
+
 /// One descriptor's counters in a request, ready to be decided.
 #[derive(Debug)]
 pub struct Probe<'p> {
@@ -97,15 +130,60 @@ pub struct Probe<'p> {
     pub hits: u64,
     /// False for shadow-mode rules: evaluated and reported, never a reason to reject.
     pub enforced: bool,
+    /// The rule's lease sizes and TTL.
+    pub lease: &'p LeaseTuning,
+    /// What to do when no lease can be had.
+    pub failure_mode: FailureMode,
+    /// The rule, for per-rule gauges; `None` for a request's own `limit`.
+    pub rule: Option<RuleId>,
+    /// The counters' names in the ledger.
+    pub name: LedgerName<'p>,
+}
+
+/// What one limit said about a probe's hits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Verdict {
+    /// Whether all the hits were admitted (never a part of them).
+    pub admitted: bool,
+    /// Hits still available: this node's balance plus what the ledger had left at its last
+    /// grant (or the fallback bucket's count while deciding without the ledger).
+    pub remaining: u64,
+    /// Milliseconds until the limit is fully reset.
+    pub reset_ms: u64,
+    /// 0 when admitted; otherwise ms until the hits could be admitted, `u64::MAX` when they
+    /// never can be at once.
+    pub retry_after_ms: u64,
 }
 
 /// What the limits of one probe said.
 #[derive(Debug, Clone)]
 pub struct ProbeOutcome {
-    /// One evaluation per counter, in the probe's order.
-    pub evaluations: Vec<Evaluation>,
+    /// One verdict per counter, in the probe's order.
+    pub verdicts: Vec<Verdict>,
     /// True when every limit admits the hits.
     pub admitted: bool,
+}
+
+/// Why a decision was paid from the fallback bucket instead of a ledger lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BypassReason {
+    /// The circuit breaker is open: the ledger failed repeatedly.
+    CircuitOpen,
+    /// The key's lease did not arrive within `ledger_timeout_ms`.
+    LedgerTimeout,
+    /// Too many requests were already waiting for leases.
+    Overloaded,
+}
+
+impl BypassReason {
+    /// The `reason` label of `rate_limit_bypassed_total`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::CircuitOpen => "circuit_open",
+            Self::LedgerTimeout => "ledger_timeout",
+            Self::Overloaded => "overloaded",
+        }
+    }
 }
 
 /// The decision for a whole request.
@@ -115,6 +193,10 @@ pub struct Decision {
     pub outcomes: Vec<ProbeOutcome>,
     /// True when every enforced probe is admitted; only then were states consumed.
     pub admitted: bool,
+    /// Set when an admitted counter was paid without a lease.
+    pub bypass: Option<BypassReason>,
+    /// True when a fail-closed rule denied because the ledger was out of reach.
+    pub failed_closed: bool,
 }
 
 /// Why a decision could not be made.
@@ -131,41 +213,83 @@ pub enum ShardError {
     Churn,
 }
 
-/// Per-key state in a stripe.
-#[derive(Debug, Clone, Copy)]
-struct Slot {
+/// A local bucket that pays decisions while the ledger is out of reach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Fallback {
+    /// The rule's limit scaled to this node's share.
+    spec: LimitSpec,
     state: LimitState,
-    /// From this time on the state equals a fresh key's, so the sweep may drop it.
-    pristine_at_ms: u64,
+}
+
+/// Per-key state in a stripe.
+#[derive(Debug)]
+struct Slot {
+    lease: KeyLease,
+    lease_key: LeaseKey,
+    /// Whole tokens left in the ledger's bucket after this node's last grant.
+    ledger_remaining_tokens: u64,
+    /// Only while the ledger is or was recently out of reach.
+    fallback: Option<Box<Fallback>>,
+    /// The owning rule's id ([`NO_RULE`] for an override), for its lease tuning and gauges.
+    rule: u32,
+    /// The sweep keeps the key at least until then.
+    keep_until_ms: u64,
+}
+
+/// The part of a slot a decision changes, staged until the whole request is decided.
+#[derive(Debug, Clone, Copy)]
+struct Staged {
+    lease: KeyLease,
+    fallback: Option<Fallback>,
 }
 
 type Stripe = HashMap<CounterKey, Slot, BuildHasherDefault<FingerprintHasher>>;
 
-/// The published state of one shard: its stripes.
+/// The published state of one shard: its stripes, and what its last sweep counted.
 struct ShardTable {
     stripes: Box<[Mutex<Stripe>]>,
+    /// Leased tokens held per rule id at the last sweep.
+    held_by_rule: Mutex<HashMap<u32, u64>>,
 }
 
 impl ShardTable {
     fn new() -> Self {
-        Self { stripes: (0..STRIPES_PER_SHARD).map(|_| Mutex::new(Stripe::default())).collect() }
+        Self {
+            stripes: (0..STRIPES_PER_SHARD).map(|_| Mutex::new(Stripe::default())).collect(),
+            held_by_rule: Mutex::new(HashMap::new()),
+        }
     }
 }
 
 /// A key a handler found missing, for its shard actor to create.
 #[derive(Debug, Clone, Copy)]
-struct ColdKey {
+pub struct ColdKey {
     stripe: u32,
     key: CounterKey,
-    state: LimitState,
+    lease_key: LeaseKey,
+    rule: u32,
+    /// Capacity of the limit: the remaining count shown until the first grant.
+    capacity_tokens: u64,
 }
 
 /// Messages to a shard actor.
-enum ShardMsg {
+pub enum ShardMsg {
     /// Create these keys (those that still do not exist), then reply.
-    Admit { keys: Vec<ColdKey>, now_ms: u64, reply: oneshot::Sender<()> },
-    /// Drop keys that have returned to a fresh key's state.
-    Sweep { now_ms: u64 },
+    Admit {
+        /// The keys.
+        keys: Vec<ColdKey>,
+        /// The handler's time.
+        now_ms: u64,
+        /// Answered once the keys exist.
+        reply: oneshot::Sender<()>,
+    },
+    /// The lease broker's answers to this shard's asks.
+    Answers(Vec<(LeaseAsk, LeaseAnswer)>),
+    /// Return surplus and idle balances, drop keys that hold nothing.
+    Sweep {
+        /// The sweep's time.
+        now_ms: u64,
+    },
 }
 
 /// The shard actor: owner of its table's key set.
@@ -179,6 +303,9 @@ struct ShardActorState {
     key_count: usize,
     /// Next stripe to evict from when the target stripe is empty.
     eviction_cursor: usize,
+    broker: LeaseBroker,
+    policy: Arc<ArcSwap<PolicySet>>,
+    lease_events: Arc<Notify>,
     metrics: Metrics,
 }
 
@@ -187,6 +314,9 @@ struct ShardArguments {
     index: usize,
     table: Arc<ShardTable>,
     keys_max: usize,
+    broker: LeaseBroker,
+    policy: Arc<ArcSwap<PolicySet>>,
+    lease_events: Arc<Notify>,
     metrics: Metrics,
 }
 
@@ -206,6 +336,9 @@ impl Actor for ShardActor {
             keys_max: arguments.keys_max,
             key_count: 0,
             eviction_cursor: 0,
+            broker: arguments.broker,
+            policy: arguments.policy,
+            lease_events: arguments.lease_events,
             metrics: arguments.metrics,
         })
     }
@@ -221,6 +354,10 @@ impl Actor for ShardActor {
                 state.admit(&keys, now_ms);
                 // The handler may have timed out and gone; nothing to do then.
                 let _ = reply.send(());
+            }
+            ShardMsg::Answers(answers) => {
+                state.apply_answers(answers);
+                return Ok(());
             }
             ShardMsg::Sweep { now_ms } => state.sweep(now_ms),
         }
@@ -242,11 +379,15 @@ impl ShardActorState {
                 continue;
             }
             if self.key_count >= self.keys_max {
-                self.evict_one(stripe_index);
+                self.evict_one(stripe_index, now_ms);
             }
             let slot = Slot {
-                state: cold.state,
-                pristine_at_ms: now_ms.saturating_add(FRESH_KEY_GRACE_MS),
+                lease: KeyLease::default(),
+                lease_key: cold.lease_key,
+                ledger_remaining_tokens: cold.capacity_tokens,
+                fallback: None,
+                rule: cold.rule,
+                keep_until_ms: now_ms.saturating_add(FRESH_KEY_GRACE_MS),
             };
             self.table.stripes[stripe_index].lock().insert(cold.key, slot);
             self.key_count += 1;
@@ -255,9 +396,40 @@ impl ShardActorState {
         self.metrics.shard_cold_admissions.with_label_values(&[&self.shard_label]).inc_by(created);
     }
 
-    /// Evicts the sampled key that would turn pristine soonest (it holds the least
-    /// information), from `preferred` or else the next non-empty stripe.
-    fn evict_one(&mut self, preferred: usize) {
+    /// Applies the ledger's answers and wakes the handlers waiting for them.
+    fn apply_answers(&mut self, answers: Vec<(LeaseAsk, LeaseAnswer)>) {
+        let now_ms = crate::clock::now_ms();
+        for (ask, answer) in answers {
+            let mut stripe = self.table.stripes[ask.stripe as usize].lock();
+            match (stripe.get_mut(&ask.counter), answer) {
+                (
+                    Some(slot),
+                    LeaseAnswer::Granted { granted_tokens, retry_after_ms, remaining_tokens },
+                ) => {
+                    slot.lease.apply_grant(
+                        &ask.tuning,
+                        ask.want,
+                        granted_tokens,
+                        retry_after_ms,
+                        now_ms,
+                    );
+                    slot.ledger_remaining_tokens = remaining_tokens;
+                }
+                (Some(slot), LeaseAnswer::Failed) => slot.lease.apply_failure(),
+                // Evicted while its lease was on the way: give the tokens back.
+                (None, LeaseAnswer::Granted { granted_tokens, .. }) => {
+                    drop(stripe);
+                    self.broker.give_back(ask.lease_key, granted_tokens);
+                }
+                (None, LeaseAnswer::Failed) => {}
+            }
+        }
+        self.lease_events.notify_waiters();
+    }
+
+    /// Evicts the sampled key used least recently, from `preferred` or else the next
+    /// non-empty stripe, returning its balance to the ledger.
+    fn evict_one(&mut self, preferred: usize, now_ms: u64) {
         let stripe_count = self.table.stripes.len();
         for offset in 0..=stripe_count {
             let index = if offset == 0 {
@@ -269,10 +441,12 @@ impl ShardActorState {
             let victim = stripe
                 .iter()
                 .take(EVICTION_SAMPLE)
-                .min_by_key(|(_, slot)| slot.pristine_at_ms)
+                .min_by_key(|(_, slot)| slot.lease.last_hit_ms().max(slot.keep_until_ms))
                 .map(|(key, _)| *key);
             if let Some(key) = victim {
-                stripe.remove(&key);
+                let mut slot = stripe.remove(&key).expect("the victim was just seen");
+                drop(stripe);
+                self.broker.give_back(slot.lease_key, slot.lease.take_all(now_ms));
                 self.key_count -= 1;
                 self.eviction_cursor = index;
                 self.metrics
@@ -284,18 +458,56 @@ impl ShardActorState {
         }
     }
 
+    /// Returns surplus balances (the lease size shrank with the traffic) and the whole
+    /// balance of idle keys, drops fallback buckets that are full again, and forgets keys
+    /// that hold nothing and are idle; counts what each rule's keys hold.
     fn sweep(&mut self, now_ms: u64) {
+        let policy = self.policy.load();
+        let default_tuning = LeaseTuning::default();
+        let tuning_of = |rule: u32| {
+            policy.rule(RuleId(rule)).map_or(&default_tuning, |rule| &rule.lease)
+        };
         let mut removed = 0_usize;
+        let mut returns: Vec<(LeaseKey, u64)> = Vec::new();
+        let mut held_by_rule: HashMap<u32, u64> = HashMap::new();
         for stripe in &self.table.stripes {
             let mut stripe = stripe.lock();
             let before = stripe.len();
-            stripe.retain(|_, slot| slot.pristine_at_ms > now_ms);
+            stripe.retain(|_, slot| {
+                let tuning = tuning_of(slot.rule);
+                // Idle for a lookahead: its traffic no longer needs the balance, which would
+                // otherwise expire unspent (the TTL is two lookaheads from the last refill).
+                let idle = now_ms.saturating_sub(slot.lease.last_hit_ms()) >= tuning.lookahead_ms;
+                let back = if idle {
+                    slot.lease.take_all(now_ms)
+                } else {
+                    slot.lease.take_surplus(tuning, now_ms)
+                };
+                if back > 0 {
+                    returns.push((slot.lease_key, back));
+                }
+                let held = slot.lease.balance_tokens(now_ms);
+                if held > 0 {
+                    *held_by_rule.entry(slot.rule).or_insert(0) += held;
+                }
+                if slot.fallback.as_ref().is_some_and(|f| f.spec.is_pristine(&f.state, now_ms)) {
+                    slot.fallback = None;
+                }
+                now_ms < slot.keep_until_ms
+                    || !idle
+                    || !slot.lease.is_settled(now_ms)
+                    || slot.fallback.is_some()
+            });
             removed += before - stripe.len();
         }
+        for (lease_key, tokens) in returns {
+            self.broker.give_back(lease_key, tokens);
+        }
+        *self.table.held_by_rule.lock() = held_by_rule;
         self.key_count -= removed;
         self.metrics
             .shard_evictions
-            .with_label_values(&[&self.shard_label, "pristine"])
+            .with_label_values(&[&self.shard_label, "idle"])
             .inc_by(removed as u64);
     }
 }
@@ -307,8 +519,15 @@ pub struct ShardSetOptions {
     pub shard_count: usize,
     /// Keys one shard tracks at most.
     pub keys_per_shard_max: usize,
-    /// Interval of the pristine-key sweep.
+    /// Interval of the sweep (returns, idle keys, gauges).
     pub sweep_interval: Duration,
+    /// Longest a request waits for a lease before deciding from the fallback.
+    pub ledger_timeout: Duration,
+    /// Fallback bucket size as a share of the limit, in per mille of `limit / nodes`.
+    pub fallback_multiplier_permille: u64,
+    /// Nodes leasing from the region's ledger: the fallback bucket is `1 / nodes` of the
+    /// limit, and the drift bound counts `nodes` holders.
+    pub nodes_in_region: u64,
 }
 
 struct Shard {
@@ -323,6 +542,11 @@ pub struct ShardSet {
     hash_low: RandomState,
     hash_high: RandomState,
     cold_permits: Arc<Semaphore>,
+    lease_waiters: Arc<Semaphore>,
+    lease_events: Arc<Notify>,
+    broker: LeaseBroker,
+    options: ShardSetOptions,
+    metrics: Metrics,
     sweeper: tokio::task::JoinHandle<()>,
 }
 
@@ -340,15 +564,42 @@ pub struct ShardSpawnError {
     message: String,
 }
 
+/// What a locked pass could not decide yet.
+enum Pending {
+    /// Keys that do not exist yet, per shard.
+    Missing(Vec<Vec<ColdKey>>),
+    /// Keys whose lease is on the way.
+    Leasing,
+}
+
+/// How a pass treats a key whose balance does not cover its hits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ShortKeys {
+    /// Ask a lease and wait for it.
+    Wait,
+    /// Decide now without the ledger.
+    Fallback(BypassReason),
+}
+
+/// What one counter came to in a pass.
+enum Judged {
+    Decided { verdict: Verdict, staged: Staged, bypass: Option<BypassReason>, failed_closed: bool },
+    Short,
+}
+
 impl ShardSet {
-    /// Spawns the shard actors and their sweep timer.
+    /// Spawns the shard actors and their sweep timer. Leases come from `broker`; `policy`
+    /// gives the sweep each rule's lease tuning and gauge labels.
     ///
     /// # Errors
     /// [`ShardSpawnError`] when ractor cannot spawn an actor.
     pub async fn start(
         options: ShardSetOptions,
         metrics: &Metrics,
+        broker: LeaseBroker,
+        policy: Arc<ArcSwap<PolicySet>>,
     ) -> Result<Self, ShardSpawnError> {
+        let lease_events = Arc::new(Notify::new());
         let mut shards = Vec::with_capacity(options.shard_count);
         for index in 0..options.shard_count.max(1) {
             let table = Arc::new(ShardTable::new());
@@ -356,6 +607,9 @@ impl ShardSet {
                 index,
                 table: Arc::clone(&table),
                 keys_max: options.keys_per_shard_max,
+                broker: broker.clone(),
+                policy: Arc::clone(&policy),
+                lease_events: Arc::clone(&lease_events),
                 metrics: metrics.clone(),
             };
             let (actor, join) = Actor::spawn(None, ShardActor, arguments)
@@ -366,27 +620,22 @@ impl ShardSet {
             });
             shards.push(Shard { table, actor, join });
         }
-        let actors: Vec<ActorRef<ShardMsg>> =
-            shards.iter().map(|shard| shard.actor.clone()).collect();
-        let sweeper = tokio::spawn(async move {
-            let mut interval = tokio::time::interval(options.sweep_interval);
-            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                interval.tick().await;
-                let now_ms = crate::clock::now_ms();
-                for actor in &actors {
-                    // A stopped actor ends the sweeper with it.
-                    if actor.cast(ShardMsg::Sweep { now_ms }).is_err() {
-                        return;
-                    }
-                }
-            }
-        });
+        let sweeper = tokio::spawn(sweep_forever(
+            shards.iter().map(|shard| (shard.actor.clone(), Arc::clone(&shard.table))).collect(),
+            options,
+            policy,
+            metrics.clone(),
+        ));
         Ok(Self {
             shards: shards.into_boxed_slice(),
             hash_low: RandomState::new(),
             hash_high: RandomState::new(),
             cold_permits: Arc::new(Semaphore::new(COLD_ADMISSIONS_INFLIGHT_MAX)),
+            lease_waiters: Arc::new(Semaphore::new(LEASE_WAITERS_MAX)),
+            lease_events,
+            broker,
+            options,
+            metrics: metrics.clone(),
             sweeper,
         })
     }
@@ -440,23 +689,81 @@ impl ShardSet {
         CounterKey([mix(descriptor.low ^ limit), mix(descriptor.high ^ limit.rotate_left(29))])
     }
 
-    /// Decides a request: every probe's limits are evaluated under the stripes' locks, and
+    /// Decides a request: every probe's limits are decided under the stripes' locks, and
     /// states are consumed only if every enforced probe admits its hits.
+    ///
+    /// A key whose balance does not cover its hits waits for its lease at most
+    /// `ledger_timeout` from the call, then decides from the fallback; while the circuit is
+    /// open it decides from the fallback at once.
     ///
     /// # Errors
     /// [`ShardError`] when new keys could not be created (overload, actor gone, churn).
     pub async fn decide(&self, probes: &[Probe<'_>], now_ms: u64) -> Result<Decision, ShardError> {
-        for _ in 0..COLD_ROUNDS_MAX {
-            match self.try_decide(probes, now_ms) {
-                Ok(decision) => return Ok(decision),
-                Err(missing) => self.admit_cold(missing, now_ms).await?,
+        let started = tokio::time::Instant::now();
+        let deadline = started + self.options.ledger_timeout;
+        let mut short_keys = if self.broker.circuit_closed() {
+            ShortKeys::Wait
+        } else {
+            ShortKeys::Fallback(BypassReason::CircuitOpen)
+        };
+        let mut decide_ms = now_ms;
+        let mut cold_rounds = 0;
+        let mut waiting = None;
+        loop {
+            let notified = self.lease_events.notified();
+            tokio::pin!(notified);
+            // Registered before the pass, so an answer applied during it is not missed.
+            notified.as_mut().enable();
+            match self.try_decide(probes, decide_ms, short_keys) {
+                Ok(decision) => {
+                    self.count(&decision);
+                    return Ok(decision);
+                }
+                Err(Pending::Missing(missing)) => {
+                    cold_rounds += 1;
+                    if cold_rounds > COLD_ROUNDS_MAX {
+                        return Err(ShardError::Churn);
+                    }
+                    self.admit_cold(missing, decide_ms).await?;
+                }
+                Err(Pending::Leasing) => {
+                    if waiting.is_none() {
+                        match Arc::clone(&self.lease_waiters).try_acquire_owned() {
+                            Ok(permit) => waiting = Some(permit),
+                            Err(_) => {
+                                short_keys = ShortKeys::Fallback(BypassReason::Overloaded);
+                                continue;
+                            }
+                        }
+                    }
+                    if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                        short_keys = ShortKeys::Fallback(BypassReason::LedgerTimeout);
+                    } else if !self.broker.circuit_closed() {
+                        short_keys = ShortKeys::Fallback(BypassReason::CircuitOpen);
+                    }
+                    let waited_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(0);
+                    decide_ms = now_ms.saturating_add(waited_ms);
+                }
             }
         }
-        Err(ShardError::Churn)
     }
 
-    /// One locked pass; returns the missing keys per shard when some do not exist yet.
-    fn try_decide(&self, probes: &[Probe<'_>], now_ms: u64) -> Result<Decision, Vec<Vec<ColdKey>>> {
+    fn count(&self, decision: &Decision) {
+        if let (true, Some(reason)) = (decision.admitted, decision.bypass) {
+            self.metrics.rate_limit_bypassed.with_label_values(&[reason.label()]).inc();
+        }
+        if decision.failed_closed {
+            self.metrics.rate_limit_failed_closed.inc();
+        }
+    }
+
+    /// One locked pass.
+    fn try_decide(
+        &self,
+        probes: &[Probe<'_>],
+        now_ms: u64,
+        short_keys: ShortKeys,
+    ) -> Result<Decision, Pending> {
         // Requests carry a few descriptors: keep the bookkeeping on the stack.
         let mut order: SmallVec<[StripeId; 4]> = probes.iter().map(|probe| probe.stripe).collect();
         order.sort_unstable();
@@ -469,54 +776,241 @@ impl ShardSet {
             |id: StripeId| order.binary_search(&id).expect("every probe's stripe is locked");
 
         let mut missing: Vec<Vec<ColdKey>> = Vec::new();
+        let mut short: SmallVec<[(usize, usize); 2]> = SmallVec::new();
         let mut outcomes = Vec::with_capacity(probes.len());
         // States this request would write, in order: a counter met twice in one request
-        // (two identical descriptors) is evaluated against its already-consumed state.
-        let mut pending: SmallVec<[(StripeId, CounterKey, Slot); 4]> = SmallVec::new();
+        // (two identical descriptors) is decided against its already-consumed state.
+        let mut pending: SmallVec<[(usize, usize, Staged); 4]> = SmallVec::new();
         let mut admitted = true;
-        for probe in probes {
+        let mut bypass = None;
+        let mut failed_closed = false;
+        for (probe_index, probe) in probes.iter().enumerate() {
             let stripe = &guards[guard_of(probe.stripe)];
-            let mut evaluations = Vec::with_capacity(probe.counters.len());
-            for (key, spec) in &probe.counters {
-                let earlier = pending.iter().rev().find(|(_, pending_key, _)| pending_key == key);
-                match earlier.map(|(_, _, slot)| slot).or_else(|| stripe.get(key)) {
-                    Some(slot) => evaluations.push(spec.evaluate(&slot.state, now_ms, probe.hits)),
-                    None => {
-                        if missing.is_empty() {
-                            missing = vec![Vec::new(); self.shards.len()];
-                        }
-                        missing[probe.stripe.shard as usize].push(ColdKey {
-                            stripe: probe.stripe.stripe,
-                            key: *key,
-                            state: spec.initial_state(now_ms),
-                        });
+            let mut verdicts = Vec::with_capacity(probe.counters.len());
+            let mut staged_here: SmallVec<[(usize, Staged); 2]> = SmallVec::new();
+            for (counter_index, (key, spec)) in probe.counters.iter().enumerate() {
+                let Some(slot) = stripe.get(key) else {
+                    if missing.is_empty() {
+                        missing = vec![Vec::new(); self.shards.len()];
                     }
+                    missing[probe.stripe.shard as usize].push(ColdKey {
+                        stripe: probe.stripe.stripe,
+                        key: *key,
+                        lease_key: LeaseKey::of(
+                            probe.name.domain,
+                            probe.name.entries.iter().copied(),
+                            counter_index,
+                            spec,
+                        ),
+                        rule: probe.rule.map_or(NO_RULE, |rule| rule.0),
+                        capacity_tokens: spec.capacity_tokens(),
+                    });
+                    continue;
+                };
+                let earlier = pending.iter().rev().find(|(earlier_probe, earlier_counter, _)| {
+                    probes[*earlier_probe].counters[*earlier_counter].0 == *key
+                });
+                let current = earlier.map_or_else(
+                    || Staged {
+                        lease: slot.lease,
+                        fallback: slot.fallback.as_deref().copied(),
+                    },
+                    |(_, _, staged)| *staged,
+                );
+                let judged = self.judge(
+                    &current,
+                    slot.ledger_remaining_tokens,
+                    spec,
+                    probe,
+                    now_ms,
+                    short_keys,
+                );
+                match judged {
+                    Judged::Decided { verdict, staged, bypass: paid_by, failed_closed: closed } => {
+                        verdicts.push(verdict);
+                        staged_here.push((counter_index, staged));
+                        if verdict.admitted && bypass.is_none() {
+                            bypass = paid_by;
+                        }
+                        failed_closed |= closed && probe.enforced;
+                    }
+                    Judged::Short => short.push((probe_index, counter_index)),
                 }
             }
-            let probe_admitted = evaluations.iter().all(|evaluation| evaluation.admitted);
+            let probe_admitted = verdicts.iter().all(|verdict| verdict.admitted);
             admitted &= probe_admitted || !probe.enforced;
             // A shadow rule that would have rejected keeps its quota, like a real rejection.
             if probe_admitted {
-                for ((key, spec), evaluation) in probe.counters.iter().zip(&evaluations) {
-                    let pristine_at_ms = now_ms.saturating_add(pristine_after_ms(spec, evaluation));
-                    pending.push((
-                        probe.stripe,
-                        *key,
-                        Slot { state: evaluation.next, pristine_at_ms },
-                    ));
-                }
+                pending.extend(
+                    staged_here.into_iter().map(|(counter, staged)| (probe_index, counter, staged)),
+                );
             }
-            outcomes.push(ProbeOutcome { evaluations, admitted: probe_admitted });
+            outcomes.push(ProbeOutcome { verdicts, admitted: probe_admitted });
         }
         if !missing.is_empty() {
-            return Err(missing);
+            return Err(Pending::Missing(missing));
+        }
+        let mut asks: SmallVec<[LeaseAsk; 2]> = SmallVec::new();
+        if !short.is_empty() {
+            for (probe_index, counter_index) in short {
+                let probe = &probes[probe_index];
+                let (key, spec) = probe.counters[counter_index];
+                let stripe = &mut guards[guard_of(probe.stripe)];
+                let slot = stripe.get_mut(&key).expect("a short key exists");
+                if let Some(want) = slot.lease.poll_lease_for(probe.lease, now_ms, probe.hits) {
+                    asks.push(self.ask(probe, key, spec, slot.lease_key, want));
+                }
+            }
+            drop(guards);
+            self.send_asks(asks);
+            return Err(Pending::Leasing);
         }
         if admitted {
-            for (stripe_id, key, slot) in pending {
-                guards[guard_of(stripe_id)].insert(key, slot);
+            for (probe_index, counter_index, staged) in pending {
+                let probe = &probes[probe_index];
+                let (key, spec) = probe.counters[counter_index];
+                let stripe = &mut guards[guard_of(probe.stripe)];
+                let slot = stripe.get_mut(&key).expect("a decided key exists");
+                slot.lease = staged.lease;
+                if staged.fallback != slot.fallback.as_deref().copied() {
+                    slot.fallback = staged.fallback.map(Box::new);
+                }
+                // While the circuit is open only the broker's probes reach the ledger.
+                if short_keys == ShortKeys::Wait
+                    && let Some(want) = slot.lease.poll_refill(probe.lease, now_ms)
+                {
+                    asks.push(self.ask(probe, key, spec, slot.lease_key, want));
+                }
             }
         }
-        Ok(Decision { outcomes, admitted })
+        drop(guards);
+        self.send_asks(asks);
+        Ok(Decision { outcomes, admitted, bypass, failed_closed })
+    }
+
+    /// Decides one counter from its staged state.
+    fn judge(
+        &self,
+        current: &Staged,
+        ledger_remaining_tokens: u64,
+        spec: &LimitSpec,
+        probe: &Probe<'_>,
+        now_ms: u64,
+        short_keys: ShortKeys,
+    ) -> Judged {
+        let hits = probe.hits;
+        let capacity_tokens = spec.capacity_tokens();
+        if hits > capacity_tokens {
+            // More than the limit can ever admit at once: no lease would cover it.
+            let verdict =
+                Verdict { admitted: false, remaining: 0, reset_ms: 0, retry_after_ms: u64::MAX };
+            return Judged::Decided { verdict, staged: *current, bypass: None, failed_closed: false };
+        }
+        let mut staged = *current;
+        match staged.lease.spend(probe.lease, now_ms, hits) {
+            Spend::Admitted => {
+                let remaining = staged
+                    .lease
+                    .balance_tokens(now_ms)
+                    .saturating_add(ledger_remaining_tokens)
+                    .min(capacity_tokens);
+                let verdict = Verdict {
+                    admitted: true,
+                    remaining,
+                    reset_ms: spec.reset_ms_estimate(remaining, now_ms),
+                    retry_after_ms: 0,
+                };
+                Judged::Decided { verdict, staged, bypass: None, failed_closed: false }
+            }
+            Spend::Blocked { retry_after_ms } => {
+                let verdict = Verdict {
+                    admitted: false,
+                    remaining: 0,
+                    reset_ms: spec.reset_ms_estimate(0, now_ms),
+                    retry_after_ms,
+                };
+                Judged::Decided { verdict, staged, bypass: None, failed_closed: false }
+            }
+            Spend::Short => match (short_keys, probe.failure_mode) {
+                (ShortKeys::Wait, _) => Judged::Short,
+                (ShortKeys::Fallback(_), FailureMode::Closed) => {
+                    let verdict = Verdict {
+                        admitted: false,
+                        remaining: 0,
+                        reset_ms: 0,
+                        retry_after_ms: FAIL_CLOSED_RETRY_AFTER_MS,
+                    };
+                    Judged::Decided { verdict, staged, bypass: None, failed_closed: true }
+                }
+                (ShortKeys::Fallback(reason), FailureMode::Open) => {
+                    let fallback_spec = fallback_limit(
+                        spec,
+                        self.options.fallback_multiplier_permille,
+                        self.options.nodes_in_region,
+                    );
+                    let state = staged
+                        .fallback
+                        .filter(|fallback| fallback.spec == fallback_spec)
+                        .map_or_else(|| fallback_spec.initial_state(now_ms), |f| f.state);
+                    let evaluation = fallback_spec.evaluate(&state, now_ms, hits);
+                    staged.fallback = Some(Fallback { spec: fallback_spec, state: evaluation.next });
+                    let verdict = Verdict {
+                        admitted: evaluation.admitted,
+                        remaining: evaluation.remaining,
+                        reset_ms: evaluation.reset_ms,
+                        retry_after_ms: evaluation.retry_after_ms,
+                    };
+                    Judged::Decided {
+                        verdict,
+                        staged,
+                        bypass: Some(reason),
+                        failed_closed: false,
+                    }
+                }
+            },
+        }
+    }
+
+    fn ask(
+        &self,
+        probe: &Probe<'_>,
+        counter: CounterKey,
+        spec: &LimitSpec,
+        lease_key: LeaseKey,
+        want: crate::core::lease::LeaseWant,
+    ) -> LeaseAsk {
+        LeaseAsk {
+            reply_to: self.shards[probe.stripe.shard as usize].actor.clone(),
+            stripe: probe.stripe.stripe,
+            counter,
+            lease_key,
+            spec: *spec,
+            tuning: *probe.lease,
+            want,
+        }
+    }
+
+    /// Hands asks to the broker; an ask it cannot take is failed on its key at once, so the
+    /// key can ask again.
+    fn send_asks(&self, asks: SmallVec<[LeaseAsk; 2]>) {
+        for ask in asks {
+            if let Err(refused) = self.broker.ask(ask) {
+                self.metrics.lease_asks.with_label_values(&["refused"]).inc();
+                let shard = self
+                    .shards
+                    .iter()
+                    .find(|shard| shard.actor.get_id() == refused.reply_to.get_id())
+                    .expect("asks name this set's shards");
+                if let Some(slot) = shard.table.stripes[refused.stripe as usize]
+                    .lock()
+                    .get_mut(&refused.counter)
+                {
+                    slot.lease.apply_failure();
+                }
+            } else {
+                self.metrics.lease_asks.with_label_values(&["queued"]).inc();
+            }
+        }
     }
 
     async fn admit_cold(&self, missing: Vec<Vec<ColdKey>>, now_ms: u64) -> Result<(), ShardError> {
@@ -553,7 +1047,19 @@ impl ShardSet {
             .sum()
     }
 
-    /// Stops the sweep timer and every shard actor, and waits for them.
+    /// Leased tokens this node holds now, over all keys (for tests and benchmarks).
+    pub fn held_tokens(&self, now_ms: u64) -> u64 {
+        self.shards
+            .iter()
+            .flat_map(|shard| shard.table.stripes.iter())
+            .map(|stripe| {
+                stripe.lock().values().map(|slot| slot.lease.balance_tokens(now_ms)).sum::<u64>()
+            })
+            .sum()
+    }
+
+    /// Stops the sweep timer and every shard actor, and waits for them. Balances still
+    /// held are not returned: the ledger expires them within their TTL (at most 1 s).
     pub async fn shutdown(self) {
         self.sweeper.abort();
         for shard in self.shards {
@@ -563,6 +1069,46 @@ impl ShardSet {
     }
 }
 
+/// Every sweep interval: asks each shard actor to sweep, then publishes the per-rule lease
+/// gauges from what the previous sweeps counted.
+async fn sweep_forever(
+    shards: Vec<(ActorRef<ShardMsg>, Arc<ShardTable>)>,
+    options: ShardSetOptions,
+    policy: Arc<ArcSwap<PolicySet>>,
+    metrics: Metrics,
+) {
+    let mut interval = tokio::time::interval(options.sweep_interval);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        interval.tick().await;
+        let now_ms = crate::clock::now_ms();
+        let mut held_by_rule: HashMap<u32, u64> = HashMap::new();
+        for (actor, table) in &shards {
+            // A stopped actor ends the sweeper with it.
+            if actor.cast(ShardMsg::Sweep { now_ms }).is_err() {
+                return;
+            }
+            for (rule, held) in table.held_by_rule.lock().iter() {
+                *held_by_rule.entry(*rule).or_insert(0) += held;
+            }
+        }
+        let policy = policy.load();
+        metrics.lease_held_tokens.reset();
+        metrics.lease_drift_bound_tokens.reset();
+        for rule in policy.rules().filter(|rule| !rule.unlimited && !rule.limits.is_empty()) {
+            let labels = [rule.domain.as_str(), rule.path.as_str()];
+            let held = held_by_rule.get(&rule.id.0).copied().unwrap_or(0);
+            metrics.lease_held_tokens.with_label_values(&labels).set(gauge_value(held));
+            let bound = rule.lease.drift_bound_tokens(options.nodes_in_region);
+            metrics.lease_drift_bound_tokens.with_label_values(&labels).set(gauge_value(bound));
+        }
+    }
+}
+
+fn gauge_value(tokens: u64) -> i64 {
+    i64::try_from(tokens).unwrap_or(i64::MAX)
+}
+
 /// MurmurHash3's 64-bit finalizer: every input bit affects every output bit.
 fn mix(mut word: u64) -> u64 {
     word ^= word >> 33;
@@ -570,15 +1116,4 @@ fn mix(mut word: u64) -> u64 {
     word ^= word >> 33;
     word = word.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
     word ^ (word >> 33)
-}
-
-/// Milliseconds after an update at which a limit's state equals a fresh key's: a token
-/// bucket once full again, a fixed window at its end, a sliding window one window later
-/// (when the current window has become the previous one and weighs nothing).
-fn pristine_after_ms(spec: &LimitSpec, evaluation: &Evaluation) -> u64 {
-    use crate::core::rate::Algorithm;
-    match spec.algorithm {
-        Algorithm::TokenBucket | Algorithm::FixedWindow => evaluation.reset_ms,
-        Algorithm::SlidingWindow => evaluation.reset_ms.saturating_add(spec.window_ms),
-    }
 }

@@ -20,7 +20,7 @@ use arc_swap::ArcSwap;
 use smallvec::{SmallVec, smallvec};
 use tonic::{Request, Response, Status};
 
-use crate::actors::shard::{Decision, Probe, ShardSet};
+use crate::actors::shard::{Decision, LedgerName, Probe, ShardSet, Verdict};
 use crate::api::proto::envoy::config::core::v3::HeaderValue;
 use crate::api::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use crate::api::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
@@ -34,7 +34,9 @@ use crate::api::proto::envoy::r#type::v3::RateLimitUnit;
 use crate::api::status::InvalidRequest;
 use crate::core::headers::{HeaderOptions, LimitReport, format_headers};
 use crate::core::policy::{Entry, Match, PolicySet, Rule, RuleLimit, Unit};
-use crate::core::rate::{Algorithm, Evaluation, LimitSpec};
+use crate::core::lease::LeaseTuning;
+use crate::core::policy::FailureMode;
+use crate::core::rate::{Algorithm, LimitSpec};
 use crate::metrics::{DOMAIN_UNKNOWN, Metrics};
 
 /// Most descriptors in one request.
@@ -48,6 +50,9 @@ pub const FIELD_BYTES_MAX: usize = 1024;
 pub const REQUEST_BYTES_MAX: usize = 1024 * 1024;
 /// Hard bound on a decoded gRPC message, set on the server.
 pub const GRPC_MESSAGE_BYTES_MAX: usize = 4 * REQUEST_BYTES_MAX;
+
+/// Lease settings of a request's own `limit` override, which names no rule.
+static DEFAULT_LEASE: LeaseTuning = LeaseTuning::DESIGN;
 
 /// The `ShouldRateLimit` service.
 #[derive(Clone)]
@@ -177,17 +182,32 @@ impl RlsService {
                     (self.shards.counter_of(&hash, index, &limit.spec), &limit.spec)
                 })
                 .collect();
+            let (lease, failure_mode, rule_id) = match rule {
+                Some(rule) => (&rule.lease, rule.failure_mode, Some(rule.id)),
+                None => (&DEFAULT_LEASE, FailureMode::default(), None),
+            };
             probes.push(Probe {
                 stripe: self.shards.stripe_of(&hash),
                 counters,
                 hits,
                 enforced: !view.shadow_mode,
+                lease,
+                failure_mode,
+                rule: rule_id,
+                name: LedgerName {
+                    domain,
+                    entries: descriptor
+                        .entries
+                        .iter()
+                        .map(|entry| (entry.key.as_str(), entry.value.as_str()))
+                        .collect(),
+                },
             });
             plans.push(Plan::Limited { rule: view, limits, probe: probes.len() - 1 });
         }
 
         let decision = if probes.is_empty() {
-            Decision { outcomes: Vec::new(), admitted: true }
+            Decision { outcomes: Vec::new(), admitted: true, bypass: None, failed_closed: false }
         } else {
             self.shards.decide(&probes, now_ms).await?
         };
@@ -250,7 +270,7 @@ impl RlsService {
             };
             let outcome = &decision.outcomes[probe];
             let evaluations = remaining_as_answered(
-                &outcome.evaluations,
+                &outcome.verdicts,
                 limits,
                 decision.admitted && outcome.admitted,
                 probes[probe].hits,
@@ -430,11 +450,11 @@ fn override_limit(
 /// When the request as a whole was not admitted nothing was consumed, so a limit that
 /// admitted its share reports what is really left.
 fn remaining_as_answered(
-    evaluations: &[Evaluation],
+    evaluations: &[Verdict],
     limits: &[&RuleLimit],
     consumed: bool,
     hits: u64,
-) -> SmallVec<[Evaluation; 2]> {
+) -> SmallVec<[Verdict; 2]> {
     evaluations
         .iter()
         .zip(limits)
@@ -451,7 +471,7 @@ fn remaining_as_answered(
 
 /// The limit a descriptor status shows: the rejecting one that waits longest, else the
 /// one with the fewest hits left.
-fn shown_limit(evaluations: &[Evaluation], admitted: bool) -> usize {
+fn shown_limit(evaluations: &[Verdict], admitted: bool) -> usize {
     let indexed = evaluations.iter().enumerate();
     let chosen = if admitted {
         indexed.min_by_key(|(_, evaluation)| evaluation.remaining)
@@ -483,7 +503,7 @@ fn report<'p>(
     index: usize,
     count: usize,
     limit: &'p RuleLimit,
-    evaluation: &Evaluation,
+    evaluation: &Verdict,
 ) -> LimitReport<'p> {
     LimitReport {
         policy_name: policy_name(path, index, count, limit),

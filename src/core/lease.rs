@@ -21,6 +21,8 @@
 //! The shard and lease-broker actors (`crate::actors`) hold these states and perform the
 //! requests; nothing here does IO or reads a clock.
 
+use crate::core::rate::{LIMIT_TOKENS_MAX, LimitSpec};
+
 /// Fixed-point scale of [`RateEstimate`]: values are kept in milli-hits.
 const MILLI: u64 = 1000;
 /// `ln 2` in millionths: converts a decaying sum into a rate.
@@ -55,18 +57,23 @@ pub struct LeaseTuning {
     pub rate_half_life_ms: u64,
 }
 
-impl Default for LeaseTuning {
+impl LeaseTuning {
     /// DESIGN section 3: 5, 0.25 s, 500, 20 %, TTL 2 x lookahead.
+    pub const DESIGN: Self = Self {
+        min_lease_tokens: 5,
+        max_lease_tokens: 500,
+        lookahead_ms: 250,
+        low_watermark_percent: 20,
+        lease_ttl_ms: 500,
+        expiry_margin_ms: 50,
+        rate_half_life_ms: 1_000,
+    };
+}
+
+impl Default for LeaseTuning {
+    /// [`LeaseTuning::DESIGN`].
     fn default() -> Self {
-        Self {
-            min_lease_tokens: 5,
-            max_lease_tokens: 500,
-            lookahead_ms: 250,
-            low_watermark_percent: 20,
-            lease_ttl_ms: 500,
-            expiry_margin_ms: 50,
-            rate_half_life_ms: 1_000,
-        }
+        Self::DESIGN
     }
 }
 
@@ -257,16 +264,40 @@ impl KeyLease {
     /// The refill to request now, if any: only below the low watermark, never while one is
     /// in flight or while the ledger said the key is empty. Marks the request in flight.
     pub fn poll_refill(&mut self, tuning: &LeaseTuning, now_ms: u64) -> Option<LeaseWant> {
+        self.poll_lease_for(tuning, now_ms, 0)
+    }
+
+    /// As [`KeyLease::poll_refill`], for a request of `hits` the balance does not cover: the
+    /// lease asked is at least what those hits lack, so a request larger than the lease
+    /// size can still be paid once granted.
+    pub fn poll_lease_for(
+        &mut self,
+        tuning: &LeaseTuning,
+        now_ms: u64,
+        hits: u64,
+    ) -> Option<LeaseWant> {
         self.expire(now_ms);
         if self.in_flight || now_ms < self.blocked_until_ms {
             return None;
         }
         let size = self.lease_size_tokens(tuning, now_ms);
-        if self.balance_tokens >= tuning.low_watermark_tokens(size) {
+        let lacking = hits.saturating_sub(self.balance_tokens);
+        if self.balance_tokens >= tuning.low_watermark_tokens(size) && lacking == 0 {
             return None;
         }
         self.in_flight = true;
-        Some(LeaseWant { tokens: size, sent_at_ms: now_ms })
+        Some(LeaseWant { tokens: size.max(lacking).min(LEASE_TOKENS_MAX), sent_at_ms: now_ms })
+    }
+
+    /// Node time of the last hit counted (0 for none).
+    pub fn last_hit_ms(&self) -> u64 {
+        self.rate.updated_ms
+    }
+
+    /// True when the key holds nothing a fresh key would not: no balance, no request in
+    /// flight, no block still running. Such a key may be forgotten once idle.
+    pub fn is_settled(&self, now_ms: u64) -> bool {
+        self.balance_tokens(now_ms) == 0 && !self.in_flight && now_ms >= self.blocked_until_ms
     }
 
     /// Applies the ledger's answer to the request sent at `want.sent_at_ms`.
@@ -324,6 +355,26 @@ impl KeyLease {
         if now_ms >= self.expires_at_ms {
             self.balance_tokens = 0;
         }
+    }
+}
+
+/// The fallback bucket of one node while the ledger is out of reach (DESIGN section 3):
+/// the limit (rate and burst) scaled by `multiplier_permille / 1000 / nodes`, at least one
+/// token, so `nodes` nodes together admit about `multiplier` times the limit. A limit of 0
+/// stays 0.
+pub fn fallback_limit(spec: &LimitSpec, multiplier_permille: u64, nodes: u64) -> LimitSpec {
+    if spec.requests_per_window == 0 {
+        return *spec;
+    }
+    let divisor = u128::from(nodes.max(1)) * 1000;
+    let scale = |tokens: u64| {
+        let scaled = u128::from(tokens) * u128::from(multiplier_permille) / divisor;
+        u64::try_from(scaled).unwrap_or(u64::MAX).clamp(1, LIMIT_TOKENS_MAX)
+    };
+    LimitSpec {
+        requests_per_window: scale(spec.requests_per_window),
+        burst_tokens: scale(spec.burst_tokens),
+        ..*spec
     }
 }
 

@@ -267,3 +267,61 @@ proptest! {
         prop_assert!(tuning.low_watermark_tokens(size) >= 1);
     }
 }
+
+/// A request larger than the lease size asks for what it lacks; a settled key holds
+/// nothing; the last hit's time is remembered.
+#[test]
+fn large_requests_and_settling() {
+    let tuning = LeaseTuning::default();
+    let mut lease = KeyLease::default();
+    assert!(lease.is_settled(1_000));
+    assert_eq!(lease.spend(&tuning, 1_000, 40), Spend::Short);
+    assert_eq!(lease.last_hit_ms(), 1_000);
+    let want = lease.poll_lease_for(&tuning, 1_000, 40).expect("a lease");
+    assert_eq!(want.tokens, 40, "more than the minimum lease of 5");
+    assert!(!lease.is_settled(1_001), "in flight");
+    lease.apply_grant(&tuning, want, 40, 0, 1_002);
+    assert!(!lease.is_settled(1_003), "holds tokens");
+    assert_eq!(lease.spend(&tuning, 1_003, 40), Spend::Admitted);
+    assert!(lease.is_settled(1_003));
+    let want = lease.poll_refill(&tuning, 1_004).expect("below the watermark");
+    lease.apply_grant(&tuning, want, 0, 300, 1_005);
+    assert!(!lease.is_settled(1_200), "blocked until 1,305");
+    assert!(lease.is_settled(1_305));
+}
+
+/// The fallback bucket is the node's share of the limit times the multiplier, never below
+/// one token; a limit of 0 stays closed.
+#[test]
+fn fallback_is_a_share_of_the_limit() {
+    use crate::core::rate::Algorithm;
+    let spec = LimitSpec::new(Algorithm::TokenBucket, 1_000, 1_000, Some(1_500)).unwrap();
+    let share = fallback_limit(&spec, 1_000, 2);
+    assert_eq!((share.requests_per_window, share.burst_tokens), (500, 750));
+    let doubled = fallback_limit(&spec, 2_000, 2);
+    assert_eq!((doubled.requests_per_window, doubled.burst_tokens), (1_000, 1_500));
+    let tiny = fallback_limit(&LimitSpec::new(Algorithm::FixedWindow, 3, 60_000, None).unwrap(), 1_000, 10);
+    assert_eq!((tiny.requests_per_window, tiny.burst_tokens, tiny.window_ms), (1, 1, 60_000));
+    let closed = LimitSpec::new(Algorithm::TokenBucket, 0, 1_000, None).unwrap();
+    assert_eq!(fallback_limit(&closed, 1_000, 3), closed);
+}
+
+proptest! {
+    /// The fallback of every valid limit is a valid limit, never above the multiplied one.
+    #[test]
+    fn fallback_limits_are_valid(
+        requests in 1..1_000_000u64,
+        burst in 1..1_000_000u64,
+        multiplier_permille in 1..10_000u64,
+        nodes in 1..64u64,
+    ) {
+        use crate::core::rate::Algorithm;
+        let spec = LimitSpec::new(Algorithm::TokenBucket, requests, 1_000, Some(burst)).unwrap();
+        let share = fallback_limit(&spec, multiplier_permille, nodes);
+        prop_assert_eq!(
+            LimitSpec::new(share.algorithm, share.requests_per_window, share.window_ms, Some(share.burst_tokens)),
+            Ok(share)
+        );
+        prop_assert!(share.requests_per_window <= (requests * multiplier_permille / 1000).max(1));
+    }
+}

@@ -134,6 +134,17 @@ pub enum QuotaCommand {
         /// `(file name, YAML text)` pairs.
         policy_yaml: Vec<(String, String)>,
     },
+    /// Unspent tokens of one node on several keys, given back in one entry (the lease
+    /// broker's batch of surplus and idle balances); each return is credited as
+    /// [`QuotaCommand::ReturnLease`] would.
+    ReturnLeases {
+        /// The proposer's clock.
+        now_ms: u64,
+        /// The node giving the tokens back.
+        node_id: NodeId,
+        /// `(key, tokens)`, at most [`LEASE_REQUESTS_PER_COMMAND_MAX`].
+        returns: Vec<(String, u64)>,
+    },
 }
 
 /// What a lease request got.
@@ -229,9 +240,10 @@ pub enum PolicySetError {
 /// A command refused as a whole before anything moved.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
 pub enum CommandError {
-    /// More than [`LEASE_REQUESTS_PER_COMMAND_MAX`] lease requests.
+    /// More than [`LEASE_REQUESTS_PER_COMMAND_MAX`] lease requests or returns.
     #[error(
-        "{0} lease requests in one command, over the maximum of {LEASE_REQUESTS_PER_COMMAND_MAX}"
+        "{0} lease requests or returns in one command, over the maximum of \
+         {LEASE_REQUESTS_PER_COMMAND_MAX}"
     )]
     BatchTooLarge(usize),
 }
@@ -245,6 +257,8 @@ pub enum QuotaResponse {
     Leases(Vec<Result<LeaseGrant, LeaseRequestError>>),
     /// The result of a return.
     Returned(Result<ReturnOutcome, ReturnError>),
+    /// One result per return of a [`QuotaCommand::ReturnLeases`], in order.
+    ReturnedMany(Vec<Result<ReturnOutcome, ReturnError>>),
     /// The result of a policy set.
     PolicySet(Result<(), PolicySetError>),
     /// The command was refused as a whole.
@@ -444,6 +458,18 @@ impl QuotaLedger {
             QuotaCommand::ReturnLease { now_ms, node_id, key, tokens } => {
                 let now_ms = self.advance(*now_ms);
                 QuotaResponse::Returned(self.give_back(*node_id, key, *tokens, now_ms))
+            }
+            QuotaCommand::ReturnLeases { now_ms, node_id, returns } => {
+                if returns.len() > LEASE_REQUESTS_PER_COMMAND_MAX {
+                    return QuotaResponse::Rejected(CommandError::BatchTooLarge(returns.len()));
+                }
+                let now_ms = self.advance(*now_ms);
+                QuotaResponse::ReturnedMany(
+                    returns
+                        .iter()
+                        .map(|(key, tokens)| self.give_back(*node_id, key, *tokens, now_ms))
+                        .collect(),
+                )
             }
             QuotaCommand::PutPolicySet { now_ms, version, policy_yaml } => {
                 let now_ms = self.advance(*now_ms);

@@ -10,6 +10,7 @@
 //! - [`policy`]: policy YAML with located errors, descriptor matching.
 //! - [`headers`]: RateLimit response header fields.
 //! - [`lease`]: node-side lease sizing, refill, expiry and the drift bound.
+//! - [`lease_key`]: a counter's name in the ledger, alike on every node.
 //! - [`circuit`]: the circuit breaker around ledger calls.
 //! - [`ledger`]: the regional quota ledger's deterministic state machine.
 
@@ -18,6 +19,7 @@ pub mod circuit;
 pub mod digest;
 pub mod headers;
 pub mod lease;
+pub mod lease_key;
 pub mod ledger;
 pub mod policy;
 pub mod rate;

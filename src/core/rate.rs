@@ -351,6 +351,27 @@ impl LimitSpec {
         }
     }
 
+    /// Milliseconds until a limit with `remaining_tokens` left at `now_ms` is fully reset,
+    /// when only the count is known and not the state (a node spending leased tokens knows
+    /// its balance and the ledger's last count, not the ledger's bucket): a token bucket
+    /// refills the missing tokens at its rate, a window resets at the end of the aligned
+    /// window that holds `now_ms` (the ledger aligns windows at multiples of `window_ms`).
+    pub fn reset_ms_estimate(&self, remaining_tokens: u64, now_ms: u64) -> u64 {
+        if self.refuses_every_hit() {
+            return 0;
+        }
+        let window_ms = self.window_ms_nonzero();
+        match self.algorithm {
+            Algorithm::TokenBucket => {
+                let missing = u128::from(self.burst_tokens.saturating_sub(remaining_tokens));
+                let wait_ms = (missing * u128::from(window_ms))
+                    .div_ceil(u128::from(self.requests_per_window));
+                u64::try_from(wait_ms).unwrap_or(u64::MAX)
+            }
+            Algorithm::SlidingWindow | Algorithm::FixedWindow => window_ms - now_ms % window_ms,
+        }
+    }
+
     /// Bucket capacity in micro-tokens; saturates only for a hand-built spec that
     /// [`LimitSpec::new`] would refuse.
     fn capacity_micro_tokens(&self) -> u64 {

@@ -846,6 +846,7 @@ impl Assembly {
             shadow_mode: draft.shadow_mode,
             detailed_metric: draft.detailed_metric,
             failure_mode: draft.failure_mode,
+            lease: crate::core::lease::LeaseTuning::default(),
             replaces,
             file: place.file.to_owned(),
             line: draft.line,

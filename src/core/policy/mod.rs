@@ -164,6 +164,8 @@ pub struct Rule {
     pub detailed_metric: bool,
     /// What to do when the ledger is unreachable.
     pub failure_mode: FailureMode,
+    /// TEMP lease tuning (the policy-lease branch brings the real one).
+    pub lease: crate::core::lease::LeaseTuning,
     /// Names of limits (in the same domain) this rule's limits replace when both match one
     /// request; validated to exist.
     pub replaces: Vec<String>,

@@ -1,0 +1,204 @@
+//! Local-first leasing in one process, against a real quota ledger (a single-node Raft group
+//! on disk, fsync on): shard actors spend leased tokens, the lease broker keeps them
+//! supplied, a blocked key stays local, idle balances go back, and an unreachable ledger
+//! opens the circuit so fail-open rules admit from the fallback and fail-closed rules deny.
+//!
+//! The ledger timeout is raised where a test checks exact counts, so a slow disk on a busy
+//! machine cannot turn a lease into a fallback admission; the fault tests use the default.
+
+use std::time::Duration;
+
+use quotamesh::actors::shard::{BypassReason, FAIL_CLOSED_RETRY_AFTER_MS, ShardSet};
+use quotamesh::core::lease::LeaseTuning;
+use quotamesh::core::lease_key::LeaseKey;
+use quotamesh::core::ledger::NodeId;
+use quotamesh::core::policy::FailureMode;
+use quotamesh::core::rate::{Algorithm, LimitSpec};
+use quotamesh::metrics::Metrics;
+
+#[path = "../benches/support/mod.rs"]
+mod support;
+
+/// Generous for a loaded CI machine: these tests check counts, not latency.
+const PATIENT: support::Setup = support::Setup {
+    shard_count: 2,
+    keys_per_shard_max: 100_000,
+    sweep_interval: Duration::from_millis(100),
+    ledger_timeout_ms: 2_000,
+    nodes_in_region: 1,
+};
+
+async fn leasing(setup: support::Setup, reachable: bool) -> (support::Ledger, ShardSet, Metrics) {
+    let ledger = support::ledger(reachable).await.expect("a ledger");
+    let metrics = Metrics::new();
+    let shards = support::shard_set(&ledger, setup, support::no_policy(), &metrics)
+        .await
+        .expect("a shard set");
+    (ledger, shards, metrics)
+}
+
+fn counter(metrics: &Metrics, family: &str, label: &str) -> u64 {
+    match family {
+        "asks" => metrics.lease_asks.with_label_values(&[label]).get(),
+        "calls" => metrics.ledger_calls.with_label_values(&[label]).get(),
+        "bypassed" => metrics.rate_limit_bypassed.with_label_values(&[label]).get(),
+        other => panic!("no counter family {other}"),
+    }
+}
+
+/// A burst of 30 requests at a bucket of 20 admits the bucket's 20 plus what it refilled
+/// meanwhile, all paid by leases (no bypass), and the ledger accounts for the tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_enforce_the_limit_exactly() {
+    let (ledger, shards, metrics) = leasing(PATIENT, true).await;
+    let spec = LimitSpec::new(Algorithm::TokenBucket, 20, 1_000, Some(20)).unwrap();
+    let lease = LeaseTuning::default();
+    let probe = support::probe(&shards, "t", ("user", "u1"), &spec, &lease, FailureMode::Open, 1);
+    let started = std::time::Instant::now();
+    let mut admitted = 0;
+    for _ in 0..30 {
+        let decision = shards.decide(&probe, quotamesh::clock::now_ms()).await.unwrap();
+        assert_eq!(decision.bypass, None);
+        admitted += u64::from(decision.admitted);
+    }
+    let refilled = (started.elapsed().as_millis() as u64 * 20).div_ceil(1000);
+    assert!(
+        (20..=20 + refilled).contains(&admitted),
+        "admitted {admitted}, bucket 20 + refill {refilled}"
+    );
+    let key = LeaseKey::of("t", [("user", "u1")].into_iter(), 0, &spec).ledger_key();
+    let outstanding = ledger.host.quota().read(|machine| {
+        machine.key(&key).and_then(|entry| entry.leases.get(&NodeId(1)).map(|lease| lease.tokens))
+    });
+    assert!(outstanding.is_some(), "the ledger holds this node's lease on {key}");
+    assert!(counter(&metrics, "calls", "ok") >= 1);
+    shards.shutdown().await;
+}
+
+/// When the ledger grants nothing, the key is rejected locally until the exact
+/// retry_after, and no further request reaches the broker or the ledger.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocked_key_asks_nothing_until_retry_after() {
+    let (_ledger, shards, metrics) = leasing(PATIENT, true).await;
+    let spec = LimitSpec::new(Algorithm::FixedWindow, 2, 3_600_000, None).unwrap();
+    let lease = LeaseTuning::default();
+    let probe = support::probe(&shards, "t", ("user", "u2"), &spec, &lease, FailureMode::Open, 1);
+    let mut admitted = 0;
+    let mut blocked_retry_ms = None;
+    for _ in 0..5 {
+        let decision = shards.decide(&probe, quotamesh::clock::now_ms()).await.unwrap();
+        admitted += u64::from(decision.admitted);
+        if !decision.admitted {
+            blocked_retry_ms = Some(decision.outcomes[0].verdicts[0].retry_after_ms);
+        }
+    }
+    assert_eq!(admitted, 2, "the window's two hits");
+    let retry_ms = blocked_retry_ms.expect("rejected once the window was spent");
+    assert!(retry_ms > 1_000 && retry_ms <= 3_600_000, "retry after {retry_ms} ms");
+    let asks = counter(&metrics, "asks", "queued");
+    let calls = counter(&metrics, "calls", "ok") + counter(&metrics, "calls", "error");
+    for _ in 0..500 {
+        let decision = shards.decide(&probe, quotamesh::clock::now_ms()).await.unwrap();
+        assert!(!decision.admitted);
+        let retry = decision.outcomes[0].verdicts[0].retry_after_ms;
+        assert!(retry <= retry_ms && retry + 5_000 > retry_ms, "{retry} vs {retry_ms}");
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(counter(&metrics, "asks", "queued"), asks, "no ask while blocked");
+    assert_eq!(
+        counter(&metrics, "calls", "ok") + counter(&metrics, "calls", "error"),
+        calls,
+        "no ledger call while blocked"
+    );
+    shards.shutdown().await;
+}
+
+/// A request larger than the lease size is paid once its lease (sized to the request)
+/// arrives; a request larger than the limit's capacity is refused without a ledger call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_requests_lease_what_they_need() {
+    let (_ledger, shards, metrics) = leasing(PATIENT, true).await;
+    let spec = LimitSpec::new(Algorithm::TokenBucket, 100, 1_000, Some(100)).unwrap();
+    let lease = LeaseTuning::default();
+    let big = support::probe(&shards, "t", ("user", "u3"), &spec, &lease, FailureMode::Open, 60);
+    assert!(shards.decide(&big, quotamesh::clock::now_ms()).await.unwrap().admitted);
+    let asks = counter(&metrics, "asks", "queued");
+    let huge = support::probe(&shards, "t", ("user", "u3"), &spec, &lease, FailureMode::Open, 101);
+    let decision = shards.decide(&huge, quotamesh::clock::now_ms()).await.unwrap();
+    assert!(!decision.admitted);
+    assert_eq!(decision.outcomes[0].verdicts[0].retry_after_ms, u64::MAX);
+    assert_eq!(counter(&metrics, "asks", "queued"), asks);
+    shards.shutdown().await;
+}
+
+/// Once a key goes idle, the sweep gives its balance back: the node holds nothing and the
+/// ledger counts as outstanding only the token that was spent (until the lease's TTL).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_balances_return_to_the_ledger() {
+    let (ledger, shards, metrics) = leasing(PATIENT, true).await;
+    let spec = LimitSpec::new(Algorithm::TokenBucket, 1_000, 1_000, None).unwrap();
+    let lease = LeaseTuning::default();
+    let probe = support::probe(&shards, "t", ("user", "u4"), &spec, &lease, FailureMode::Open, 1);
+    assert!(shards.decide(&probe, quotamesh::clock::now_ms()).await.unwrap().admitted);
+    assert!(shards.held_tokens(quotamesh::clock::now_ms()) > 0, "the rest of the lease");
+    let key = LeaseKey::of("t", [("user", "u4")].into_iter(), 0, &spec).ledger_key();
+    let held_by_ledger = || {
+        ledger.host.quota().read(|machine| {
+            machine
+                .key(&key)
+                .and_then(|entry| entry.leases.get(&NodeId(1)).map(|lease| lease.tokens))
+                .unwrap_or(0)
+        })
+    };
+    assert_eq!(held_by_ledger(), 5, "a first lease of min_lease_tokens");
+    // Idle for a lookahead (250 ms), a sweep (every 100 ms) returns the balance before it
+    // expires (450 ms after its request).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while held_by_ledger() > 1 {
+        assert!(tokio::time::Instant::now() < deadline, "balance never returned");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(shards.held_tokens(quotamesh::clock::now_ms()), 0);
+    assert!(metrics.lease_returned_tokens.with_label_values(&["returned"]).get() > 0);
+    shards.shutdown().await;
+}
+
+/// With no ledger leader, the first short keys wait out the ledger timeout and fall back;
+/// after three failed calls the circuit opens and decisions fall back at once. Fail-open
+/// admits from a bucket of the limit's size (one node) and counts bypasses; fail-closed
+/// denies with the probe interval as retry-after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_ledger_opens_the_circuit() {
+    let setup = support::Setup { ledger_timeout_ms: 5, ..PATIENT };
+    let (_ledger, shards, metrics) = leasing(setup, false).await;
+    let spec = LimitSpec::new(Algorithm::TokenBucket, 10, 60_000, Some(10)).unwrap();
+    let lease = LeaseTuning::default();
+    let open = support::probe(&shards, "t", ("user", "open"), &spec, &lease, FailureMode::Open, 1);
+    let closed =
+        support::probe(&shards, "t", ("user", "closed"), &spec, &lease, FailureMode::Closed, 1);
+    let mut reasons = Vec::new();
+    let mut admitted = 0;
+    for _ in 0..40 {
+        let decision = shards.decide(&open, quotamesh::clock::now_ms()).await.unwrap();
+        admitted += u64::from(decision.admitted);
+        if let Some(reason) = decision.bypass {
+            reasons.push(reason);
+        }
+        // The broker answers asynchronously; let failed calls reach the breaker.
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(admitted, 10, "the fallback bucket holds the whole limit on one node");
+    assert_eq!(reasons.first(), Some(&BypassReason::LedgerTimeout));
+    assert_eq!(reasons.last(), Some(&BypassReason::CircuitOpen), "{reasons:?}");
+    let bypassed = counter(&metrics, "bypassed", "circuit_open")
+        + counter(&metrics, "bypassed", "ledger_timeout");
+    assert_eq!(bypassed, 10, "every admission was a bypass");
+    assert_eq!(metrics.ledger_circuit_state.get(), 2, "open");
+    let asks = counter(&metrics, "asks", "queued");
+    let decision = shards.decide(&closed, quotamesh::clock::now_ms()).await.unwrap();
+    assert_eq!(counter(&metrics, "asks", "queued"), asks, "no ask while the circuit is open");
+    assert!(!decision.admitted && decision.failed_closed);
+    assert_eq!(decision.outcomes[0].verdicts[0].retry_after_ms, FAIL_CLOSED_RETRY_AFTER_MS);
+    assert_eq!(metrics.rate_limit_failed_closed.get(), 1);
+    shards.shutdown().await;
+}
