@@ -267,3 +267,37 @@ proptest! {
         prop_assert!(tuning.low_watermark_tokens(size) >= 1);
     }
 }
+
+/// `with_sizes` derives what DESIGN derives (TTL 2 x lookahead capped at 1 s, a margin that
+/// stays below the TTL), gives the defaults back for the default sizes, and refuses what
+/// `validate` refuses.
+#[test]
+fn with_sizes_derives_ttl_and_margin() {
+    assert_eq!(LeaseTuning::with_sizes(5, 500, 250), Ok(LeaseTuning::default()));
+    let custom = LeaseTuning::with_sizes(10, 1_000, 100).expect("valid sizes");
+    assert_eq!(
+        (custom.min_lease_tokens, custom.max_lease_tokens, custom.lookahead_ms),
+        (10, 1_000, 100)
+    );
+    assert_eq!((custom.lease_ttl_ms, custom.expiry_margin_ms), (200, 50));
+    let capped = LeaseTuning::with_sizes(5, 500, 800).expect("a long lookahead is capped");
+    assert_eq!((capped.lease_ttl_ms, capped.expiry_margin_ms), (LEASE_TTL_MS_MAX, 50));
+    let short = LeaseTuning::with_sizes(1, 1, 1).expect("the shortest lookahead");
+    assert_eq!((short.lease_ttl_ms, short.expiry_margin_ms), (2, 0));
+    let quarter = LeaseTuning::with_sizes(1, 1, 60).expect("a short lookahead");
+    assert_eq!((quarter.lease_ttl_ms, quarter.expiry_margin_ms), (120, 30));
+    let rest = LeaseTuning::default();
+    assert_eq!(
+        (quarter.low_watermark_percent, quarter.rate_half_life_ms),
+        (rest.low_watermark_percent, rest.rate_half_life_ms)
+    );
+    assert_eq!(LeaseTuning::with_sizes(0, 500, 250), Err(LeaseTuningError::Sizes));
+    assert_eq!(LeaseTuning::with_sizes(600, 500, 250), Err(LeaseTuningError::Sizes));
+    assert_eq!(LeaseTuning::with_sizes(5, LEASE_TOKENS_MAX + 1, 250), Err(LeaseTuningError::Sizes));
+    assert_eq!(
+        LeaseTuning::with_sizes(5, LEASE_TOKENS_MAX, u64::MAX).map(|t| t.lease_ttl_ms),
+        Ok(LEASE_TTL_MS_MAX)
+    );
+    // A lookahead of 0 gives a TTL of 0, which no margin fits under.
+    assert_eq!(LeaseTuning::with_sizes(5, 500, 0), Err(LeaseTuningError::Ttl));
+}
