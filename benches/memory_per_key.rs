@@ -36,7 +36,17 @@ fn main() -> anyhow::Result<()> {
         let metrics = Metrics::new();
         let ledger = support::ledger(true).await?;
         // No sweep during the measurement: every key stays tracked.
-        let shards = support::shard_set(&ledger, support::Setup { keys_per_shard_max: KEYS, sweep_interval: Duration::from_secs(3600), ..support::Setup::default() }, support::no_policy(), &metrics).await?;
+        let shards = support::shard_set(
+            &ledger,
+            support::Setup {
+                keys_per_shard_max: KEYS,
+                sweep_interval: Duration::from_secs(3600),
+                ..support::Setup::default()
+            },
+            support::no_policy(),
+            &metrics,
+        )
+        .await?;
         let spec = LimitSpec::new(Algorithm::TokenBucket, 0, 1000, None)?;
         let lease = LeaseTuning::default();
         let now_ms = quotamesh::clock::now_ms();

@@ -14,13 +14,13 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use quotamesh::actors::shard::{Probe, ShardSet};
-use quotamesh::core::lease::LeaseTuning;
-use quotamesh::core::policy::FailureMode;
 use quotamesh::api::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use quotamesh::api::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use quotamesh::api::proto::envoy::service::ratelimit::v3::RateLimitRequest;
 use quotamesh::api::rls::RlsService;
 use quotamesh::core::headers::HeaderOptions;
+use quotamesh::core::lease::LeaseTuning;
+use quotamesh::core::policy::FailureMode;
 use quotamesh::core::policy::{PolicySet, PolicySource};
 use quotamesh::core::rate::{Algorithm, LimitSpec};
 use quotamesh::metrics::Metrics;

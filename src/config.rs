@@ -198,7 +198,8 @@ impl LeasingConfig {
         if !(1..=100).contains(&self.batch_window_ms) {
             return invalid("batch_window_ms must be between 1 and 100");
         }
-        if !(self.fallback_multiplier.is_finite() && (0.001..=100.0).contains(&self.fallback_multiplier))
+        if !(self.fallback_multiplier.is_finite()
+            && (0.001..=100.0).contains(&self.fallback_multiplier))
         {
             return invalid("fallback_multiplier must be between 0.001 and 100");
         }

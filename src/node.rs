@@ -305,10 +305,9 @@ async fn start_leasing(
             healthy_p99_ms: leasing.ledger_timeout_ms,
         },
     };
-    let (broker, broker_task) =
-        LeaseBroker::start(raft.quota().clone(), settings, metrics.clone()).await.map_err(
-            |error| NodeError::Setup { what: "lease broker", reason: error.to_string() },
-        )?;
+    let (broker, broker_task) = LeaseBroker::start(raft.quota().clone(), settings, metrics.clone())
+        .await
+        .map_err(|error| NodeError::Setup { what: "lease broker", reason: error.to_string() })?;
     let options = ShardSetOptions {
         shard_count: config.shard_count(),
         keys_per_shard_max: config.shards.keys_per_shard_max,

@@ -192,7 +192,10 @@ fn batched_returns_equal_single_returns() {
         ledger.apply(&acquire(
             1_000,
             1,
-            vec![request("rl:d:a", bucket(10, 1_000, 10), 6), request("rl:d:b", bucket(10, 1_000, 10), 4)],
+            vec![
+                request("rl:d:a", bucket(10, 1_000, 10), 6),
+                request("rl:d:b", bucket(10, 1_000, 10), 4),
+            ],
         ))
     };
     let mut single = QuotaLedger::new();

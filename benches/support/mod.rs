@@ -7,13 +7,13 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use quotamesh::actors::lease_broker::{BrokerSettings, LeaseBroker};
 use quotamesh::actors::shard::{LedgerName, Probe, ShardSet, ShardSetOptions};
-use quotamesh::core::lease::LeaseTuning;
-use quotamesh::core::policy::FailureMode;
-use quotamesh::core::rate::LimitSpec;
 use quotamesh::config::{NodeConfig, PeerConfig};
 use quotamesh::core::circuit::BreakerSettings;
+use quotamesh::core::lease::LeaseTuning;
 use quotamesh::core::ledger::NodeId;
+use quotamesh::core::policy::FailureMode;
 use quotamesh::core::policy::PolicySet;
+use quotamesh::core::rate::LimitSpec;
 use quotamesh::metrics::Metrics;
 use quotamesh::raft_host::RaftHost;
 
@@ -30,11 +30,8 @@ pub async fn ledger(reachable: bool) -> anyhow::Result<Ledger> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     let raft_addr = listener.local_addr()?;
     drop(listener);
-    let mut config = NodeConfig {
-        data_dir: directory.path().to_owned(),
-        raft_addr,
-        ..NodeConfig::default()
-    };
+    let mut config =
+        NodeConfig { data_dir: directory.path().to_owned(), raft_addr, ..NodeConfig::default() };
     if !reachable {
         config.peers = vec![
             PeerConfig { id: NodeId(1), raft_addr: raft_addr.to_string() },
@@ -132,7 +129,5 @@ pub fn probe<'p>(
 
 /// An empty policy (the benchmarks build their probes by hand).
 pub fn no_policy() -> Arc<ArcSwap<PolicySet>> {
-    Arc::new(ArcSwap::from_pointee(
-        PolicySet::parse(&[]).expect("an empty policy set parses"),
-    ))
+    Arc::new(ArcSwap::from_pointee(PolicySet::parse(&[]).expect("an empty policy set parses")))
 }

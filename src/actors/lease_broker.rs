@@ -364,8 +364,7 @@ impl BrokerState {
         let myself = myself.clone();
         tokio::spawn(async move {
             let started = Instant::now();
-            let result = match tokio::time::timeout(timeout, ledger.write(command, timeout)).await
-            {
+            let result = match tokio::time::timeout(timeout, ledger.write(command, timeout)).await {
                 Ok(Ok(response)) => Ok(response),
                 Ok(Err(error)) => Err(error.to_string()),
                 Err(_) => Err("timed out".to_owned()),

@@ -464,9 +464,8 @@ impl ShardActorState {
     fn sweep(&mut self, now_ms: u64) {
         let policy = self.policy.load();
         let default_tuning = LeaseTuning::default();
-        let tuning_of = |rule: u32| {
-            policy.rule(RuleId(rule)).map_or(&default_tuning, |rule| &rule.lease)
-        };
+        let tuning_of =
+            |rule: u32| policy.rule(RuleId(rule)).map_or(&default_tuning, |rule| &rule.lease);
         let mut removed = 0_usize;
         let mut returns: Vec<(LeaseKey, u64)> = Vec::new();
         let mut held_by_rule: HashMap<u32, u64> = HashMap::new();
@@ -811,10 +810,7 @@ impl ShardSet {
                     probes[*earlier_probe].counters[*earlier_counter].0 == *key
                 });
                 let current = earlier.map_or_else(
-                    || Staged {
-                        lease: slot.lease,
-                        fallback: slot.fallback.as_deref().copied(),
-                    },
+                    || Staged { lease: slot.lease, fallback: slot.fallback.as_deref().copied() },
                     |(_, _, staged)| *staged,
                 );
                 let judged = self.judge(
@@ -904,7 +900,12 @@ impl ShardSet {
             // More than the limit can ever admit at once: no lease would cover it.
             let verdict =
                 Verdict { admitted: false, remaining: 0, reset_ms: 0, retry_after_ms: u64::MAX };
-            return Judged::Decided { verdict, staged: *current, bypass: None, failed_closed: false };
+            return Judged::Decided {
+                verdict,
+                staged: *current,
+                bypass: None,
+                failed_closed: false,
+            };
         }
         let mut staged = *current;
         match staged.lease.spend(probe.lease, now_ms, hits) {
@@ -953,19 +954,15 @@ impl ShardSet {
                         .filter(|fallback| fallback.spec == fallback_spec)
                         .map_or_else(|| fallback_spec.initial_state(now_ms), |f| f.state);
                     let evaluation = fallback_spec.evaluate(&state, now_ms, hits);
-                    staged.fallback = Some(Fallback { spec: fallback_spec, state: evaluation.next });
+                    staged.fallback =
+                        Some(Fallback { spec: fallback_spec, state: evaluation.next });
                     let verdict = Verdict {
                         admitted: evaluation.admitted,
                         remaining: evaluation.remaining,
                         reset_ms: evaluation.reset_ms,
                         retry_after_ms: evaluation.retry_after_ms,
                     };
-                    Judged::Decided {
-                        verdict,
-                        staged,
-                        bypass: Some(reason),
-                        failed_closed: false,
-                    }
+                    Judged::Decided { verdict, staged, bypass: Some(reason), failed_closed: false }
                 }
             },
         }
@@ -1001,9 +998,8 @@ impl ShardSet {
                     .iter()
                     .find(|shard| shard.actor.get_id() == refused.reply_to.get_id())
                     .expect("asks name this set's shards");
-                if let Some(slot) = shard.table.stripes[refused.stripe as usize]
-                    .lock()
-                    .get_mut(&refused.counter)
+                if let Some(slot) =
+                    shard.table.stripes[refused.stripe as usize].lock().get_mut(&refused.counter)
                 {
                     slot.lease.apply_failure();
                 }

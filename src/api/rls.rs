@@ -33,9 +33,9 @@ use crate::api::proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLim
 use crate::api::proto::envoy::r#type::v3::RateLimitUnit;
 use crate::api::status::InvalidRequest;
 use crate::core::headers::{HeaderOptions, LimitReport, format_headers};
-use crate::core::policy::{Entry, Match, PolicySet, Rule, RuleLimit, Unit};
 use crate::core::lease::LeaseTuning;
 use crate::core::policy::FailureMode;
+use crate::core::policy::{Entry, Match, PolicySet, Rule, RuleLimit, Unit};
 use crate::core::rate::{Algorithm, LimitSpec};
 use crate::metrics::{DOMAIN_UNKNOWN, Metrics};
 

@@ -146,6 +146,32 @@ impl LeaseTuning {
     pub fn drift_bound_tokens(&self, nodes: u64) -> u64 {
         nodes.saturating_mul(self.held_tokens_max())
     }
+
+    /// The tuning a policy rule asks for: its lease sizes and lookahead, with the TTL that
+    /// DESIGN section 3 derives from the lookahead (2 x lookahead, at most
+    /// [`LEASE_TTL_MS_MAX`]), a margin of 50 ms or a quarter of the TTL for short TTLs (so
+    /// the margin never eats the lease), and the other numbers from [`Default`].
+    ///
+    /// # Errors
+    /// [`LeaseTuningError`] when the result does not [`validate`](Self::validate): sizes
+    /// out of order or above [`LEASE_TOKENS_MAX`], or a lookahead of 0.
+    pub fn with_sizes(
+        min_lease_tokens: u64,
+        max_lease_tokens: u64,
+        lookahead_ms: u64,
+    ) -> Result<Self, LeaseTuningError> {
+        let lease_ttl_ms = lookahead_ms.saturating_mul(2).min(LEASE_TTL_MS_MAX);
+        let tuning = Self {
+            min_lease_tokens,
+            max_lease_tokens,
+            lookahead_ms,
+            lease_ttl_ms,
+            expiry_margin_ms: (lease_ttl_ms / 4).min(50),
+            ..Self::default()
+        };
+        tuning.validate()?;
+        Ok(tuning)
+    }
 }
 
 /// An exponentially decaying count of a key's hits, read as a rate.

@@ -101,8 +101,7 @@ mod tests {
         let key = base.ledger_key();
         assert_eq!(key.len(), 35);
         assert!(key.starts_with("rl:"));
-        let request =
-            LeaseRequest { key, limit: spec(10), tokens_wanted: 1, lease_ttl_ms: 500 };
+        let request = LeaseRequest { key, limit: spec(10), tokens_wanted: 1, lease_ttl_ms: 500 };
         assert_eq!(check_lease_request(&request), Ok(()));
     }
 

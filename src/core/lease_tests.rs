@@ -300,7 +300,11 @@ fn fallback_is_a_share_of_the_limit() {
     assert_eq!((share.requests_per_window, share.burst_tokens), (500, 750));
     let doubled = fallback_limit(&spec, 2_000, 2);
     assert_eq!((doubled.requests_per_window, doubled.burst_tokens), (1_000, 1_500));
-    let tiny = fallback_limit(&LimitSpec::new(Algorithm::FixedWindow, 3, 60_000, None).unwrap(), 1_000, 10);
+    let tiny = fallback_limit(
+        &LimitSpec::new(Algorithm::FixedWindow, 3, 60_000, None).unwrap(),
+        1_000,
+        10,
+    );
     assert_eq!((tiny.requests_per_window, tiny.burst_tokens, tiny.window_ms), (1, 1, 60_000));
     let closed = LimitSpec::new(Algorithm::TokenBucket, 0, 1_000, None).unwrap();
     assert_eq!(fallback_limit(&closed, 1_000, 3), closed);
@@ -324,4 +328,38 @@ proptest! {
         );
         prop_assert!(share.requests_per_window <= (requests * multiplier_permille / 1000).max(1));
     }
+}
+
+/// `with_sizes` derives what DESIGN derives (TTL 2 x lookahead capped at 1 s, a margin that
+/// stays below the TTL), gives the defaults back for the default sizes, and refuses what
+/// `validate` refuses.
+#[test]
+fn with_sizes_derives_ttl_and_margin() {
+    assert_eq!(LeaseTuning::with_sizes(5, 500, 250), Ok(LeaseTuning::default()));
+    let custom = LeaseTuning::with_sizes(10, 1_000, 100).expect("valid sizes");
+    assert_eq!(
+        (custom.min_lease_tokens, custom.max_lease_tokens, custom.lookahead_ms),
+        (10, 1_000, 100)
+    );
+    assert_eq!((custom.lease_ttl_ms, custom.expiry_margin_ms), (200, 50));
+    let capped = LeaseTuning::with_sizes(5, 500, 800).expect("a long lookahead is capped");
+    assert_eq!((capped.lease_ttl_ms, capped.expiry_margin_ms), (LEASE_TTL_MS_MAX, 50));
+    let short = LeaseTuning::with_sizes(1, 1, 1).expect("the shortest lookahead");
+    assert_eq!((short.lease_ttl_ms, short.expiry_margin_ms), (2, 0));
+    let quarter = LeaseTuning::with_sizes(1, 1, 60).expect("a short lookahead");
+    assert_eq!((quarter.lease_ttl_ms, quarter.expiry_margin_ms), (120, 30));
+    let rest = LeaseTuning::default();
+    assert_eq!(
+        (quarter.low_watermark_percent, quarter.rate_half_life_ms),
+        (rest.low_watermark_percent, rest.rate_half_life_ms)
+    );
+    assert_eq!(LeaseTuning::with_sizes(0, 500, 250), Err(LeaseTuningError::Sizes));
+    assert_eq!(LeaseTuning::with_sizes(600, 500, 250), Err(LeaseTuningError::Sizes));
+    assert_eq!(LeaseTuning::with_sizes(5, LEASE_TOKENS_MAX + 1, 250), Err(LeaseTuningError::Sizes));
+    assert_eq!(
+        LeaseTuning::with_sizes(5, LEASE_TOKENS_MAX, u64::MAX).map(|t| t.lease_ttl_ms),
+        Ok(LEASE_TTL_MS_MAX)
+    );
+    // A lookahead of 0 gives a TTL of 0, which no margin fits under.
+    assert_eq!(LeaseTuning::with_sizes(5, 500, 0), Err(LeaseTuningError::Ttl));
 }

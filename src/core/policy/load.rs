@@ -15,6 +15,7 @@ use super::{
     DESCRIPTOR_DEPTH_MAX, FailureMode, PolicyError, PolicyErrors, PolicySet, PolicySource,
     RULES_PER_SET_MAX, Rule, RuleId, RuleLimit, Unit,
 };
+use crate::core::lease::{LEASE_TOKENS_MAX, LEASE_TTL_MS_MAX, LeaseTuning, LeaseTuningError};
 use crate::core::rate::{Algorithm, LimitSpec, LimitSpecError};
 
 // A policy at the deepest descriptor nesting needs, per level, a `descriptors` list and a
@@ -23,7 +24,7 @@ use crate::core::rate::{Algorithm, LimitSpec, LimitSpecError};
 const _: () = assert!(2 * DESCRIPTOR_DEPTH_MAX + 1 + 4 <= yaml::YAML_DEPTH_MAX);
 
 const ROOT_FIELDS: [&str; 2] = ["domain", "descriptors"];
-const DESCRIPTOR_FIELDS: [&str; 10] = [
+const DESCRIPTOR_FIELDS: [&str; 11] = [
     "key",
     "value",
     "rate_limit",
@@ -33,11 +34,17 @@ const DESCRIPTOR_FIELDS: [&str; 10] = [
     "value_to_metric",
     "share_threshold",
     "failure_mode",
+    "lease",
     "descriptors",
 ];
 const LIMIT_FIELDS: [&str; 8] =
     ["unit", "requests_per_unit", "unlimited", "name", "replaces", "algorithm", "burst", "window"];
 const REPLACES_FIELDS: [&str; 1] = ["name"];
+const LEASE_FIELDS: [&str; 3] = ["min_tokens", "max_tokens", "lookahead"];
+/// The longest `lookahead` a rule may ask for: its lease TTL is 2 x lookahead, and that must
+/// fit under the TTL cap, so the relation DESIGN section 3 states holds for every rule.
+const LOOKAHEAD_MS_MAX: u64 = LEASE_TTL_MS_MAX / 2;
+const _: () = assert!(LOOKAHEAD_MS_MAX >= 1);
 
 const UNITS: [(&str, Unit); 7] = [
     ("second", Unit::Second),
@@ -53,8 +60,8 @@ const ALGORITHMS: [(&str, Algorithm); 3] = [
     ("sliding_window", Algorithm::SlidingWindow),
     ("fixed_window", Algorithm::FixedWindow),
 ];
-/// `window` suffixes and their length in milliseconds.
-const WINDOW_SUFFIXES: [(&str, u64); 5] =
+/// Duration suffixes (`window`, `lookahead`) and their length in milliseconds.
+const DURATION_SUFFIXES: [(&str, u64); 5] =
     [("ms", 1), ("s", 1_000), ("m", 60_000), ("h", 3_600_000), ("d", 86_400_000)];
 
 /// Validates every source, then assembles the set; see `PolicySet::parse`.
@@ -122,6 +129,8 @@ struct DescriptorDraft {
     shadow_mode: bool,
     detailed_metric: bool,
     failure_mode: FailureMode,
+    /// The `lease` block resolved against the defaults; the defaults when absent or invalid.
+    lease: LeaseTuning,
     /// Every `name` written on this descriptor's limits, also on limits that were invalid,
     /// so a `replaces` pointing at them is not reported as dangling too.
     names: Vec<Named>,
@@ -317,6 +326,7 @@ impl Loader {
             value_to_metric,
             share_threshold,
             failure_mode,
+            lease,
             descriptors,
         ] = self.fields(file, entries, DESCRIPTOR_FIELDS, "a descriptor");
 
@@ -348,6 +358,7 @@ impl Loader {
             shadow_mode: self.bool(file, shadow_mode),
             detailed_metric: self.bool(file, detailed_metric),
             failure_mode: FailureMode::Open,
+            lease: LeaseTuning::default(),
             names: Vec::new(),
             replaces: Vec::new(),
             children: Vec::new(),
@@ -421,6 +432,23 @@ impl Loader {
                     entry.key_position,
                     "`failure_mode` has no effect on a descriptor without `rate_limit` \
                      (nested descriptors do not inherit it)",
+                );
+            }
+        }
+        if let Some(entry) = given(lease) {
+            draft.lease = self.lease(file, entry).unwrap_or_default();
+            if rate_limit.is_none() && rate_limits.is_none() {
+                self.error(
+                    file,
+                    entry.key_position,
+                    "`lease` has no effect on a descriptor without `rate_limit` \
+                     (nested descriptors do not inherit it)",
+                );
+            } else if draft.unlimited {
+                self.error(
+                    file,
+                    entry.key_position,
+                    "`lease` has no effect on an `unlimited` rule: it never leases tokens",
                 );
             }
         }
@@ -502,7 +530,7 @@ impl Loader {
                 None
             }
             (Some(_), None) => unit_value.map(Unit::window_ms),
-            (None, Some(window)) => self.window(file, window),
+            (None, Some(window)) => self.duration(file, window, "30s"),
         };
         let requests = match requests_per_unit {
             None => {
@@ -732,25 +760,30 @@ impl Loader {
         unit
     }
 
-    /// `<whole number><ms|s|m|h|d>`, e.g. `30s`, in milliseconds.
-    fn window(&mut self, file: File<'_>, entry: &MapEntry) -> Option<u64> {
+    /// `<whole number><ms|s|m|h|d>`, e.g. `30s`, in milliseconds: a `window` or a
+    /// `lookahead`, named in messages by its key, with `example` as the hint.
+    fn duration(&mut self, file: File<'_>, entry: &MapEntry, example: &str) -> Option<u64> {
         let text = self.string(file, entry)?;
         let digits = text.find(|character: char| !character.is_ascii_digit()).unwrap_or(text.len());
         let (number, suffix) = text.split_at(digits);
-        let scale_ms =
-            WINDOW_SUFFIXES.iter().find(|(name, _)| *name == suffix).map(|(_, scale_ms)| *scale_ms);
+        let scale_ms = DURATION_SUFFIXES
+            .iter()
+            .find(|(name, _)| *name == suffix)
+            .map(|(_, scale_ms)| *scale_ms);
         let Some(scale_ms) = scale_ms.filter(|_| !number.is_empty()) else {
             let reason = format!(
-                "invalid window `{text}`: expected a whole number and one of ms, s, m, h, d (e.g. `30s`)"
+                "invalid {} `{text}`: expected a whole number and one of ms, s, m, h, d (e.g. `{example}`)",
+                entry.key
             );
             self.error(file, entry.value.position, reason);
             return None;
         };
-        let window_ms = number.parse::<u64>().ok().and_then(|number| number.checked_mul(scale_ms));
-        if window_ms.is_none() {
-            self.error(file, entry.value.position, format!("window `{text}` is too long"));
+        let duration_ms =
+            number.parse::<u64>().ok().and_then(|number| number.checked_mul(scale_ms));
+        if duration_ms.is_none() {
+            self.error(file, entry.value.position, format!("{} `{text}` is too long", entry.key));
         }
-        window_ms
+        duration_ms
     }
 
     fn algorithm(&mut self, file: File<'_>, entry: &MapEntry) -> Option<Algorithm> {
@@ -776,6 +809,86 @@ impl Loader {
                 None
             }
         }
+    }
+
+    /// A `lease` block: each of `min_tokens`, `max_tokens` and `lookahead` is optional and
+    /// defaults to [`LeaseTuning::default`]'s; the TTL and margin follow from the lookahead
+    /// ([`LeaseTuning::with_sizes`]). `None` after reporting any problem.
+    fn lease(&mut self, file: File<'_>, entry: &MapEntry) -> Option<LeaseTuning> {
+        let fields = self.mapping(file, &entry.value, "`lease`")?;
+        let [min_tokens, max_tokens, lookahead] =
+            self.fields(file, fields, LEASE_FIELDS, "`lease`");
+        let (min_tokens, max_tokens, lookahead) =
+            (given(min_tokens), given(max_tokens), given(lookahead));
+        let defaults = LeaseTuning::default();
+        let min_lease_tokens = min_tokens
+            .map_or(Some(defaults.min_lease_tokens), |field| self.lease_tokens(file, field));
+        let max_lease_tokens = max_tokens
+            .map_or(Some(defaults.max_lease_tokens), |field| self.lease_tokens(file, field));
+        let lookahead_ms =
+            lookahead.map_or(Some(defaults.lookahead_ms), |field| self.lookahead(file, field));
+        // Each bad value was reported where it was written.
+        let (Some(min_lease_tokens), Some(max_lease_tokens), Some(lookahead_ms)) =
+            (min_lease_tokens, max_lease_tokens, lookahead_ms)
+        else {
+            return None;
+        };
+        if min_lease_tokens > max_lease_tokens {
+            // Point at what was written, and say which side is a default: `min_tokens: 600`
+            // alone clashes with the default maximum of 500.
+            let note =
+                |field: Option<&MapEntry>| if field.is_none() { ", the default" } else { "" };
+            let reason = format!(
+                "`min_tokens` ({min_lease_tokens}{}) must be at most `max_tokens` ({max_lease_tokens}{})",
+                note(min_tokens),
+                note(max_tokens)
+            );
+            let position =
+                min_tokens.or(max_tokens).map_or(entry.key_position, |field| field.value.position);
+            self.error(file, position, reason);
+            return None;
+        }
+        // The checks above name the field at fault; this is the lease module's own word on
+        // the whole, so the two can never disagree about what is valid.
+        match LeaseTuning::with_sizes(min_lease_tokens, max_lease_tokens, lookahead_ms) {
+            Ok(tuning) => Some(tuning),
+            Err(error) => {
+                self.error(file, entry.key_position, format!("invalid `lease`: {error}"));
+                None
+            }
+        }
+    }
+
+    /// `min_tokens` or `max_tokens` of a `lease`: a whole number in 1..=`LEASE_TOKENS_MAX`.
+    fn lease_tokens(&mut self, file: File<'_>, field: &MapEntry) -> Option<u64> {
+        let tokens = self.integer(file, field)?;
+        let reason = if tokens == 0 {
+            format!("`{}` must be at least 1", field.key)
+        } else if tokens > LEASE_TOKENS_MAX {
+            format!("`{}` ({tokens}) must be at most {LEASE_TOKENS_MAX}", field.key)
+        } else {
+            return Some(tokens);
+        };
+        self.error(file, field.value.position, reason);
+        None
+    }
+
+    /// The `lookahead` of a `lease`: a duration of at least 1 ms whose lease TTL, twice the
+    /// lookahead, fits under `LEASE_TTL_MS_MAX`.
+    fn lookahead(&mut self, file: File<'_>, field: &MapEntry) -> Option<u64> {
+        let lookahead_ms = self.duration(file, field, "250ms")?;
+        let reason = match lookahead_ms {
+            0 => "`lookahead` must be at least 1ms".to_owned(),
+            1..=LOOKAHEAD_MS_MAX => return Some(lookahead_ms),
+            _ => format!(
+                "`lookahead` of {lookahead_ms} ms would need a lease TTL of {} ms \
+                 (2 x lookahead), so it can be at most {LOOKAHEAD_MS_MAX}ms: {}",
+                lookahead_ms.saturating_mul(2),
+                LeaseTuningError::Ttl
+            ),
+        };
+        self.error(file, field.value.position, reason);
+        None
     }
 }
 
@@ -846,7 +959,7 @@ impl Assembly {
             shadow_mode: draft.shadow_mode,
             detailed_metric: draft.detailed_metric,
             failure_mode: draft.failure_mode,
-            lease: crate::core::lease::LeaseTuning::default(),
+            lease: draft.lease,
             replaces,
             file: place.file.to_owned(),
             line: draft.line,
@@ -899,6 +1012,25 @@ impl Assembly {
         fingerprint.len(rule.replaces.len());
         for replaced in &rule.replaces {
             fingerprint.str(replaced);
+        }
+        // Written only when it is not the default, so every policy without a `lease` block
+        // keeps the digest it had before leases were tunable (nodes of two versions still
+        // agree), and an explicit default block digests as its absence: it leases alike.
+        // Unambiguous: the tag differs from the `N` and `D` that can follow.
+        if rule.lease != LeaseTuning::default() {
+            let lease = &rule.lease;
+            fingerprint.tag(b'L');
+            for number in [
+                lease.min_lease_tokens,
+                lease.max_lease_tokens,
+                lease.lookahead_ms,
+                lease.low_watermark_percent,
+                lease.lease_ttl_ms,
+                lease.expiry_margin_ms,
+                lease.rate_half_life_ms,
+            ] {
+                fingerprint.u64(number);
+            }
         }
     }
 }

@@ -5,8 +5,8 @@
 //! one file holds one `domain` and a tree of `descriptors`, each with a `key`, an optional
 //! `value` (`*` is a wildcard anywhere in it) and an optional `rate_limit`. quotamesh adds
 //! `algorithm`, `burst`, `window` (any length instead of a `unit`), `rate_limits` (several
-//! limits a hit must all pass) and `failure_mode`. `cluster/policies/example.yaml` is a
-//! commented tour.
+//! limits a hit must all pass), `failure_mode` and `lease` (per-rule lease sizes and
+//! lookahead, DESIGN section 3). `cluster/policies/example.yaml` is a commented tour.
 //!
 //! ```text
 //!  [PolicySource { name, text }, ..]          (the caller read the files)
@@ -20,7 +20,8 @@
 //! ```
 //!
 //! Pure core: no IO, no clock. Counting hits is `crate::core::rate`'s job; applying
-//! `shadow_mode`, `replaces` and `failure_mode` to a decision is the caller's.
+//! `shadow_mode`, `replaces` and `failure_mode` to a decision is the caller's, and so is
+//! leasing with a rule's `lease` (`crate::core::lease`).
 
 mod digest;
 mod load;
@@ -34,6 +35,7 @@ mod tests;
 
 use std::collections::HashMap;
 
+use crate::core::lease::LeaseTuning;
 use crate::core::rate::LimitSpec;
 
 /// Deepest nesting of `descriptors` accepted (the top level is depth 1). An input size
@@ -164,8 +166,10 @@ pub struct Rule {
     pub detailed_metric: bool,
     /// What to do when the ledger is unreachable.
     pub failure_mode: FailureMode,
-    /// TEMP lease tuning (the policy-lease branch brings the real one).
-    pub lease: crate::core::lease::LeaseTuning,
+    /// How a node leases this rule's tokens: the rule's `lease` block resolved against
+    /// [`LeaseTuning::default`] (TTL and margin derived by [`LeaseTuning::with_sizes`]);
+    /// the defaults when the block is absent. Valid by construction.
+    pub lease: LeaseTuning,
     /// Names of limits (in the same domain) this rule's limits replace when both match one
     /// request; validated to exist.
     pub replaces: Vec<String>,

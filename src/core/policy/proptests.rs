@@ -1,5 +1,6 @@
 //! Property tests: `match_descriptor` against a naive reference matcher over random
-//! descriptor trees, and the digest's stability and sensitivity.
+//! descriptor trees, the digest's stability and sensitivity, and `lease` blocks against a
+//! reference resolution written out from DESIGN section 3.
 //!
 //! Trees are generated as data, rendered to YAML and parsed, so the properties cover the
 //! whole path from text to match. The reference matcher is a linear scan with its own
@@ -8,6 +9,7 @@
 use proptest::prelude::*;
 
 use super::{Entry, Match, PolicySet, PolicySource};
+use crate::core::lease::{LEASE_TOKENS_MAX, LeaseTuning};
 
 /// What a generated descriptor decides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -257,5 +259,131 @@ proptest! {
         *requests += 1;
         let changed = parse(render(&mut tree))?;
         prop_assert_ne!(first.digest(), changed.digest());
+    }
+}
+
+/// A policy of one limited rule with the `lease` fields given (each `None` is left out), in
+/// flow (`{a: 1}`) or block style.
+fn lease_policy(
+    min_tokens: Option<u64>,
+    max_tokens: Option<u64>,
+    lookahead_ms: Option<u64>,
+    flow: bool,
+) -> String {
+    let fields: Vec<String> = [
+        min_tokens.map(|tokens| format!("min_tokens: {tokens}")),
+        max_tokens.map(|tokens| format!("max_tokens: {tokens}")),
+        lookahead_ms.map(|lookahead_ms| format!("lookahead: {lookahead_ms}ms")),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    let lease = if flow {
+        format!("    lease: {{{}}}", fields.join(", "))
+    } else if fields.is_empty() {
+        "    lease:".to_owned()
+    } else {
+        format!("    lease:\n      {}", fields.join("\n      "))
+    };
+    [
+        "domain: rl",
+        "descriptors:",
+        "  - key: a",
+        "    rate_limit: {unit: second, requests_per_unit: 1}",
+        &lease,
+    ]
+    .join("\n")
+}
+
+/// The tuning DESIGN section 3 asks for, written out: the given numbers over the defaults
+/// 5, 500 and 250 ms, a TTL of twice the lookahead and a margin of 50 ms or a quarter of
+/// the TTL; `None` when a rule may not ask for it.
+fn reference_lease(
+    min_tokens: Option<u64>,
+    max_tokens: Option<u64>,
+    lookahead_ms: Option<u64>,
+) -> Option<LeaseTuning> {
+    let (min, max, lookahead_ms) =
+        (min_tokens.unwrap_or(5), max_tokens.unwrap_or(500), lookahead_ms.unwrap_or(250));
+    let valid = 1 <= min && min <= max && max <= 1_000_000 && (1..=500).contains(&lookahead_ms);
+    valid.then(|| LeaseTuning {
+        min_lease_tokens: min,
+        max_lease_tokens: max,
+        lookahead_ms,
+        low_watermark_percent: 20,
+        lease_ttl_ms: 2 * lookahead_ms,
+        expiry_margin_ms: (2 * lookahead_ms / 4).min(50),
+        rate_half_life_ms: 1_000,
+    })
+}
+
+fn lease_of(text: String) -> Result<Result<LeaseTuning, String>, TestCaseError> {
+    match PolicySet::parse(&[PolicySource { name: "p.yaml".to_owned(), text }]) {
+        Ok(set) => match set.match_descriptor("rl", &[Entry { key: "a", value: "x" }]) {
+            Match::Rule(rule) => Ok(Ok(rule.lease)),
+            other => Err(TestCaseError::fail(format!("expected the rule, got {other:?}"))),
+        },
+        Err(errors) => Ok(Err(errors.to_string())),
+    }
+}
+
+/// Token counts around every edge: 0, small, the defaults, and the cap.
+fn lease_tokens() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        0..=12_u64,
+        490..=510_u64,
+        1..=LEASE_TOKENS_MAX,
+        LEASE_TOKENS_MAX - 2..=LEASE_TOKENS_MAX + 2,
+    ]
+}
+
+proptest! {
+    #[test]
+    fn valid_lease_block_round_trips(
+        min_tokens in 1..=LEASE_TOKENS_MAX,
+        spread in 0..=LEASE_TOKENS_MAX,
+        lookahead_ms in 1..=500_u64,
+        flow in any::<bool>(),
+    ) {
+        // Any valid (min_tokens, max_tokens, lookahead) written in a policy comes back as
+        // the rule's tuning, the numbers as written and the TTL derived as DESIGN says.
+        let max_tokens = min_tokens.saturating_add(spread).min(LEASE_TOKENS_MAX);
+        let text = lease_policy(Some(min_tokens), Some(max_tokens), Some(lookahead_ms), flow);
+        let expected = reference_lease(Some(min_tokens), Some(max_tokens), Some(lookahead_ms));
+        prop_assert!(expected.is_some());
+        match lease_of(text)? {
+            Ok(lease) => prop_assert_eq!(Some(lease), expected),
+            Err(errors) => prop_assert!(false, "valid lease block refused:\n{}", errors),
+        }
+    }
+
+    #[test]
+    fn lease_block_is_accepted_exactly_when_valid(
+        min_tokens in prop::option::of(lease_tokens()),
+        max_tokens in prop::option::of(lease_tokens()),
+        lookahead_ms in prop::option::of(prop_oneof![0..=3_u64, 1..=1_200_u64, 498..=502_u64]),
+        flow in any::<bool>(),
+    ) {
+        // With any keys left out, the loader accepts a block exactly when the reference
+        // finds it valid, resolves it to the reference tuning, and otherwise reports an
+        // error on the `lease` line.
+        let text = lease_policy(min_tokens, max_tokens, lookahead_ms, flow);
+        match (lease_of(text)?, reference_lease(min_tokens, max_tokens, lookahead_ms)) {
+            (Ok(lease), Some(expected)) => prop_assert_eq!(lease, expected),
+            (Err(errors), None) => {
+                let lease_lines = if flow { ["p.yaml:5:"].as_slice() } else {
+                    ["p.yaml:5:", "p.yaml:6:", "p.yaml:7:", "p.yaml:8:"].as_slice()
+                };
+                for error in errors.lines() {
+                    prop_assert!(
+                        lease_lines.iter().any(|line| error.starts_with(line)),
+                        "error away from the lease block: {}", error
+                    );
+                }
+            }
+            (actual, expected) => {
+                prop_assert!(false, "loader {:?}, reference {:?}", actual, expected);
+            }
+        }
     }
 }

@@ -5,6 +5,7 @@
 //! can be counted from the array.
 
 use super::*;
+use crate::core::lease::{LEASE_TOKENS_MAX, LeaseTuning};
 use crate::core::rate::Algorithm;
 
 /// One text from its lines.
@@ -404,6 +405,8 @@ fn example_policy_parses_and_matches() {
     let payments = matched(&set, domain, &[("destination_cluster", "payments")]);
     assert_eq!(payments.failure_mode, FailureMode::Closed);
     assert_eq!(per_key.failure_mode, FailureMode::Open);
+    assert_eq!(partner.lease, LeaseTuning::with_sizes(10, 200, 500).expect("valid"));
+    assert_eq!(per_key.lease, LeaseTuning::default());
     assert_eq!(set.rule_by_name(domain, "payments").map(|rule| rule.id), Some(payments.id));
     assert_eq!(set.rules().count(), 8);
 }
@@ -767,6 +770,148 @@ fn error_share_threshold_and_failure_mode() {
 }
 
 #[test]
+fn lease_block_resolves_against_the_defaults() {
+    // A `lease` block sets the keys it gives and leaves the others at the defaults, the TTL
+    // follows the lookahead, and a rule without the block (or with an empty one) gets
+    // exactly the defaults.
+    let set = parse(&[
+        "domain: rl",
+        "descriptors:",
+        "  - key: all",
+        "    rate_limit: {unit: second, requests_per_unit: 100}",
+        "    lease: {min_tokens: 10, max_tokens: 1000, lookahead: 100ms}",
+        "  - key: some",
+        "    rate_limits: [{unit: second, requests_per_unit: 1}]",
+        "    lease:",
+        "      max_tokens: 50",
+        "  - key: none",
+        "    rate_limit: {unit: second, requests_per_unit: 1}",
+        "  - key: empty",
+        "    rate_limit: {unit: second, requests_per_unit: 1}",
+        "    lease: {}",
+        "  - key: blank",
+        "    rate_limit: {unit: second, requests_per_unit: 1}",
+        "    lease:",
+        "  - key: placeholder",
+    ]);
+    let all = matched(&set, "rl", &[("all", "x")]).lease;
+    assert_eq!(
+        (all.min_lease_tokens, all.max_lease_tokens, all.lookahead_ms, all.lease_ttl_ms),
+        (10, 1_000, 100, 200)
+    );
+    assert_eq!(all, LeaseTuning::with_sizes(10, 1_000, 100).expect("valid"));
+    let some = matched(&set, "rl", &[("some", "x")]).lease;
+    assert_eq!(some, LeaseTuning { max_lease_tokens: 50, ..LeaseTuning::default() });
+    for key in ["none", "empty", "blank"] {
+        assert_eq!(matched(&set, "rl", &[(key, "x")]).lease, LeaseTuning::default(), "{key}");
+    }
+    assert!(set.rules().all(|rule| rule.lease.validate().is_ok()));
+    let longest = parse(&[
+        "domain: rl",
+        "descriptors:",
+        "  - key: a",
+        "    rate_limit: {unit: second, requests_per_unit: 1}",
+        "    lease: {min_tokens: 1, max_tokens: 1000000, lookahead: 500ms}",
+    ]);
+    let lease = matched(&longest, "rl", &[("a", "x")]).lease;
+    assert_eq!((lease.max_lease_tokens, lease.lease_ttl_ms), (LEASE_TOKENS_MAX, 1_000));
+}
+
+#[test]
+fn error_lease_values() {
+    // Every bad `lease` value is reported at the value: unknown keys, non-integers, zero,
+    // sizes out of order (also against a default), above the cap, and lookaheads that are
+    // malformed, zero, or too long for the lease TTL cap.
+    assert_eq!(
+        errors(&[
+            "domain: rl",
+            "descriptors:",
+            "  - key: a",
+            "    rate_limit: {unit: second, requests_per_unit: 1}",
+            "    lease: {min_token: 10, ttl: 1s}",
+            "  - key: b",
+            "    rate_limit: {unit: second, requests_per_unit: 1}",
+            "    lease: {min_tokens: ten, max_tokens: 2.5, lookahead: \"100\"}",
+            "  - key: c",
+            "    rate_limit: {unit: second, requests_per_unit: 1}",
+            "    lease: {min_tokens: 0, max_tokens: -3}",
+            "  - key: d",
+            "    rate_limit: {unit: second, requests_per_unit: 1}",
+            "    lease: {min_tokens: 20, max_tokens: 10}",
+            "  - key: e",
+            "    rate_limit: {unit: second, requests_per_unit: 1}",
+            "    lease: {min_tokens: 600}",
+            "  - key: f",
+            "    rate_limit: {unit: second, requests_per_unit: 1}",
+            "    lease: {max_tokens: 3}",
+            "  - key: g",
+            "    rate_limit: {unit: second, requests_per_unit: 1}",
+            "    lease: {max_tokens: 1000001}",
+            "  - key: h",
+            "    rate_limit: {unit: second, requests_per_unit: 1}",
+            "    lease: {lookahead: 0ms}",
+            "  - key: i",
+            "    rate_limit: {unit: second, requests_per_unit: 1}",
+            "    lease: {lookahead: 501ms}",
+            "  - key: j",
+            "    rate_limit: {unit: second, requests_per_unit: 1}",
+            "    lease: {lookahead: 1s}",
+            "  - key: k",
+            "    rate_limit: {unit: second, requests_per_unit: 1}",
+            "    lease: 100",
+        ]),
+        [
+            "p.yaml:5:13: unknown key `min_token` in `lease`; expected one of: min_tokens, max_tokens, lookahead",
+            "p.yaml:5:28: unknown key `ttl` in `lease`; expected one of: min_tokens, max_tokens, lookahead",
+            "p.yaml:8:25: `min_tokens` must be a whole number, found `ten`",
+            "p.yaml:8:42: `max_tokens` must be a whole number, found `2.5`",
+            "p.yaml:8:58: invalid lookahead `100`: expected a whole number and one of ms, s, m, h, d (e.g. `250ms`)",
+            "p.yaml:11:25: `min_tokens` must be at least 1",
+            "p.yaml:11:40: `max_tokens` must not be negative, found `-3`",
+            "p.yaml:14:25: `min_tokens` (20) must be at most `max_tokens` (10)",
+            "p.yaml:17:25: `min_tokens` (600) must be at most `max_tokens` (500, the default)",
+            "p.yaml:20:25: `min_tokens` (5, the default) must be at most `max_tokens` (3)",
+            "p.yaml:23:25: `max_tokens` (1000001) must be at most 1000000",
+            "p.yaml:26:24: `lookahead` must be at least 1ms",
+            "p.yaml:29:24: `lookahead` of 501 ms would need a lease TTL of 1002 ms (2 x lookahead), \
+             so it can be at most 500ms: lease_ttl_ms must be above expiry_margin_ms and at most 1000",
+            "p.yaml:32:24: `lookahead` of 1000 ms would need a lease TTL of 2000 ms (2 x lookahead), \
+             so it can be at most 500ms: lease_ttl_ms must be above expiry_margin_ms and at most 1000",
+            "p.yaml:35:12: `lease` must be a mapping, found `100`",
+        ]
+    );
+}
+
+#[test]
+fn error_lease_without_a_limit() {
+    // `lease` needs tokens to lease: it is refused on a descriptor without a limit (children
+    // do not inherit it) and on an `unlimited` rule, as `failure_mode` is without a limit.
+    assert_eq!(
+        errors(&[
+            "domain: rl",
+            "descriptors:",
+            "  - key: a",
+            "    lease: {min_tokens: 10}",
+            "    descriptors:",
+            "      - {key: b, rate_limit: {unit: second, requests_per_unit: 1}}",
+            "  - key: c",
+            "    rate_limit: {unlimited: true}",
+            "    lease: {max_tokens: 100}",
+            "  - key: d",
+            "    lease: {min_tokens: 0}",
+        ]),
+        [
+            "p.yaml:4:5: `lease` has no effect on a descriptor without `rate_limit` \
+             (nested descriptors do not inherit it)",
+            "p.yaml:9:5: `lease` has no effect on an `unlimited` rule: it never leases tokens",
+            "p.yaml:11:5: `lease` has no effect on a descriptor without `rate_limit` \
+             (nested descriptors do not inherit it)",
+            "p.yaml:11:25: `min_tokens` must be at least 1",
+        ]
+    );
+}
+
+#[test]
 fn error_unknown_keys() {
     // An unknown key is an error at every level, listing the keys that are known.
     assert_eq!(
@@ -785,9 +930,9 @@ fn error_unknown_keys() {
             "p.yaml:1:1: unknown key `domian` in the file; expected one of: domain, descriptors",
             "p.yaml:1:1: missing required key `domain`",
             "p.yaml:4:5: unknown key `rate_limt` in a descriptor; expected one of: key, value, rate_limit, \
-             rate_limits, shadow_mode, detailed_metric, value_to_metric, share_threshold, failure_mode, descriptors",
+             rate_limits, shadow_mode, detailed_metric, value_to_metric, share_threshold, failure_mode, lease, descriptors",
             "p.yaml:5:5: unknown key `quota_mode` in a descriptor; expected one of: key, value, rate_limit, \
-             rate_limits, shadow_mode, detailed_metric, value_to_metric, share_threshold, failure_mode, descriptors",
+             rate_limits, shadow_mode, detailed_metric, value_to_metric, share_threshold, failure_mode, lease, descriptors",
             "p.yaml:6:5: a rate limit needs `requests_per_unit`",
             "p.yaml:8:7: unknown key `request_per_unit` in `rate_limit`; expected one of: unit, requests_per_unit, \
              unlimited, name, replaces, algorithm, burst, window",
@@ -1025,7 +1170,7 @@ fn all_errors_of_all_files_are_reported() {
             "bad.yaml:6:18: `shadow_mode` must be true or false, found `maybe`",
             "worse.yaml:1:9: domain `good` is already defined at good.yaml:1:9 (one file per domain)",
             "worse.yaml:3:5: unknown key `valeu` in a descriptor; expected one of: key, value, rate_limit, \
-         rate_limits, shadow_mode, detailed_metric, value_to_metric, share_threshold, failure_mode, descriptors",
+         rate_limits, shadow_mode, detailed_metric, value_to_metric, share_threshold, failure_mode, lease, descriptors",
             "worse.yaml:3:5: descriptor is missing required key `key`",
             "broken.yaml:1:9: invalid YAML: unclosed bracket '['",
         ]
@@ -1074,4 +1219,39 @@ fn digest_is_a_fixed_function_of_content() {
         };
     assert_eq!(relaid.digest(), reordered.digest());
     assert_ne!(relaid.digest(), set.digest(), "an added domain changes the digest");
+}
+
+#[test]
+fn digest_sees_the_lease_block() {
+    // A lease block that changes the tuning changes the digest, each number on its own; one
+    // that spells out the defaults leases alike and digests as no block at all, which is
+    // also the digest policies had before `lease` existed (the constant above).
+    let with_lease = |lease: &str| {
+        let mut lines = vec![
+            "domain: rl",
+            "descriptors:",
+            "  - key: api_key",
+            "    rate_limit: {unit: second, requests_per_unit: 10, burst: 20}",
+        ];
+        let line = format!("    lease: {lease}");
+        if !lease.is_empty() {
+            lines.push(&line);
+        }
+        parse(&lines).digest()
+    };
+    let absent = with_lease("");
+    assert_eq!(absent, 0x8089_c20b_5034_3802);
+    assert_eq!(with_lease("{min_tokens: 5, max_tokens: 500, lookahead: 250ms}"), absent);
+    let changed = [
+        with_lease("{min_tokens: 6}"),
+        with_lease("{max_tokens: 499}"),
+        with_lease("{lookahead: 249ms}"),
+        with_lease("{min_tokens: 10, max_tokens: 1000, lookahead: 250ms}"),
+    ];
+    for (index, digest) in changed.iter().enumerate() {
+        assert_ne!(*digest, absent, "block {index}");
+        for other in &changed[index + 1..] {
+            assert_ne!(digest, other);
+        }
+    }
 }
