@@ -8,7 +8,6 @@
 
 use std::time::Duration;
 
-use quotamesh::actors::shard::{LedgerName, Probe};
 use quotamesh::core::lease::LeaseTuning;
 use quotamesh::core::policy::FailureMode;
 use quotamesh::core::rate::{Algorithm, LimitSpec};
@@ -53,20 +52,15 @@ fn main() -> anyhow::Result<()> {
         let before = resident_bytes()?;
         for index in 0..KEYS {
             let value = index.to_string();
-            let hash = shards.hash_descriptor("bench", [("api_key", value.as_str())].into_iter());
-            let probe = [Probe {
-                stripe: shards.stripe_of(&hash),
-                counters: smallvec::smallvec![(shards.counter_of(&hash, 0, &spec), &spec)],
-                hits: 1,
-                enforced: true,
-                lease: &lease,
-                failure_mode: FailureMode::Open,
-                rule: None,
-                name: LedgerName {
-                    domain: "bench",
-                    entries: smallvec::smallvec![("api_key", value.as_str())],
-                },
-            }];
+            let probe = support::probe(
+                &shards,
+                "bench",
+                ("api_key", value.as_str()),
+                &spec,
+                &lease,
+                FailureMode::Open,
+                1,
+            );
             shards.decide(&probe, now_ms).await?;
         }
         let after = resident_bytes()?;

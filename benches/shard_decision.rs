@@ -65,7 +65,7 @@ async fn measure<F: AsyncFnMut()>(name: &str, mut call: F) -> f64 {
         }
         samples_ns.push(started.elapsed().as_nanos() as f64 / BATCH as f64);
     }
-    percentiles(name, samples_ns);
+    percentiles(name, samples_ns)
 }
 
 fn main() -> anyhow::Result<()> {
