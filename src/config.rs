@@ -14,9 +14,10 @@
 //! raft_addr = "0.0.0.0:8084"       # Raft peer gRPC (listen)
 //! admin_addr = "0.0.0.0:8083"      # admin gRPC: `quotamesh cluster ...`
 //! billing_addr = "0.0.0.0:8082"    # the billing-debit gRPC API
+//! role = "voter"                   # or "gateway": leases only, not a member of the groups
 //!
-//! [[peers]]                        # the region's voters for `cluster init`; none = single node
-//! id = 1
+//! [[peers]]                        # the region's voters (for `cluster init`; a gateway's
+//! id = 1                           # way to the leader); none = single node
 //! raft_addr = "10.0.0.1:8084"      # as the other nodes reach it
 //!
 //! [quota_group]                    # Raft timings and log compaction of the quota group
@@ -63,6 +64,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
 
 use serde::Deserialize;
 
@@ -142,9 +144,12 @@ pub struct NodeConfig {
     pub raft_addr: SocketAddr,
     /// Admin gRPC listen address (`quotamesh cluster ...`).
     pub admin_addr: SocketAddr,
-    /// The region's voters as `cluster init` forms the group, this node included, with the
-    /// Raft address the other nodes reach each at. Empty: a single-node region that forms its
-    /// own quota group on first start (the embedded default).
+    /// A voter of the region's Raft groups, or a gateway that only leases.
+    pub role: Role,
+    /// The region's voters with the Raft address the other nodes reach each at. For a voter,
+    /// the members `cluster init` forms the group from, this node included; empty: a
+    /// single-node region that forms its own quota group on first start (the embedded
+    /// default). For a gateway, the voters its writes go to (never itself; at least one).
     pub peers: Vec<PeerConfig>,
     /// Raft timings and log compaction of the quota group.
     pub quota_group: RaftGroupConfig,
@@ -222,6 +227,50 @@ impl LeasingConfig {
     pub fn fallback_multiplier_permille(&self) -> u64 {
         // In 1..=100_000 after validation, so the cast neither truncates nor wraps.
         (self.fallback_multiplier * 1000.0).round() as u64
+    }
+}
+
+/// What a node is in its region's Raft groups (`role` in the file).
+///
+/// A gateway is not a member of any group: it keeps no replica of the ledger, never votes
+/// and never forms a group; it serves RLS from its leases, which it asks the quota group's
+/// leader for through the configured voters (`peers`). The billing group has voters only.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// A member of the region's quota and billing groups (the default).
+    #[default]
+    Voter,
+    /// A lease-only node outside the groups, writing through the voters.
+    Gateway,
+}
+
+impl Role {
+    /// The name used in the file, flags and the admin status.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Voter => "voter",
+            Self::Gateway => "gateway",
+        }
+    }
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Role {
+    type Err = String;
+
+    /// Parses the flag and variable form: `voter` or `gateway`.
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text.trim() {
+            "voter" => Ok(Self::Voter),
+            "gateway" => Ok(Self::Gateway),
+            other => Err(format!("unknown role {other:?}: expected \"voter\" or \"gateway\"")),
+        }
     }
 }
 
@@ -395,6 +444,7 @@ impl Default for NodeConfig {
             cluster_id: CLUSTER_ID_DEFAULT.to_owned(),
             raft_addr: RAFT_ADDR_DEFAULT.parse().expect("constant address parses"),
             admin_addr: ADMIN_ADDR_DEFAULT.parse().expect("constant address parses"),
+            role: Role::Voter,
             peers: Vec::new(),
             quota_group: RaftGroupConfig::default(),
             leasing: LeasingConfig::default(),
@@ -541,13 +591,7 @@ impl NodeConfig {
                 return invalid(format!("peers: node {}: raft_addr {reason}", peer.id));
             }
         }
-        if !self.peers.is_empty() && !ids.contains(&self.raft_node_id) {
-            return invalid(format!(
-                "peers must list this node (raft_node_id {}) with the address the others reach \
-                 it at; leave peers empty for a single-node region",
-                self.raft_node_id
-            ));
-        }
+        self.validate_role(&ids)?;
         let group = &self.quota_group;
         if !(10..=10_000).contains(&group.heartbeat_interval_ms) {
             return invalid(
@@ -577,9 +621,54 @@ impl NodeConfig {
         Ok(())
     }
 
+    /// Checks `role` against `peers` (whose ids are `ids`): a voter lists itself (or no
+    /// peers at all), a gateway lists the voters and never itself.
+    fn validate_role(&self, ids: &std::collections::BTreeSet<NodeId>) -> Result<(), ConfigError> {
+        let invalid = |message: String| Err(ConfigError::Invalid(message));
+        let this = self.raft_node_id;
+        match self.role {
+            Role::Voter if !ids.is_empty() && !ids.contains(&this) => invalid(format!(
+                "peers must list this node (raft_node_id {this}) with the address the others \
+                 reach it at; leave peers empty for a single-node region, or set \
+                 role = \"gateway\" for a node that only leases"
+            )),
+            Role::Voter => Ok(()),
+            Role::Gateway if ids.is_empty() => invalid(
+                "role = \"gateway\" needs peers: list the region's voters ([[peers]], \
+                 QUOTAMESH_PEERS or --peers), through which the gateway reaches the quota \
+                 group's leader"
+                    .to_owned(),
+            ),
+            Role::Gateway if ids.contains(&this) => invalid(format!(
+                "a gateway is not a voter: peers must list only the region's voters, not this \
+                 node (raft_node_id {this}); give the gateway a raft_node_id of its own, or set \
+                 role = \"voter\""
+            )),
+            Role::Gateway if self.billing.bootstrap => invalid(
+                "billing.bootstrap is set on a gateway: the billing group has voters only; set \
+                 it on one voter"
+                    .to_owned(),
+            ),
+            Role::Gateway => Ok(()),
+        }
+    }
+
+    /// Whether this node is a gateway: it only leases, through the voters in `peers`.
+    pub fn is_gateway(&self) -> bool {
+        self.role == Role::Gateway
+    }
+
+    /// How many voters the configuration names: `peers`, or this node alone in a
+    /// single-node region. The group's membership may have changed since (`cluster
+    /// add-node`, `remove-node`); `RaftGroup::voter_count` gives the live figure.
+    pub fn voter_count(&self) -> usize {
+        self.peers.len().max(1)
+    }
+
     /// The Raft address the other nodes reach this one at: its own `[[peers]]` entry, or for
-    /// a single-node region `raft_addr` with an unspecified IP (`0.0.0.0`, `::`) read as
-    /// loopback, which is where a single node is reached from.
+    /// a single-node region (and a gateway, which is not among its peers) `raft_addr` with an
+    /// unspecified IP (`0.0.0.0`, `::`) read as loopback, which is where a single node is
+    /// reached from.
     pub fn raft_advertise_addr(&self) -> String {
         if let Some(peer) = self.peers.iter().find(|peer| peer.id == self.raft_node_id) {
             return peer.raft_addr.clone();
@@ -632,6 +721,14 @@ pub fn check_peer_addr(address: &str) -> Result<(), String> {
             && port.parse::<u16>().is_ok_and(|port| port > 0)
     });
     if valid { Ok(()) } else { Err(format!("{address:?} is not host:port")) }
+}
+
+/// Parses `voter` or `gateway`, the form of the role in flags and `QUOTAMESH_ROLE`.
+///
+/// # Errors
+/// A message naming the accepted values.
+pub fn parse_role(text: &str) -> Result<Role, String> {
+    text.parse()
 }
 
 /// Parses `ID=HOST:PORT`, the form of one peer in flags and `QUOTAMESH_PEERS`.
@@ -756,6 +853,73 @@ mod tests {
         }
     }
 
+    /// A gateway lists the region's voters, not itself; it parses, validates, and counts
+    /// the voters it was given.
+    #[test]
+    fn gateway_lists_the_voters() {
+        let config = NodeConfig::from_toml(
+            "role = \"gateway\"\nraft_node_id = 4\n\
+             [[peers]]\nid = 1\nraft_addr = \"127.0.0.1:8084\"\n\
+             [[peers]]\nid = 2\nraft_addr = \"127.0.0.2:8084\"\n\
+             [[peers]]\nid = 3\nraft_addr = \"127.0.0.3:8084\"",
+        )
+        .expect("parses");
+        assert!(config.validate().is_ok(), "{:?}", config.validate());
+        assert_eq!(config.role, Role::Gateway);
+        assert!(config.is_gateway());
+        assert_eq!(config.voter_count(), 3);
+        assert_eq!(config.raft_advertise_addr(), "127.0.0.1:8084", "raft_addr, loopback");
+        assert!(!NodeConfig::default().is_gateway(), "a voter by default");
+        assert_eq!(NodeConfig::default().voter_count(), 1, "a single-node region");
+    }
+
+    /// A gateway listing itself, a gateway without peers, and a gateway asked to bootstrap
+    /// the billing group are refused, each with a message that says what to change.
+    #[test]
+    fn bad_gateways_are_refused() {
+        let voters =
+            "[[peers]]\nid = 1\nraft_addr = \"a:1\"\n[[peers]]\nid = 2\nraft_addr = \"b:1\"\n";
+        for (text, expected) in [
+            (
+                format!("role = \"gateway\"\nraft_node_id = 2\n{voters}"),
+                "a gateway is not a voter: peers must list only the region's voters, not this \
+                 node (raft_node_id 2)",
+            ),
+            ("role = \"gateway\"\nraft_node_id = 4".to_owned(), "role = \"gateway\" needs peers"),
+            (
+                format!(
+                    "role = \"gateway\"\nraft_node_id = 4\n{voters}[billing]\nbootstrap = true"
+                ),
+                "the billing group has voters only",
+            ),
+        ] {
+            let config = NodeConfig::from_toml(&text).expect("parses");
+            let error = config.validate().expect_err(&text).to_string();
+            assert!(error.contains(expected), "{text}: {error}");
+        }
+        let voter_without_itself = format!("raft_node_id = 4\n{voters}");
+        let error = NodeConfig::from_toml(&voter_without_itself)
+            .expect("parses")
+            .validate()
+            .expect_err("a voter must list itself")
+            .to_string();
+        assert!(error.contains("role = \"gateway\""), "points at the gateway role: {error}");
+    }
+
+    /// An unknown role is refused when parsed, naming the value and the accepted ones, in the
+    /// file and in the flag and variable form alike.
+    #[test]
+    fn unknown_role_is_refused() {
+        let message = NodeConfig::from_toml("role = \"observer\"").expect_err("unknown role");
+        assert!(message.contains("observer"), "{message}");
+        assert!(message.contains("voter") && message.contains("gateway"), "{message}");
+        assert!(NodeConfig::from_toml("role = \"Gateway\"").is_err(), "names are lowercase");
+        assert_eq!(parse_role("gateway"), Ok(Role::Gateway));
+        assert_eq!(parse_role("voter"), Ok(Role::Voter));
+        let message = parse_role("learner").expect_err("unknown role");
+        assert!(message.contains("\"learner\"") && message.contains("\"gateway\""), "{message}");
+    }
+
     /// The flag and variable form of a peer.
     #[test]
     fn peer_flag_form_parses() {
@@ -781,5 +945,27 @@ mod tests {
             assert_eq!(config.peers.len(), 3);
             assert_eq!(config.raft_advertise_addr(), config.raft_addr.to_string());
         }
+    }
+
+    /// The shipped gateway example is a valid gateway of the shipped 3-node region: the
+    /// same cluster, the same voters, an id and loopback address of its own.
+    #[test]
+    fn shipped_gateway_example_is_valid() {
+        let gateway = NodeConfig::from_toml(include_str!("../cluster/region-a/gateway-4.toml"))
+            .expect("parses");
+        assert!(gateway.validate().is_ok(), "{:?}", gateway.validate());
+        assert!(gateway.is_gateway());
+        let voter =
+            NodeConfig::from_toml(include_str!("../cluster/region-a/node-1.toml")).expect("parses");
+        assert_eq!(gateway.cluster_id, voter.cluster_id);
+        assert_eq!(gateway.peers, voter.peers);
+        assert_eq!(gateway.raft_node_id, NodeId(4));
+        assert_eq!(gateway.raft_advertise_addr(), "127.0.0.4:8084");
+        for address in
+            [gateway.rls_addr, gateway.metrics_addr, gateway.admin_addr, gateway.raft_addr]
+        {
+            assert_eq!(address.ip().to_string(), "127.0.0.4");
+        }
+        assert_ne!(gateway.data_dir, voter.data_dir);
     }
 }

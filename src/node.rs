@@ -9,6 +9,9 @@
 //!           groups, then the Raft peer listener ─▶ unlock
 //! ```
 //!
+//! A gateway (`role = "gateway"`) starts the same way without the billing part: the billing
+//! group has voters only, so a gateway neither opens it nor binds `billing_addr`.
+//!
 //! The Raft groups are `crate::raft_host`'s; the admin API over them is `crate::api::admin`.
 
 use std::net::SocketAddr;
@@ -91,9 +94,9 @@ pub struct Node {
     rls_addr: SocketAddr,
     metrics_addr: SocketAddr,
     admin_addr: SocketAddr,
-    billing_addr: SocketAddr,
+    billing_addr: Option<SocketAddr>,
     raft: RaftHost,
-    billing: billing::BillingPart,
+    billing: Option<billing::BillingPart>,
     ready: Arc<AtomicBool>,
     stop: watch::Sender<bool>,
     servers: Vec<JoinHandle<()>>,
@@ -122,8 +125,17 @@ impl Node {
         let rls_addr = local_addr("Envoy RLS gRPC", &rls_listener, config.rls_addr)?;
         let metrics_addr = local_addr("metrics HTTP", &metrics_listener, config.metrics_addr)?;
         let admin_addr = local_addr("admin gRPC", &admin_listener, config.admin_addr)?;
-        let billing_listener = bind("billing gRPC", config.billing_addr).await?;
-        let billing_addr = local_addr("billing gRPC", &billing_listener, config.billing_addr)?;
+        let billing_listener = if config.is_gateway() {
+            tracing::info!(
+                "gateway: not serving the billing API (the billing group has voters only)"
+            );
+            None
+        } else {
+            let listener = bind("billing gRPC", config.billing_addr).await?;
+            let address = local_addr("billing gRPC", &listener, config.billing_addr)?;
+            Some((listener, address))
+        };
+        let billing_addr = billing_listener.as_ref().map(|(_, address)| *address);
 
         let raft = RaftHost::start(&config).await?;
         let (broker, shards) = match start_leasing(&config, &raft, &metrics, &policy).await {
@@ -143,6 +155,7 @@ impl Node {
             AdminNode {
                 name: config.node_id.clone(),
                 raft_node_id: raft.node_id(),
+                role: raft.role(),
                 cluster_id: raft.cluster_id().to_owned(),
                 advertise_addr: raft.advertise_addr().to_owned(),
                 peers: raft.peers().clone(),
@@ -169,22 +182,25 @@ impl Node {
             })
         };
         // The billing group shares the node's Raft peer service and channels.
-        let billing = match billing::start(
-            &config,
-            raft.advertise_addr(),
-            raft.peer_service(),
-            raft.channels().clone(),
-            billing_listener,
-            until_stopped(stopped.clone()),
-        )
-        .await
-        {
-            Ok(billing) => billing,
-            Err(error) => {
-                let _ = stop.send(true);
-                raft.shutdown().await;
-                return Err(error);
-            }
+        let billing = match billing_listener {
+            None => None,
+            Some((listener, _)) => match billing::start(
+                &config,
+                raft.advertise_addr(),
+                raft.peer_service(),
+                raft.channels().clone(),
+                listener,
+                until_stopped(stopped.clone()),
+            )
+            .await
+            {
+                Ok(billing) => Some(billing),
+                Err(error) => {
+                    let _ = stop.send(true);
+                    raft.shutdown().await;
+                    return Err(error);
+                }
+            },
         };
         let http = {
             let (metrics, ready, shutdown) =
@@ -201,14 +217,16 @@ impl Node {
             Ok(watcher) => watcher,
             Err(error) => {
                 let _ = stop.send(true);
-                billing.shutdown(SHUTDOWN_DRAIN_TIMEOUT).await;
+                if let Some(billing) = billing {
+                    billing.shutdown(SHUTDOWN_DRAIN_TIMEOUT).await;
+                }
                 raft.shutdown().await;
                 return Err(NodeError::Setup { what: "policy watch", reason: error.to_string() });
             }
         };
 
         ready.store(true, Ordering::Release);
-        tracing::info!(%rls_addr, %metrics_addr, %admin_addr, %billing_addr, raft_addr = %raft.raft_addr(), node_id = %config.node_id, region = %config.region, "quotamesh node ready");
+        tracing::info!(%rls_addr, %metrics_addr, %admin_addr, ?billing_addr, raft_addr = %raft.raft_addr(), node_id = %config.node_id, region = %config.region, role = %config.role, "quotamesh node ready");
         Ok(Self {
             rls_addr,
             metrics_addr,
@@ -247,8 +265,8 @@ impl Node {
         &self.raft
     }
 
-    /// The bound billing gRPC address.
-    pub fn billing_addr(&self) -> SocketAddr {
+    /// The bound billing gRPC address; `None` on a gateway, which serves no billing API.
+    pub fn billing_addr(&self) -> Option<SocketAddr> {
         self.billing_addr
     }
 
@@ -272,7 +290,9 @@ impl Node {
                 let _ = server.await;
             }
         }
-        self.billing.shutdown(SHUTDOWN_DRAIN_TIMEOUT).await;
+        if let Some(billing) = self.billing {
+            billing.shutdown(SHUTDOWN_DRAIN_TIMEOUT).await;
+        }
         let _ = self.watcher.await;
         match Arc::try_unwrap(self.shards) {
             Ok(shards) => shards.shutdown().await,

@@ -2,10 +2,20 @@
 //! (the quota group; the billing group joins it), and the Raft peer listener they share.
 //!
 //! ```text
-//! start:    claim data_dir (identity.json) ─▶ open <data_dir>/quota ─▶ register with the
-//!           RaftPeer service ─▶ listen on raft_addr ─▶ single-node region? form the group
+//! start:    claim data_dir (identity.json) ─▶ open <data_dir>/quota (seeds: the voters)
+//!           ─▶ register with the RaftPeer service ─▶ listen on raft_addr
+//!           ─▶ single-node region (a voter without peers)? form the group
 //! shutdown: stop every group (storage released) ─▶ stop the RaftPeer listener
 //! ```
+//!
+//! A gateway (`role = "gateway"`) runs the same quota group handle, opened on its own
+//! storage and never initialized: it is no member, so it holds no replica, never votes, and
+//! its metrics never name a leader; the handle is its write path only, reaching the leader
+//! through its seeds, the configured voters (`crate::ledger::group`). A storage-less client
+//! handle would need a second type behind every user of the group (admin, lease broker) for
+//! the sake of a few empty files; with the same handle a gateway also stays one membership
+//! change (`cluster add-node --learner-only`) away from being a learner with a local
+//! replica, which its write path then uses unchanged.
 //!
 //! The groups themselves (storage, transport, writes) are `crate::ledger`'s; the admin API
 //! over them is `crate::api::admin`'s; `crate::node` starts and stops this with the rest.
@@ -17,7 +27,7 @@ use std::path::Path;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::config::NodeConfig;
+use crate::config::{NodeConfig, Role};
 use crate::identity::{Claim, IdentityError, NodeIdentity};
 use crate::ledger::service::RegisterError;
 use crate::ledger::{
@@ -73,6 +83,7 @@ impl RaftHostError {
 /// The Raft groups of a running node and their shared transport.
 pub struct RaftHost {
     node_id: NodeId,
+    role: Role,
     cluster_id: String,
     raft_addr: SocketAddr,
     advertise_addr: String,
@@ -85,9 +96,10 @@ pub struct RaftHost {
 }
 
 impl RaftHost {
-    /// Claims the data directory, opens the quota group in `<data_dir>/quota`, serves the
-    /// Raft peer service on `raft_addr`, and forms a single-node group when no peers are
-    /// configured and the group was never formed.
+    /// Claims the data directory, opens the quota group in `<data_dir>/quota` with the
+    /// configured voters as its seeds, serves the Raft peer service on `raft_addr`, and forms
+    /// a single-node group when a voter has no peers configured and the group was never
+    /// formed. A gateway never forms a group.
     ///
     /// # Errors
     /// [`RaftHostError`] naming the step that failed; nothing is left running.
@@ -131,7 +143,7 @@ impl RaftHost {
             .local_addr()
             .map_err(|source| RaftHostError::Bind { address: config.raft_addr, source })?;
         let advertise_addr = config.raft_advertise_addr();
-        if config.peers.is_empty() {
+        if config.role == Role::Voter && config.peers.is_empty() {
             // A single-node region: the group must exist for the node to serve, and with no
             // peers nobody else can form it. Only a group that never had a membership is
             // formed, so this never re-initializes (crate::identity refuses a lost one).
@@ -166,9 +178,10 @@ impl RaftHost {
             .iter()
             .map(|peer| (peer.id, BasicNode::new(peer.raft_addr.clone())))
             .collect();
-        tracing::info!(%raft_addr, advertise = %advertise_addr, node = %config.raft_node_id, cluster = %config.cluster_id, "Raft peer service listening");
+        tracing::info!(%raft_addr, advertise = %advertise_addr, node = %config.raft_node_id, cluster = %config.cluster_id, role = %config.role, "Raft peer service listening");
         Ok(Self {
             node_id: config.raft_node_id,
+            role: config.role,
             cluster_id: config.cluster_id.clone(),
             raft_addr,
             advertise_addr,
@@ -186,6 +199,11 @@ impl RaftHost {
         self.node_id
     }
 
+    /// Whether this node is a voter of the region's groups or a gateway outside them.
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
     /// The cluster this node belongs to.
     pub fn cluster_id(&self) -> &str {
         &self.cluster_id
@@ -201,7 +219,8 @@ impl RaftHost {
         &self.advertise_addr
     }
 
-    /// The configured voters, as `cluster init` forms the group from them.
+    /// The configured voters: on a voter, the members `cluster init` forms the group from;
+    /// on a gateway, the seeds its writes go through.
     pub fn peers(&self) -> &BTreeMap<NodeId, BasicNode> {
         &self.peers
     }
@@ -249,5 +268,9 @@ fn quota_settings(config: &NodeConfig, data_dir: &Path) -> GroupSettings {
     settings.election_timeout_max_ms = group.election_timeout_max_ms;
     settings.snapshot_every_logs = group.snapshot_every_logs;
     settings.logs_kept_after_snapshot = group.logs_kept_after_snapshot;
+    // A gateway reaches the leader through the voters; a voter uses them only while it is
+    // not a member yet (the group drops this node's own entry).
+    settings.seeds =
+        config.peers.iter().map(|peer| (peer.id, BasicNode::new(peer.raft_addr.clone()))).collect();
     settings
 }

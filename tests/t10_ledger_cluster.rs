@@ -246,3 +246,60 @@ async fn a_follower_behind_a_compacted_log_catches_up_from_a_snapshot() -> Resul
     }
     Ok(())
 }
+
+// Proves a node outside the group (a gateway: never initialized, no member) writes through
+// its seeds: a seed that refuses connections is skipped, a follower seed names the leader,
+// the leader it reached is cached, and once that leader is gone its next write finds the new
+// one by itself. Every write commits once, in the members' ledger.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_outside_the_group_writes_through_its_seeds() -> Result<()> {
+    let root = tempfile::tempdir()?;
+    let mut nodes = start_cluster(root.path(), 10_000).await?;
+    let leader = agreed_leader(&nodes).await?;
+
+    // Seeds: the three members and a port nobody listens on.
+    let closed = TcpListener::bind("127.0.0.1:0").await?.local_addr()?.to_string();
+    let mut seeds: BTreeMap<NodeId, BasicNode> =
+        nodes.iter().map(|node| (node.id, BasicNode::new(node.address.clone()))).collect();
+    seeds.insert(NodeId(9), BasicNode::new(closed));
+    // Seed order is by id (1, 2, 3, 9) and a node starts at its id modulo the count: node 7
+    // looks at the closed seed first.
+    let gateway_id = NodeId(7);
+    let mut gateway_settings = settings(gateway_id, &root.path().join("gateway"), 10_000);
+    gateway_settings.seeds = seeds;
+    let gateway = RaftGroup::<QuotaGroup>::open(&gateway_settings, PeerChannels::new()).await?;
+    assert!(!gateway.is_member());
+    assert_eq!(gateway.voter_count(), 4, "a non-member counts its seeds");
+    assert_eq!(gateway.cached_leader(), None);
+
+    // The first write skips the closed seed; the later ones go straight to the cached leader.
+    for round in 0..6 {
+        let now_ms = 1_000 + u64::try_from(round)?;
+        let response =
+            gateway.write(lease_batch(now_ms, gateway_id, 4, round), WRITE_TIMEOUT).await?;
+        assert_eq!(granted(&response)?, vec![10 + u64::try_from(round)?; 4]);
+        assert_eq!(gateway.cached_leader(), Some(leader));
+    }
+    assert_eq!(gateway.leader(), None, "the gateway's own metrics name no leader");
+    let applied = highest_applied(&nodes)?;
+    digests_at(&nodes, applied).await?;
+    for node in &nodes {
+        let outstanding = node.group.read(|ledger| ledger.outstanding_tokens(gateway_id));
+        assert_eq!(outstanding, (10..16).sum::<u64>() * 4, "node {} counts the leases", node.id);
+    }
+
+    // The cached leader goes away; the next write finds the new one through the seeds.
+    let old = nodes.iter().position(|node| node.id == leader).context("leader")?;
+    nodes.remove(old).stop().await?;
+    let response = gateway.write(lease_batch(2_000, gateway_id, 4, 6), WRITE_TIMEOUT).await?;
+    assert_eq!(granted(&response)?, vec![16; 4]);
+    let new_leader = agreed_leader(&nodes).await?;
+    assert_ne!(new_leader, leader);
+    assert_eq!(gateway.cached_leader(), Some(new_leader));
+
+    gateway.shutdown().await?;
+    for node in nodes {
+        node.stop().await?;
+    }
+    Ok(())
+}

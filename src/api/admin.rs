@@ -9,6 +9,11 @@
 //!                                  policy (ArcSwap)
 //! ```
 //!
+//! On a gateway (`role = "gateway"`, no member of the group) the membership calls and
+//! `ReadKeys` are refused (it has no membership to change and no replica to read), `Status`
+//! reports the role, the leader its writes last reached and the voters it writes through,
+//! and `AcquireLeases` works as anywhere: the group sends the command to the leader.
+//!
 //! Every call is bounded by the caller's gRPC deadline, capped at [`ADMIN_DEADLINE_MAX`]
 //! (default [`ADMIN_DEADLINE_DEFAULT`]). Bad input is refused before anything is proposed, so
 //! it changes nothing, not even ledger time. Errors become statuses in `crate::api::status`.
@@ -22,6 +27,7 @@ use tonic::{Request, Response, Status};
 
 use crate::api::proto::quotamesh::admin::v1 as proto;
 use crate::api::proto::quotamesh::admin::v1::admin_server::{Admin, AdminServer};
+use crate::config::Role;
 use crate::core::ledger::{
     KEY_BYTES_MAX, KEY_PREFIX, LEASE_REQUESTS_PER_COMMAND_MAX, LEASE_TOKENS_MAX, LEASE_TTL_MS_MAX,
     LeaseRequest, QuotaCommand, QuotaLedger, QuotaResponse, check_lease_request,
@@ -57,11 +63,13 @@ pub struct AdminNode {
     pub name: String,
     /// Its Raft id; leases granted through it are held by it.
     pub raft_node_id: NodeId,
+    /// A voter of the group, or a gateway outside it.
+    pub role: Role,
     /// Its cluster.
     pub cluster_id: String,
     /// The Raft address the other nodes reach it at.
     pub advertise_addr: String,
-    /// The configured voters `Init` forms the group from.
+    /// The configured voters: the members `Init` forms the group from, or a gateway's seeds.
     pub peers: BTreeMap<NodeId, BasicNode>,
 }
 
@@ -122,6 +130,18 @@ impl AdminService {
                 voter: voters.contains(id),
             })
             .collect()
+    }
+
+    /// Refuses a call that needs a member of the group (a replica, a membership) on a gateway.
+    fn refuse_on_gateway(&self, what: &str) -> Result<(), Status> {
+        if self.node.role != Role::Gateway {
+            return Ok(());
+        }
+        Err(Status::failed_precondition(format!(
+            "node {} is a gateway: it is no member of the quota group and holds no replica of \
+             its ledger, so it cannot {what}; send it to a voter's admin address",
+            self.node.raft_node_id
+        )))
     }
 
     /// A membership error as a status, naming the leader's address when this is not it.
@@ -353,6 +373,7 @@ impl Admin for AdminService {
         request: Request<proto::InitRequest>,
     ) -> Result<Response<proto::MembershipReply>, Status> {
         let budget = work_budget(deadline(&request));
+        self.refuse_on_gateway("form the group")?;
         if self.node.peers.is_empty() {
             return Err(Status::failed_precondition(
                 "this node has no [[peers]] configured: it is a single-node region and formed \
@@ -373,6 +394,7 @@ impl Admin for AdminService {
     ) -> Result<Response<proto::MembershipReply>, Status> {
         let budget = work_budget(deadline(&request));
         let started = tokio::time::Instant::now();
+        self.refuse_on_gateway("change the membership")?;
         let request = request.into_inner();
         if request.node_id == 0 {
             return Err(Status::invalid_argument("node_id must be at least 1"));
@@ -433,6 +455,7 @@ impl Admin for AdminService {
         request: Request<proto::RemoveNodeRequest>,
     ) -> Result<Response<proto::MembershipReply>, Status> {
         let budget = work_budget(deadline(&request));
+        self.refuse_on_gateway("change the membership")?;
         let node_id = NodeId(request.into_inner().node_id);
         let (member, voters) = {
             let metrics = self.quota.metrics();
@@ -517,6 +540,20 @@ impl Admin for AdminService {
             outstanding_tokens,
             ledger_time_ms,
             millis_since_quorum_ack: metrics.millis_since_quorum_ack,
+            role: self.node.role.to_string(),
+            cached_leader_id: self.quota.cached_leader().map(|id| id.0),
+            seeds: match self.node.role {
+                Role::Voter => Vec::new(),
+                Role::Gateway => self
+                    .quota
+                    .seeds()
+                    .map(|(id, node)| proto::Member {
+                        node_id: id.0,
+                        raft_addr: node.addr.clone(),
+                        voter: true,
+                    })
+                    .collect(),
+            },
         }))
     }
 
@@ -573,6 +610,7 @@ impl Admin for AdminService {
         &self,
         request: Request<proto::ReadKeysRequest>,
     ) -> Result<Response<proto::ReadKeysReply>, Status> {
+        self.refuse_on_gateway("read ledger keys")?;
         let keys = request.into_inner().keys;
         if keys.len() > READ_KEYS_MAX {
             return Err(Status::invalid_argument(format!(

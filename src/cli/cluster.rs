@@ -54,7 +54,8 @@ pub enum ClusterCommand {
         /// Its Raft address as the other nodes reach it, `host:port`.
         #[arg(long)]
         raft_addr: String,
-        /// Keep it a learner (a non-voting gateway).
+        /// Keep it a learner (a non-voting replica). A gateway (`role = "gateway"`) needs no
+        /// add-node: it is no member.
         #[arg(long)]
         learner_only: bool,
     },
@@ -66,8 +67,8 @@ pub enum ClusterCommand {
         #[arg(long)]
         node_id: u64,
     },
-    /// Show each node's view: leader, term, commit and applied index, members, lag per
-    /// follower, ledger digest.
+    /// Show each node's view: role, leader, term, commit and applied index, members, lag per
+    /// follower, ledger digest (a gateway: the leader it last reached and its voters).
     Status {
         #[command(flatten)]
         target: Target,
@@ -219,6 +220,12 @@ async fn leader(target: &Target) -> anyhow::Result<AdminClient<Channel>> {
         .await;
         match reply {
             Ok((client, status)) if status.state == "Leader" => return Ok(client),
+            Ok((_, status)) if status.role == "gateway" => seen.push(format!(
+                "{address}: node {} is a gateway, no member of the group (last leader it \
+                 reached: {})",
+                status.node_id,
+                index(status.cached_leader_id)
+            )),
             Ok((_, status)) => seen.push(format!(
                 "{address}: node {} is {} (leader: {})",
                 status.node_id,
@@ -366,6 +373,9 @@ fn status_json(address: &str, status: &proto::StatusReply) -> serde_json::Value 
         "outstanding_tokens": outstanding,
         "ledger_time_ms": status.ledger_time_ms,
         "millis_since_quorum_ack": status.millis_since_quorum_ack,
+        "role": status.role,
+        "cached_leader_id": status.cached_leader_id,
+        "seeds": members_json(&status.seeds),
     })
 }
 
@@ -374,8 +384,28 @@ fn index(value: Option<u64>) -> String {
 }
 
 fn print_status(address: &str, status: &proto::StatusReply) {
+    // A node older than the role field answers without it: it can only be a voter.
+    let role = if status.role.is_empty() { "voter" } else { status.role.as_str() };
+    if role == "gateway" {
+        println!(
+            "node {} ({}) at {address}, cluster {}: gateway (leases only, no replica), last \
+             leader reached {}",
+            status.node_id,
+            status.node_name,
+            status.cluster_id,
+            index(status.cached_leader_id)
+        );
+        let seeds: Vec<String> = status
+            .seeds
+            .iter()
+            .map(|seed| format!("{} at {}", seed.node_id, seed.raft_addr))
+            .collect();
+        println!("  writes through the voters {}", seeds.join(", "));
+        println!();
+        return;
+    }
     println!(
-        "node {} ({}) at {address}, cluster {}: {}, leader {}, term {}",
+        "node {} ({}) at {address}, cluster {}, {role}: {}, leader {}, term {}",
         status.node_id,
         status.node_name,
         status.cluster_id,

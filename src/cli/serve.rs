@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 
-use crate::config::{NodeConfig, PeerConfig, parse_peer};
+use crate::config::{NodeConfig, PeerConfig, Role, parse_peer, parse_role};
 use crate::core::ledger::NodeId;
 use crate::node::Node;
 
@@ -49,6 +49,10 @@ pub struct ServeArgs {
     /// The region's cluster id, stored in the data directory on first start [default: local].
     #[arg(long, env = "QUOTAMESH_CLUSTER_ID")]
     pub cluster_id: Option<String>,
+    /// `voter` (a member of the region's Raft groups) or `gateway` (leases only, through
+    /// the voters in `--peers`) [default: voter].
+    #[arg(long, env = "QUOTAMESH_ROLE", value_parser = parse_role)]
+    pub role: Option<Role>,
     /// The region's voters as ID=HOST:PORT, comma-separated or repeated; replaces the file's
     /// `[[peers]]` [default: none, a single-node region].
     #[arg(long, env = "QUOTAMESH_PEERS", value_delimiter = ',', value_parser = parse_peer)]
@@ -94,6 +98,9 @@ impl ServeArgs {
         }
         if let Some(cluster_id) = &self.cluster_id {
             config.cluster_id.clone_from(cluster_id);
+        }
+        if let Some(role) = self.role {
+            config.role = role;
         }
         if !self.peers.is_empty() {
             config.peers.clone_from(&self.peers);
@@ -167,6 +174,35 @@ mod tests {
         assert_eq!(config.peers.len(), 2);
         assert!(config.validate().is_ok());
         assert_eq!(config.raft_advertise_addr(), "127.0.0.2:9001");
+        Ok(())
+    }
+
+    /// The role comes from the file unless a flag names it; a gateway given by flag with
+    /// the voters as peers validates, and an unknown role is refused by the parser.
+    #[test]
+    fn role_flag_beats_the_file() -> anyhow::Result<()> {
+        let directory = tempfile::tempdir()?;
+        let path = directory.path().join("node.toml");
+        std::fs::write(&path, "role = \"voter\"\nraft_node_id = 4\n")?;
+        let path = path.display().to_string();
+        let parsed = Wrapper::try_parse_from([
+            "serve",
+            "--config",
+            &path,
+            "--role",
+            "gateway",
+            "--peers",
+            "1=127.0.0.1:9000,2=127.0.0.2:9000,3=127.0.0.3:9000",
+        ])?;
+        let config = parsed.serve.resolve()?;
+        assert_eq!(config.role, Role::Gateway);
+        assert!(config.validate().is_ok(), "{:?}", config.validate());
+        let unflagged = Wrapper::try_parse_from(["serve", "--config", &path])?;
+        assert_eq!(unflagged.serve.resolve()?.role, Role::Voter, "the file's role");
+        let error = Wrapper::try_parse_from(["serve", "--role", "observer"])
+            .expect_err("unknown role")
+            .to_string();
+        assert!(error.contains("observer") && error.contains("gateway"), "{error}");
         Ok(())
     }
 }

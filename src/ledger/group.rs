@@ -10,17 +10,29 @@
 //!    │                                  └─ ForwardToLeader (lost leadership) ─┐
 //!    ├─ another node leads ──Forward RPC──▶ its raft.client_write ──▶ response │
 //!    │                                  └─ ForwardToLeader ───────────────────┤
-//!    └─ no leader known ── wait for the metrics to name one ◀─────────────────┘
+//!    ├─ no leader known, this node is a member ── wait for the metrics ◀──────┤
+//!    └─ no leader known, not a member (a gateway) ────────────────────────────┘
+//!         └─ cached leader, else the next seed ──Forward RPC──▶ as above
 //!  until the deadline; a call whose outcome is unknown is never repeated.
 //! ```
+//!
+//! A member (voter or learner) learns the leader from its own Raft metrics. A node outside
+//! the group (a gateway, or a voter not yet added) never does, so it is given seeds, the
+//! region's configured voters, and keeps the leader it last reached: a successful write or a
+//! `ForwardToLeader` naming a leader sets it; a node that cannot be reached, does not answer,
+//! or knows no leader clears it. A follower seed answers `ForwardToLeader` with the leader's
+//! id and address (`service.rs` runs the write there, never forwards it), so a write from a
+//! gateway takes at most two hops: a seed, then the leader it names.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use openraft::error::{ClientWriteError, InitializeError, RaftError};
 use openraft::{ChangeMembers, Config, ConfigError, Raft, RaftMetrics, SnapshotPolicy};
+use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::log_store::{LogOpenError, LogStore};
@@ -40,6 +52,8 @@ const APPEND_ENTRIES_PER_CALL_MAX: u64 = 64;
 pub const STORAGE_RELEASE_TIMEOUT: Duration = Duration::from_secs(10);
 /// File name of the Raft log inside a group's directory.
 const LOG_FILE_NAME: &str = "raft-log.redb";
+/// Most seeds a group is given: the region's voters, as the configuration bounds them.
+pub const SEEDS_MAX: usize = super::network::PEER_CHANNELS_MAX;
 
 /// How to run one group on one node. [`GroupSettings::new`] gives the defaults.
 #[derive(Debug, Clone)]
@@ -63,6 +77,10 @@ pub struct GroupSettings {
     /// Entries kept in the log behind a snapshot, so a briefly lagging follower catches up
     /// from the log rather than from a snapshot.
     pub logs_kept_after_snapshot: u64,
+    /// Where a write goes when this node is not a member and so learns no leader itself (a
+    /// gateway): the region's voters with their Raft addresses, at most [`SEEDS_MAX`]. This
+    /// node's own id is ignored. Empty (the default): such a write waits for the metrics.
+    pub seeds: BTreeMap<NodeId, BasicNode>,
 }
 
 impl GroupSettings {
@@ -78,6 +96,7 @@ impl GroupSettings {
             election_timeout_max_ms: 600,
             snapshot_every_logs: 10_000,
             logs_kept_after_snapshot: 1_000,
+            seeds: BTreeMap::new(),
         }
     }
 
@@ -103,6 +122,14 @@ pub enum OpenError {
     /// The group name is empty, too long or has characters outside `[a-z0-9_-]`.
     #[error("invalid group name {0:?}: use 1 to {GROUP_NAME_BYTES_MAX} characters of [a-z0-9_-]")]
     GroupName(String),
+    /// More than [`SEEDS_MAX`] seeds were given.
+    #[error("{count} seeds for group {group:?}; at most {SEEDS_MAX}")]
+    TooManySeeds {
+        /// The group.
+        group: String,
+        /// How many were given.
+        count: usize,
+    },
     /// The Raft timings or snapshot settings are inconsistent.
     #[error("invalid Raft settings for group {group:?}: {source}")]
     Settings {
@@ -244,6 +271,64 @@ pub struct RaftGroup<C: GroupConfig> {
     view: MachineView<C::Machine>,
     channels: PeerChannels,
     storage: StorageLiveness,
+    route: Arc<LeaderRoute>,
+}
+
+/// How a node outside the group finds the leader: its seeds and the leader it last reached.
+/// Shared by every clone of a [`RaftGroup`].
+struct LeaderRoute {
+    /// This node, which is never cached: it knows whether it leads from its own metrics.
+    node_id: NodeId,
+    /// The seeds, without this node, in id order.
+    seeds: Vec<(NodeId, BasicNode)>,
+    /// The seed the next look for a leader starts at (modulo the count).
+    next_seed: AtomicUsize,
+    /// The leader last reached or named by a `ForwardToLeader`.
+    cached: Mutex<Option<(NodeId, BasicNode)>>,
+}
+
+impl LeaderRoute {
+    fn new(node_id: NodeId, seeds: &BTreeMap<NodeId, BasicNode>) -> Self {
+        let seeds: Vec<(NodeId, BasicNode)> = seeds
+            .iter()
+            .filter(|(id, _)| **id != node_id)
+            .map(|(id, node)| (*id, node.clone()))
+            .collect();
+        // Nodes start at different seeds, so gateways spread their first looks.
+        let start = usize::try_from(node_id.0).unwrap_or(0);
+        Self { node_id, seeds, next_seed: AtomicUsize::new(start), cached: Mutex::new(None) }
+    }
+
+    fn cached(&self) -> Option<(NodeId, BasicNode)> {
+        self.cached.lock().clone()
+    }
+
+    fn remember(&self, leader: NodeId, node: BasicNode) {
+        if leader != self.node_id {
+            *self.cached.lock() = Some((leader, node));
+        }
+    }
+
+    /// Clears the cache if it names `node_id`: that node is not (or no longer) the leader.
+    fn forget(&self, node_id: NodeId) {
+        let mut cached = self.cached.lock();
+        if cached.as_ref().is_some_and(|(id, _)| *id == node_id) {
+            *cached = None;
+        }
+    }
+
+    /// The next seed in rotation.
+    fn next_seed(&self) -> Option<(NodeId, BasicNode)> {
+        if self.seeds.is_empty() {
+            return None;
+        }
+        let turn = self.next_seed.fetch_add(1, Ordering::Relaxed);
+        self.seeds.get(turn % self.seeds.len()).cloned()
+    }
+
+    fn seed_node(&self, node_id: NodeId) -> Option<BasicNode> {
+        self.seeds.iter().find(|(id, _)| *id == node_id).map(|(_, node)| node.clone())
+    }
 }
 
 /// Weak handles on the storage openraft owns, to know when it let go of the files.
@@ -287,6 +372,7 @@ impl<C: GroupConfig> Clone for RaftGroup<C> {
             view: self.view.clone(),
             channels: self.channels.clone(),
             storage: self.storage.clone(),
+            route: Arc::clone(&self.route),
         }
     }
 }
@@ -313,6 +399,12 @@ impl<C: GroupConfig> RaftGroup<C> {
         if !valid_group_name(&settings.group) {
             return Err(OpenError::GroupName(settings.group.clone()));
         }
+        if settings.seeds.len() > SEEDS_MAX {
+            return Err(OpenError::TooManySeeds {
+                group: settings.group.clone(),
+                count: settings.seeds.len(),
+            });
+        }
         let config = settings
             .raft_config()
             .map_err(|source| OpenError::Settings { group: settings.group.clone(), source })?;
@@ -332,7 +424,8 @@ impl<C: GroupConfig> RaftGroup<C> {
                 group: settings.group.clone(),
                 reason: fatal.to_string(),
             })?;
-        Ok(Self { name, node_id: settings.node_id, raft, view, channels, storage })
+        let route = Arc::new(LeaderRoute::new(settings.node_id, &settings.seeds));
+        Ok(Self { name, node_id: settings.node_id, raft, view, channels, storage, route })
     }
 
     /// The group's name.
@@ -371,8 +464,8 @@ impl<C: GroupConfig> RaftGroup<C> {
         }
     }
 
-    /// Adds a non-voting member (a learner, or a gateway that only leases) and waits until it
-    /// has caught up with the log. Run it on the leader.
+    /// Adds a non-voting member (a learner, with a replica of its own) and waits until it
+    /// has caught up with the log. Run it on the leader. (A gateway is no member at all.)
     ///
     /// # Errors
     /// [`MembershipError`] when this node is not the leader or the change is refused.
@@ -461,6 +554,36 @@ impl<C: GroupConfig> RaftGroup<C> {
         self.raft.metrics().borrow().current_leader
     }
 
+    /// Whether this node is in the group's membership as it sees it (a voter or a learner),
+    /// so it learns the leader from its own metrics. False on a gateway and on a node not
+    /// yet added (or formed).
+    pub fn is_member(&self) -> bool {
+        let metrics = self.raft.metrics();
+        let metrics = metrics.borrow();
+        metrics.membership_config.membership().get_node(&self.node_id).is_some()
+    }
+
+    /// How many voters the group has as this node knows it: its membership's voters when it
+    /// is a member, else its seeds (the configured voters; a gateway's only view).
+    pub fn voter_count(&self) -> usize {
+        if self.is_member() {
+            self.raft.metrics().borrow().membership_config.membership().voter_ids().count()
+        } else {
+            self.route.seeds.len()
+        }
+    }
+
+    /// The seeds a write goes through when this node is not a member, without this node.
+    pub fn seeds(&self) -> impl Iterator<Item = (NodeId, &BasicNode)> {
+        self.route.seeds.iter().map(|(id, node)| (*id, node))
+    }
+
+    /// The leader a write from this node last reached or was sent to by a `ForwardToLeader`,
+    /// if no failure has cleared it since: a gateway's view of the leader.
+    pub fn cached_leader(&self) -> Option<NodeId> {
+        self.route.cached().map(|(id, _)| id)
+    }
+
     /// Runs `read` on the machine as applied on this node so far; it may be behind the leader.
     pub fn read<T>(&self, read: impl FnOnce(&C::Machine) -> T) -> T {
         self.view.read(read)
@@ -484,9 +607,11 @@ impl<C: GroupConfig> RaftGroup<C> {
 
     /// Commits `command` and returns the machine's response, within `timeout`.
     ///
-    /// On a follower the command goes to the leader in one hop. A command is sent again only
-    /// when it certainly was not applied (no leader, refused connection, leadership moved
-    /// before it was accepted), so a command is never applied twice by this method.
+    /// On a follower the command goes to the leader in one hop; on a node outside the group
+    /// (a gateway) to the cached leader, else to a seed, which names the leader. A command is
+    /// sent again only when it certainly was not applied (no leader, refused connection,
+    /// leadership moved before it was accepted), so a command is never applied twice by this
+    /// method.
     ///
     /// # Errors
     /// [`WriteError`]; [`WriteError::may_have_applied`] tells whether the outcome is unknown.
@@ -504,7 +629,7 @@ impl<C: GroupConfig> RaftGroup<C> {
                 return Err(WriteError::NoLeader);
             }
             let remaining = deadline - now;
-            let leader = hint.take().or_else(|| self.known_leader());
+            let leader = hint.take().or_else(|| self.next_target());
             let Some((leader_id, leader_node)) = leader else {
                 self.wait_for_metrics(remaining.min(LEADER_POLL)).await;
                 continue;
@@ -512,7 +637,7 @@ impl<C: GroupConfig> RaftGroup<C> {
             let outcome = if leader_id == self.node_id {
                 self.write_here(&command, remaining).await
             } else {
-                let Some(node) = leader_node.or_else(|| self.member_node(leader_id)) else {
+                let Some(node) = leader_node.or_else(|| self.node_address(leader_id)) else {
                     self.wait_for_metrics(remaining.min(LEADER_POLL)).await;
                     continue;
                 };
@@ -539,7 +664,34 @@ impl<C: GroupConfig> RaftGroup<C> {
         }
     }
 
+    /// Sends `command` to `leader` (or a seed taken for it) and keeps the cached leader up to
+    /// date with what the attempt taught.
     async fn write_at(
+        &self,
+        leader: NodeId,
+        node: &BasicNode,
+        command: &C::D,
+        remaining: Duration,
+    ) -> Attempt<C::R> {
+        let attempt = self.send_to(leader, node, command, remaining).await;
+        match &attempt {
+            Attempt::Done(Ok(_)) => self.route.remember(leader, node.clone()),
+            // The node is the leader; it refused this command only.
+            Attempt::Done(Err(WriteError::Refused { .. })) => {}
+            // No answer: the next write looks for the leader again rather than wait on it.
+            Attempt::Done(Err(_)) => self.route.forget(leader),
+            Attempt::NotApplied { leader: Some((named, named_node)) } => {
+                match named_node.clone().or_else(|| self.node_address(*named)) {
+                    Some(named_node) => self.route.remember(*named, named_node),
+                    None => self.route.forget(leader),
+                }
+            }
+            Attempt::NotApplied { leader: None } => self.route.forget(leader),
+        }
+        attempt
+    }
+
+    async fn send_to(
         &self,
         leader: NodeId,
         node: &BasicNode,
@@ -608,8 +760,28 @@ impl<C: GroupConfig> RaftGroup<C> {
         Some((leader, node))
     }
 
-    fn member_node(&self, node_id: NodeId) -> Option<BasicNode> {
-        self.raft.metrics().borrow().membership_config.membership().get_node(&node_id).cloned()
+    /// Where the next attempt goes when no hint is at hand: the leader the metrics name;
+    /// for a node outside the group, the cached leader, else the next seed; `None` to wait
+    /// for the metrics (a member learns the leader itself, from the election it takes part
+    /// in or hears of, sooner than by asking others).
+    fn next_target(&self) -> Option<(NodeId, Option<BasicNode>)> {
+        if let Some(known) = self.known_leader() {
+            return Some(known);
+        }
+        if self.is_member() {
+            return None;
+        }
+        self.route
+            .cached()
+            .or_else(|| self.route.next_seed())
+            .map(|(leader, node)| (leader, Some(node)))
+    }
+
+    /// A node's Raft address: from the membership this node sees, else from the seeds.
+    fn node_address(&self, node_id: NodeId) -> Option<BasicNode> {
+        let member =
+            self.raft.metrics().borrow().membership_config.membership().get_node(&node_id).cloned();
+        member.or_else(|| self.route.seed_node(node_id))
     }
 
     async fn wait_for_metrics(&self, at_most: Duration) {

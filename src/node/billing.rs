@@ -8,7 +8,8 @@
 //! - `peers` listed: the node with `billing.bootstrap = true` initializes the group with all
 //!   of them on its first start; the others wait to be contacted by its leader.
 //!
-//! A node whose storage already holds a membership never initializes again.
+//! A node whose storage already holds a membership never initializes again. A gateway has
+//! no billing part: `node.rs` does not call [`start`] there.
 
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -3,6 +3,9 @@
 //! real `quotamesh cluster init`; kill -9, SIGTERM and restarts; admin gRPC clients; and a
 //! recorder for lease-grant operations whose outcome is ok, fail or unknown.
 //!
+//! A gateway (`role = "gateway"`: leases only, no member of the group) can join the region
+//! as node N too, listing the voters as its peers.
+//!
 //! Waits poll a condition with a deadline; nothing sleeps for a fixed time.
 
 use std::collections::BTreeMap;
@@ -78,6 +81,8 @@ pub struct ClusterNode {
     pub log_path: PathBuf,
     /// `[[peers]]` in its config, as `(id, raft address)`.
     pub peers: Vec<(u64, SocketAddr)>,
+    /// `role = "gateway"` in its config: the peers are the voters, without it.
+    pub gateway: bool,
     pub process: Option<NodeProcess>,
 }
 
@@ -103,6 +108,7 @@ impl ClusterNode {
             config_path: root.join(format!("node-{id}.toml")),
             log_path: root.join(format!("node-{id}.log")),
             peers: Vec::new(),
+            gateway: false,
             process: None,
         })
     }
@@ -120,6 +126,9 @@ impl ClusterNode {
             policy = policy.display(),
             raft = self.raft_addr,
         );
+        if self.gateway {
+            text.push_str("role = \"gateway\"\n");
+        }
         for (id, address) in &self.peers {
             text.push_str(&format!("\n[[peers]]\nid = {id}\nraft_addr = \"{address}\"\n"));
         }
@@ -240,6 +249,23 @@ impl Cluster {
         Ok(&self.nodes[&id])
     }
 
+    /// Creates node `id` as a gateway whose peers are the cluster's voters (every node that
+    /// is not a gateway) and starts it; nothing needs to add it to the group.
+    pub fn start_gateway(&mut self, id: u64) -> anyhow::Result<&ClusterNode> {
+        let mut node = ClusterNode::new(self.root.path(), id)?;
+        node.peers = self
+            .nodes
+            .values()
+            .filter(|voter| !voter.gateway)
+            .map(|voter| (voter.id, voter.raft_addr))
+            .collect();
+        node.gateway = true;
+        node.write_config(&self.options, &self.policy)?;
+        node.start()?;
+        self.nodes.insert(id, node);
+        Ok(&self.nodes[&id])
+    }
+
     /// Runs the `quotamesh` binary (e.g. `cluster status`) and returns its stdout; fails with
     /// its stderr when it exits non-zero.
     pub fn cli(&self, arguments: &[&str]) -> anyhow::Result<String> {
@@ -284,9 +310,11 @@ impl Cluster {
         Ok(client.status(call(admin::StatusRequest {})).await?.into_inner())
     }
 
-    /// Waits until every running node names the same leader, which is one of them; returns it.
+    /// Waits until every running voter names the same leader, which is one of them; returns
+    /// it. Gateways are left out: they name no leader.
     pub async fn leader(&self) -> anyhow::Result<u64> {
-        let running = self.running();
+        let running: Vec<u64> =
+            self.running().into_iter().filter(|id| !self.nodes[id].gateway).collect();
         self.leader_among(&running).await
     }
 
