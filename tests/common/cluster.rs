@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -20,7 +20,7 @@ use quotamesh::api::proto::quotamesh::admin::v1 as admin;
 use quotamesh::api::proto::quotamesh::admin::v1::admin_client::AdminClient;
 use tonic::transport::Channel;
 
-use super::{NodeProcess, write_file};
+use super::{NodeProcess, free_port_on, write_file};
 
 /// How long a cluster may take to agree on a leader or converge (debug builds, shared box).
 pub const CLUSTER_WAIT: Duration = Duration::from_secs(30);
@@ -84,13 +84,6 @@ pub struct ClusterNode {
     /// `role = "gateway"` in its config: the peers are the voters, without it.
     pub gateway: bool,
     pub process: Option<NodeProcess>,
-}
-
-/// A port free a moment ago on `ip`.
-fn free_port_on(ip: &str) -> anyhow::Result<u16> {
-    let listener = TcpListener::bind(format!("{ip}:0"))
-        .with_context(|| format!("bind an ephemeral port on {ip}"))?;
-    Ok(listener.local_addr()?.port())
 }
 
 impl ClusterNode {

@@ -25,10 +25,36 @@ use tonic::transport::Channel;
 /// How long a node may take to become ready.
 pub const READY_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Ports the harness hands out: below Linux's ephemeral range (32768 and up), so an
+/// outgoing connection of any process cannot take a port between the check here and the
+/// node's own bind (which made "address already in use" flaky under load).
+const HARNESS_PORTS: std::ops::Range<u32> = 10_000..32_000;
+
 /// A port that was free a moment ago on 127.0.0.1.
 pub fn free_port() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    listener.local_addr().expect("local address").port()
+    free_port_on("127.0.0.1").expect("a free port on 127.0.0.1")
+}
+
+/// A port that was free a moment ago on `ip`, never one handed out before by this process;
+/// each test process starts at its own place in the range.
+pub fn free_port_on(ip: &str) -> anyhow::Result<u16> {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let span = HARNESS_PORTS.end - HARNESS_PORTS.start;
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        std::process::id().wrapping_mul(7_919) % span,
+        Ordering::Relaxed,
+        Ordering::Relaxed,
+    );
+    for _ in 0..span {
+        let offset = NEXT.fetch_add(1, Ordering::Relaxed) % span;
+        let port = u16::try_from(HARNESS_PORTS.start + offset).expect("ports fit u16");
+        if TcpListener::bind((ip, port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    anyhow::bail!("no free port on {ip} in {HARNESS_PORTS:?}")
 }
 
 /// A running `quotamesh serve` process.
