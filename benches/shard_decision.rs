@@ -73,9 +73,12 @@ fn main() -> anyhow::Result<()> {
     runtime.block_on(async {
         let metrics = Metrics::new();
         let ledger = support::ledger(true).await?;
-        let shards = Arc::new(
-            support::shard_set(&ledger, support::Setup::default(), support::no_policy(), &metrics).await?,
-        );
+        // A patient ledger timeout: this measures the decision, not the disk; with the 5 ms
+        // default a loaded machine's fsync opens the circuit and the run measures the
+        // fallback instead (the bypass count below says whether that happened).
+        let patient = support::Setup { ledger_timeout_ms: 500, ..support::Setup::default() };
+        let shards =
+            Arc::new(support::shard_set(&ledger, patient, support::no_policy(), &metrics).await?);
         // A hot key: the largest leases and the longest TTL, so the refill asked at the
         // watermark arrives long before the balance runs out even at millions per second.
         let hot_lease = LeaseTuning::with_sizes(1_000, 1_000_000, 500)?;
@@ -84,9 +87,16 @@ fn main() -> anyhow::Result<()> {
         let default_lease = LeaseTuning::default();
         let leased_p99 = measure("shard decision, leased balance, admitted", async || {
             let decision = shards.decide(&hot, quotamesh::clock::now_ms()).await.expect("decides");
-            assert!(decision.admitted && decision.bypass.is_none());
+            assert!(decision.admitted);
         })
         .await;
+        // On a loaded machine a lease can miss the 5 ms ledger timeout (the first one, before
+        // the lease size has grown with the traffic): those decisions were bypasses.
+        let bypassed: u64 = ["ledger_timeout", "circuit_open", "overloaded"]
+            .iter()
+            .map(|reason| metrics.rate_limit_bypassed.with_label_values(&[reason]).get())
+            .sum();
+        println!("  of which paid from the fallback (ledger too slow): {bypassed}");
 
         let tight = LimitSpec::new(Algorithm::TokenBucket, 1, 3_600_000, None)?;
         let blocked = probe(&shards, "blocked", &tight, &default_lease);
@@ -119,7 +129,7 @@ fn main() -> anyhow::Result<()> {
 
         let policy = PolicySet::parse(&[PolicySource {
             name: "bench.yaml".to_owned(),
-            text: "domain: bench\ndescriptors:\n  - key: api_key\n    rate_limit: {unit: second, requests_per_unit: 1000000000}\n".to_owned(),
+            text: "domain: bench\ndescriptors:\n  - key: api_key\n    rate_limit: {unit: second, requests_per_unit: 1000000000}\n    lease: {min_tokens: 1000, max_tokens: 1000000, lookahead: 500ms}\n".to_owned(),
         }])
         .map_err(|errors| anyhow::anyhow!("{errors}"))?;
         let headers = HeaderOptions { ietf_draft10: true, legacy: true, retry_after: true };
