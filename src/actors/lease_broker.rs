@@ -172,21 +172,17 @@ impl LeaseBroker {
         Ok((Self { actor, queued, circuit }, join))
     }
 
-    /// Queues an ask; gives it back when the broker is full or stopped.
-    ///
-    /// # Errors
-    /// The ask, unsent.
-    pub fn ask(&self, ask: LeaseAsk) -> Result<(), Box<LeaseAsk>> {
+    /// Queues an ask; false when the broker is full or stopped (the ask was not sent, so
+    /// the caller clears the key's request in flight).
+    pub fn ask(&self, ask: LeaseAsk) -> bool {
         if !self.reserve() {
-            return Err(Box::new(ask));
+            return false;
         }
-        self.actor.cast(BrokerMsg::Ask(ask)).map_err(|error| {
+        if self.actor.cast(BrokerMsg::Ask(ask)).is_err() {
             self.queued.fetch_sub(1, Ordering::Relaxed);
-            match error {
-                ractor::MessagingErr::SendErr(BrokerMsg::Ask(ask)) => Box::new(ask),
-                _ => unreachable!("a failed cast gives back the message it was given"),
-            }
-        })
+            return false;
+        }
+        true
     }
 
     /// Queues unspent tokens for return; false when they were dropped (broker full or

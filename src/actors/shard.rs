@@ -846,7 +846,7 @@ impl ShardSet {
         if !missing.is_empty() {
             return Err(Pending::Missing(missing));
         }
-        let mut asks: SmallVec<[LeaseAsk; 2]> = SmallVec::new();
+        let mut asks: SmallVec<[(StripeId, LeaseAsk); 2]> = SmallVec::new();
         if !short.is_empty() {
             for (probe_index, counter_index) in short {
                 let probe = &probes[probe_index];
@@ -854,7 +854,7 @@ impl ShardSet {
                 let stripe = &mut guards[guard_of(probe.stripe)];
                 let slot = stripe.get_mut(&key).expect("a short key exists");
                 if let Some(want) = slot.lease.poll_lease_for(probe.lease, now_ms, probe.hits) {
-                    asks.push(self.ask(probe, key, spec, slot.lease_key, want));
+                    asks.push((probe.stripe, self.ask(probe, key, spec, slot.lease_key, want)));
                 }
             }
             drop(guards);
@@ -875,7 +875,7 @@ impl ShardSet {
                 if short_keys == ShortKeys::Wait
                     && let Some(want) = slot.lease.poll_refill(probe.lease, now_ms)
                 {
-                    asks.push(self.ask(probe, key, spec, slot.lease_key, want));
+                    asks.push((probe.stripe, self.ask(probe, key, spec, slot.lease_key, want)));
                 }
             }
         }
@@ -989,22 +989,17 @@ impl ShardSet {
 
     /// Hands asks to the broker; an ask it cannot take is failed on its key at once, so the
     /// key can ask again.
-    fn send_asks(&self, asks: SmallVec<[LeaseAsk; 2]>) {
-        for ask in asks {
-            if let Err(refused) = self.broker.ask(ask) {
+    fn send_asks(&self, asks: SmallVec<[(StripeId, LeaseAsk); 2]>) {
+        for (stripe, ask) in asks {
+            let counter = ask.counter;
+            if self.broker.ask(ask) {
+                self.metrics.lease_asks.with_label_values(&["queued"]).inc();
+            } else {
                 self.metrics.lease_asks.with_label_values(&["refused"]).inc();
-                let shard = self
-                    .shards
-                    .iter()
-                    .find(|shard| shard.actor.get_id() == refused.reply_to.get_id())
-                    .expect("asks name this set's shards");
-                if let Some(slot) =
-                    shard.table.stripes[refused.stripe as usize].lock().get_mut(&refused.counter)
-                {
+                let table = &self.shards[stripe.shard as usize].table;
+                if let Some(slot) = table.stripes[stripe.stripe as usize].lock().get_mut(&counter) {
                     slot.lease.apply_failure();
                 }
-            } else {
-                self.metrics.lease_asks.with_label_values(&["queued"]).inc();
             }
         }
     }

@@ -92,6 +92,12 @@ impl NodeProcess {
                 arguments.push(format!("127.0.0.1:{}", free_port()).into());
             }
         }
+        // These nodes are single-node regions whose tests check exact counts and headers: a
+        // patient ledger timeout keeps a slow fsync on a loaded machine from turning a lease
+        // into a fallback admission (the leasing tests set their own).
+        if !extra.contains(&"--ledger-timeout-ms") {
+            arguments.extend(["--ledger-timeout-ms".into(), "1000".into()]);
+        }
         arguments.extend(extra.iter().map(OsString::from));
         Self::spawn(rls_addr, metrics_addr, data_dir, &arguments, &[], None)
     }
