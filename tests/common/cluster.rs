@@ -57,6 +57,10 @@ pub struct ClusterOptions {
     pub snapshot_every_logs: Option<u64>,
     /// `[quota_group] logs_kept_after_snapshot`, when not the default.
     pub logs_kept_after_snapshot: Option<u64>,
+    /// The policy every node serves, when not [`CLUSTER_POLICY`].
+    pub policy: Option<String>,
+    /// More TOML sections for every node's config (e.g. a `[leasing]` table).
+    pub config_extra: String,
 }
 
 impl Default for ClusterOptions {
@@ -65,6 +69,8 @@ impl Default for ClusterOptions {
             cluster_id: "test-region".to_owned(),
             snapshot_every_logs: None,
             logs_kept_after_snapshot: None,
+            policy: None,
+            config_extra: String::new(),
         }
     }
 }
@@ -132,6 +138,8 @@ impl ClusterNode {
         if let Some(kept) = options.logs_kept_after_snapshot {
             text.push_str(&format!("logs_kept_after_snapshot = {kept}\n"));
         }
+        text.push('\n');
+        text.push_str(&options.config_extra);
         std::fs::write(&self.config_path, text)?;
         Ok(())
     }
@@ -204,7 +212,11 @@ impl Cluster {
     /// `quotamesh cluster init`, and waits until every node names the same leader.
     pub async fn start(voters: u64, options: ClusterOptions) -> anyhow::Result<Self> {
         let root = tempfile::tempdir()?;
-        let policy = write_file(root.path(), "policy.yaml", CLUSTER_POLICY);
+        let policy = write_file(
+            root.path(),
+            "policy.yaml",
+            options.policy.as_deref().unwrap_or(CLUSTER_POLICY),
+        );
         let mut nodes = BTreeMap::new();
         for id in 1..=voters {
             nodes.insert(id, ClusterNode::new(root.path(), id)?);

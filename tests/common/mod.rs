@@ -7,6 +7,7 @@
 pub mod billing;
 pub mod billing_checker;
 pub mod cluster;
+pub mod leasing;
 
 use std::ffi::OsString;
 use std::io::{Read, Write};
