@@ -156,16 +156,21 @@ impl CircuitBreaker {
                     };
                 }
             }
-            (CircuitState::Recovering { since_ms, latencies_ms, .. }, Permit::Probe) => {
+            (CircuitState::Recovering { since_ms, latencies_ms, next_probe_ms }, Permit::Probe) => {
+                // Reopened, the probes keep their cadence: the next one is due an interval
+                // after this probe's permit (when the caller's probe timer was set), not an
+                // interval after its failure came back, which would skip a timer tick and
+                // double the gap between probes.
+                let reopened = CircuitState::Open { next_probe_ms: *next_probe_ms };
                 let CallOutcome::Answered { latency_ms } = outcome else {
-                    self.state = open_now;
+                    self.state = reopened;
                     return;
                 };
                 if latencies_ms.len() < PROBE_SAMPLES_MAX {
                     latencies_ms.push(latency_ms);
                 }
                 if p99_ms(latencies_ms) >= settings.healthy_p99_ms {
-                    self.state = open_now;
+                    self.state = reopened;
                 } else if now_ms.saturating_sub(*since_ms) >= settings.healthy_probing_ms {
                     self.state = CircuitState::Closed { consecutive_failures: 0 };
                 }
@@ -242,6 +247,29 @@ mod tests {
         assert_eq!(breaker.permit(now_ms), Permit::Probe);
         breaker.record(now_ms, Permit::Probe, CallOutcome::Answered { latency_ms: 9 });
         assert!(matches!(breaker.state(), CircuitState::Open { .. }), "a slow probe reopens");
+    }
+
+    /// A probe that fails or is slow while recovering reopens the circuit without delaying
+    /// the next probe: it is due one interval after the failed probe's permit (when the lease
+    /// broker set its probe timer), not one interval after the failure came back.
+    #[test]
+    fn a_failed_probe_keeps_the_probe_cadence() {
+        let mut breaker = CircuitBreaker::new(BreakerSettings::default());
+        for _ in 0..3 {
+            breaker.record(0, Permit::Call, CallOutcome::Failed);
+        }
+        assert_eq!(breaker.permit(1_000), Permit::Probe);
+        breaker.record(1_001, Permit::Probe, OK);
+        assert_eq!(breaker.permit(2_000), Permit::Probe);
+        breaker.record(2_005, Permit::Probe, CallOutcome::Failed);
+        assert!(matches!(breaker.state(), CircuitState::Open { .. }));
+        assert_eq!(breaker.permit(3_000), Permit::Probe, "the next timer tick may probe");
+        breaker.record(3_001, Permit::Probe, OK);
+        assert_eq!(breaker.permit(4_000), Permit::Probe);
+        breaker.record(4_009, Permit::Probe, CallOutcome::Answered { latency_ms: 9 });
+        assert!(matches!(breaker.state(), CircuitState::Open { .. }), "a slow probe reopens");
+        assert_eq!(breaker.permit(4_999), Permit::Refuse, "still one probe per interval");
+        assert_eq!(breaker.permit(5_000), Permit::Probe);
     }
 
     /// The p99 uses the nearest rank.
