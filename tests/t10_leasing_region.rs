@@ -113,7 +113,7 @@ async fn a_hot_key_on_five_nodes_stays_within_the_drift_bound() -> Result<()> {
             label: "hot",
             entry: ("user", "hot".to_owned()),
             per_second: HOT_PER_SECOND_PER_NODE,
-            tasks: 16,
+            tasks: 32,
         };
         handles.extend(start_stream(&stream, origin, &stopped).await?);
     }
