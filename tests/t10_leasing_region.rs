@@ -43,6 +43,10 @@ const HOT_RUN: Duration = Duration::from_secs(10);
 /// still waiting for a lease when the load stopped, tokens leased but not spent yet.
 const HOT_SHORTFALL_PERCENT: f64 = 2.0;
 
+/// Fallback admissions allowed on the hot key, as a share of its admissions (measured: under
+/// 1 % with the 200 ms ledger timeout; all of them with 5 ms on a loaded 2-core machine).
+const FALLBACK_SHARE_PERCENT_MAX: u64 = 5;
+
 /// Steady load per node on its own key of the `tenant` rule (100,000/s: never rejected).
 const STEADY_PER_SECOND: u32 = 2_000;
 const STEADY_RUN: Duration = Duration::from_secs(8);
@@ -146,6 +150,12 @@ async fn a_hot_key_on_five_nodes_stays_within_the_drift_bound() -> Result<()> {
         ms(percentile(answers.iter(), 50)),
         ms(percentile(answers.iter(), 99)),
         ms(percentile(answers.iter(), 100)),
+    );
+    // The bounds add what the fallback paid; were that a large share, they would measure the
+    // fallback buckets, not the leases.
+    assert!(
+        bypassed * 100 <= admitted * FALLBACK_SHARE_PERCENT_MAX,
+        "{bypassed} of {admitted} admissions were paid by the fallback"
     );
     assert!(admitted as f64 >= lower, "admitted {admitted} < {lower:.0}");
     assert!(admitted <= upper, "admitted {admitted} > {upper}");
