@@ -51,13 +51,13 @@ fn counter(metrics: &Metrics, family: &str, label: &str) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_enforce_the_limit_exactly() {
     let (ledger, shards, metrics) = leasing(PATIENT, true).await;
-    let spec = LimitSpec::new(Algorithm::TokenBucket, 20, 1_000, Some(20)).unwrap();
+    let spec = LimitSpec::new(Algorithm::TokenBucket, 20, 1_000, Some(20)).expect("a valid limit");
     let lease = LeaseTuning::default();
     let probe = support::probe(&shards, "t", ("user", "u1"), &spec, &lease, FailureMode::Open, 1);
     let started = std::time::Instant::now();
     let mut admitted = 0;
     for _ in 0..30 {
-        let decision = shards.decide(&probe, quotamesh::clock::now_ms()).await.unwrap();
+        let decision = shards.decide(&probe, quotamesh::clock::now_ms()).await.expect("decides");
         assert_eq!(decision.bypass, None);
         admitted += u64::from(decision.admitted);
     }
@@ -80,13 +80,13 @@ async fn leases_enforce_the_limit_exactly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_blocked_key_asks_nothing_until_retry_after() {
     let (_ledger, shards, metrics) = leasing(PATIENT, true).await;
-    let spec = LimitSpec::new(Algorithm::FixedWindow, 2, 3_600_000, None).unwrap();
+    let spec = LimitSpec::new(Algorithm::FixedWindow, 2, 3_600_000, None).expect("a valid limit");
     let lease = LeaseTuning::default();
     let probe = support::probe(&shards, "t", ("user", "u2"), &spec, &lease, FailureMode::Open, 1);
     let mut admitted = 0;
     let mut blocked_retry_ms = None;
     for _ in 0..5 {
-        let decision = shards.decide(&probe, quotamesh::clock::now_ms()).await.unwrap();
+        let decision = shards.decide(&probe, quotamesh::clock::now_ms()).await.expect("decides");
         admitted += u64::from(decision.admitted);
         if !decision.admitted {
             blocked_retry_ms = Some(decision.outcomes[0].verdicts[0].retry_after_ms);
@@ -98,7 +98,7 @@ async fn a_blocked_key_asks_nothing_until_retry_after() {
     let asks = counter(&metrics, "asks", "queued");
     let calls = counter(&metrics, "calls", "ok") + counter(&metrics, "calls", "error");
     for _ in 0..500 {
-        let decision = shards.decide(&probe, quotamesh::clock::now_ms()).await.unwrap();
+        let decision = shards.decide(&probe, quotamesh::clock::now_ms()).await.expect("decides");
         assert!(!decision.admitted);
         let retry = decision.outcomes[0].verdicts[0].retry_after_ms;
         assert!(retry <= retry_ms && retry + 5_000 > retry_ms, "{retry} vs {retry_ms}");
@@ -118,13 +118,14 @@ async fn a_blocked_key_asks_nothing_until_retry_after() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_requests_lease_what_they_need() {
     let (_ledger, shards, metrics) = leasing(PATIENT, true).await;
-    let spec = LimitSpec::new(Algorithm::TokenBucket, 100, 1_000, Some(100)).unwrap();
+    let spec =
+        LimitSpec::new(Algorithm::TokenBucket, 100, 1_000, Some(100)).expect("a valid limit");
     let lease = LeaseTuning::default();
     let big = support::probe(&shards, "t", ("user", "u3"), &spec, &lease, FailureMode::Open, 60);
-    assert!(shards.decide(&big, quotamesh::clock::now_ms()).await.unwrap().admitted);
+    assert!(shards.decide(&big, quotamesh::clock::now_ms()).await.expect("decides").admitted);
     let asks = counter(&metrics, "asks", "queued");
     let huge = support::probe(&shards, "t", ("user", "u3"), &spec, &lease, FailureMode::Open, 101);
-    let decision = shards.decide(&huge, quotamesh::clock::now_ms()).await.unwrap();
+    let decision = shards.decide(&huge, quotamesh::clock::now_ms()).await.expect("decides");
     assert!(!decision.admitted);
     assert_eq!(decision.outcomes[0].verdicts[0].retry_after_ms, u64::MAX);
     assert_eq!(counter(&metrics, "asks", "queued"), asks);
@@ -136,10 +137,10 @@ async fn large_requests_lease_what_they_need() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_balances_return_to_the_ledger() {
     let (ledger, shards, metrics) = leasing(PATIENT, true).await;
-    let spec = LimitSpec::new(Algorithm::TokenBucket, 1_000, 1_000, None).unwrap();
+    let spec = LimitSpec::new(Algorithm::TokenBucket, 1_000, 1_000, None).expect("a valid limit");
     let lease = LeaseTuning::default();
     let probe = support::probe(&shards, "t", ("user", "u4"), &spec, &lease, FailureMode::Open, 1);
-    assert!(shards.decide(&probe, quotamesh::clock::now_ms()).await.unwrap().admitted);
+    assert!(shards.decide(&probe, quotamesh::clock::now_ms()).await.expect("decides").admitted);
     assert!(shards.held_tokens(quotamesh::clock::now_ms()) > 0, "the rest of the lease");
     let key = LeaseKey::of("t", [("user", "u4")].into_iter(), 0, &spec).ledger_key();
     let held_by_ledger = || {
@@ -171,7 +172,7 @@ async fn idle_balances_return_to_the_ledger() {
 async fn an_unreachable_ledger_opens_the_circuit() {
     let setup = support::Setup { ledger_timeout_ms: 5, ..PATIENT };
     let (_ledger, shards, metrics) = leasing(setup, false).await;
-    let spec = LimitSpec::new(Algorithm::TokenBucket, 10, 60_000, Some(10)).unwrap();
+    let spec = LimitSpec::new(Algorithm::TokenBucket, 10, 60_000, Some(10)).expect("a valid limit");
     let lease = LeaseTuning::default();
     let open = support::probe(&shards, "t", ("user", "open"), &spec, &lease, FailureMode::Open, 1);
     let closed =
@@ -179,7 +180,7 @@ async fn an_unreachable_ledger_opens_the_circuit() {
     let mut reasons = Vec::new();
     let mut admitted = 0;
     for _ in 0..40 {
-        let decision = shards.decide(&open, quotamesh::clock::now_ms()).await.unwrap();
+        let decision = shards.decide(&open, quotamesh::clock::now_ms()).await.expect("decides");
         admitted += u64::from(decision.admitted);
         if let Some(reason) = decision.bypass {
             reasons.push(reason);
@@ -195,7 +196,7 @@ async fn an_unreachable_ledger_opens_the_circuit() {
     assert_eq!(bypassed, 10, "every admission was a bypass");
     assert_eq!(metrics.ledger_circuit_state.get(), 2, "open");
     let asks = counter(&metrics, "asks", "queued");
-    let decision = shards.decide(&closed, quotamesh::clock::now_ms()).await.unwrap();
+    let decision = shards.decide(&closed, quotamesh::clock::now_ms()).await.expect("decides");
     assert_eq!(counter(&metrics, "asks", "queued"), asks, "no ask while the circuit is open");
     assert!(!decision.admitted && decision.failed_closed);
     assert_eq!(decision.outcomes[0].verdicts[0].retry_after_ms, FAIL_CLOSED_RETRY_AFTER_MS);

@@ -314,7 +314,8 @@ impl BrokerState {
         let now_ms = crate::clock::now_ms();
         self.flush_returns(now_ms);
         while self.calls_in_flight < CALLS_IN_FLIGHT_MAX {
-            if self.asks.is_empty() && !(probe_tick && !self.breaker.is_closed()) {
+            let probe_due = probe_tick && !self.breaker.is_closed();
+            if self.asks.is_empty() && !probe_due {
                 return;
             }
             let permit = self.breaker.permit(now_ms);
@@ -423,8 +424,7 @@ impl BrokerState {
         self.publish_circuit(myself);
         match done.result {
             Ok(QuotaResponse::Leases(results)) if results.len() == done.asks.len() => {
-                let mut by_shard: Vec<(ActorRef<ShardMsg>, Vec<(LeaseAsk, LeaseAnswer)>)> =
-                    Vec::new();
+                let mut by_shard: AnswersByShard = Vec::new();
                 for (ask, result) in done.asks.into_iter().zip(results) {
                     let answer = match result {
                         Ok(grant) => {
@@ -478,11 +478,10 @@ impl BrokerState {
     }
 }
 
-fn push_answer(
-    by_shard: &mut Vec<(ActorRef<ShardMsg>, Vec<(LeaseAsk, LeaseAnswer)>)>,
-    ask: LeaseAsk,
-    answer: LeaseAnswer,
-) {
+/// Answers grouped by the shard actor they go back to.
+type AnswersByShard = Vec<(ActorRef<ShardMsg>, Vec<(LeaseAsk, LeaseAnswer)>)>;
+
+fn push_answer(by_shard: &mut AnswersByShard, ask: LeaseAsk, answer: LeaseAnswer) {
     let id = ask.reply_to.get_id();
     match by_shard.iter_mut().find(|(shard, _)| shard.get_id() == id) {
         Some((_, answers)) => answers.push((ask, answer)),

@@ -76,7 +76,7 @@ mod tests {
     use crate::core::rate::Algorithm;
 
     fn spec(requests: u64) -> LimitSpec {
-        LimitSpec::new(Algorithm::TokenBucket, requests, 1_000, None).unwrap()
+        LimitSpec::new(Algorithm::TokenBucket, requests, 1_000, None).expect("a valid limit")
     }
 
     /// The same counter gets the same name; any part of its identity changes it; the key is

@@ -295,18 +295,19 @@ fn large_requests_and_settling() {
 #[test]
 fn fallback_is_a_share_of_the_limit() {
     use crate::core::rate::Algorithm;
-    let spec = LimitSpec::new(Algorithm::TokenBucket, 1_000, 1_000, Some(1_500)).unwrap();
+    let spec =
+        LimitSpec::new(Algorithm::TokenBucket, 1_000, 1_000, Some(1_500)).expect("a valid limit");
     let share = fallback_limit(&spec, 1_000, 2);
     assert_eq!((share.requests_per_window, share.burst_tokens), (500, 750));
     let doubled = fallback_limit(&spec, 2_000, 2);
     assert_eq!((doubled.requests_per_window, doubled.burst_tokens), (1_000, 1_500));
     let tiny = fallback_limit(
-        &LimitSpec::new(Algorithm::FixedWindow, 3, 60_000, None).unwrap(),
+        &LimitSpec::new(Algorithm::FixedWindow, 3, 60_000, None).expect("a valid limit"),
         1_000,
         10,
     );
     assert_eq!((tiny.requests_per_window, tiny.burst_tokens, tiny.window_ms), (1, 1, 60_000));
-    let closed = LimitSpec::new(Algorithm::TokenBucket, 0, 1_000, None).unwrap();
+    let closed = LimitSpec::new(Algorithm::TokenBucket, 0, 1_000, None).expect("a valid limit");
     assert_eq!(fallback_limit(&closed, 1_000, 3), closed);
 }
 
@@ -320,7 +321,7 @@ proptest! {
         nodes in 1..64u64,
     ) {
         use crate::core::rate::Algorithm;
-        let spec = LimitSpec::new(Algorithm::TokenBucket, requests, 1_000, Some(burst)).unwrap();
+        let spec = LimitSpec::new(Algorithm::TokenBucket, requests, 1_000, Some(burst)).expect("a valid limit");
         let share = fallback_limit(&spec, multiplier_permille, nodes);
         prop_assert_eq!(
             LimitSpec::new(share.algorithm, share.requests_per_window, share.window_ms, Some(share.burst_tokens)),

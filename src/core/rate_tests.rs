@@ -1071,14 +1071,15 @@ proptest! {
 /// up), a window ends at the next multiple of its length, a limit of 0 never resets.
 #[test]
 fn reset_estimate_from_a_count() {
-    let bucket = LimitSpec::new(Algorithm::TokenBucket, 10, 1_000, Some(20)).unwrap();
+    let bucket =
+        LimitSpec::new(Algorithm::TokenBucket, 10, 1_000, Some(20)).expect("a valid limit");
     assert_eq!(bucket.reset_ms_estimate(20, 5_000), 0, "full");
     assert_eq!(bucket.reset_ms_estimate(0, 5_000), 2_000, "20 tokens at 10/s");
     assert_eq!(bucket.reset_ms_estimate(17, 5_000), 300);
-    let window = LimitSpec::new(Algorithm::FixedWindow, 5, 30_000, None).unwrap();
+    let window = LimitSpec::new(Algorithm::FixedWindow, 5, 30_000, None).expect("a valid limit");
     assert_eq!(window.reset_ms_estimate(3, 61_000), 29_000);
     assert_eq!(window.reset_ms_estimate(3, 60_000), 30_000);
-    let zero = LimitSpec::new(Algorithm::TokenBucket, 0, 1_000, None).unwrap();
+    let zero = LimitSpec::new(Algorithm::TokenBucket, 0, 1_000, None).expect("a valid limit");
     assert_eq!(zero.reset_ms_estimate(0, 1), 0);
 }
 
@@ -1092,7 +1093,7 @@ proptest! {
         burst in 1..1_000u64,
         taken in 0..1_000u64,
     ) {
-        let spec = LimitSpec::new(Algorithm::TokenBucket, rate, window_ms, Some(burst)).unwrap();
+        let spec = LimitSpec::new(Algorithm::TokenBucket, rate, window_ms, Some(burst)).expect("a valid limit");
         let taken = taken.min(burst);
         let state = spec.initial_state(1_000);
         let evaluation = spec.evaluate(&state, 1_000, taken);
