@@ -6,14 +6,27 @@
 # The two servers are loaded in alternation for several rounds (this machine is shared and
 # noisy); each figure is the median of its rounds. Prints requests/s, mean latency and
 # server CPU per request for both, and the ratios.
-# Needs h2load (Debian package nghttp2-client) and a release build:
-#   cargo build --release && benches/grpc_throughput.sh [requests]
+#
+# The node is a single-node region on loopback: every decision goes through local-first
+# leasing from its embedded quota ledger (fsync on). The request's descriptor matches a
+# rule of the script's own policy whose limit (1e9/s) is far above what h2load can send,
+# so every answer is an admitted decision, paid from a lease while the ledger keeps up.
+# After the rounds the script prints the node's own counts (decisions by code, unmatched
+# descriptors, decisions paid from the fallback bucket, ledger calls) and fails if any
+# answer was not OK through the rule. When the fallback paid more than 1 % of the
+# decisions (ledger calls slower than the ledger timeout open the circuit breaker, which
+# then stays open for at least 30 s), the figures are of the fallback bucket, not of
+# leasing, and the script says so.
+# The node runs with its default ledger timeout (5 ms), or GRPC_BENCH_LEDGER_TIMEOUT_MS.
+# Needs h2load (Debian package nghttp2-client) and a release build (in CARGO_TARGET_DIR
+# when set):
+#   cargo build --release && benches/grpc_throughput.sh [requests] [rounds]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 requests=${1:-200000}
 rounds=${2:-3}
-binary=target/release/quotamesh
+binary=${CARGO_TARGET_DIR:-target}/release/quotamesh
 command -v h2load >/dev/null || { echo "h2load missing: apt-get install nghttp2-client" >&2; exit 1; }
 [ -x "$binary" ] || { echo "build first: cargo build --release" >&2; exit 1; }
 
@@ -26,6 +39,11 @@ descriptors:
   - key: api_key
     rate_limit: {unit: second, requests_per_unit: 1000000000}
 YAML
+ledger_timeout_ms=${GRPC_BENCH_LEDGER_TIMEOUT_MS:-5}
+cat > "$work/node.toml" <<TOML
+[leasing]
+ledger_timeout_ms = $ledger_timeout_ms
+TOML
 "$binary" bench encode-request --domain bench --entry api_key=alice --out "$work/body.bin"
 
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
@@ -54,18 +72,50 @@ run() {
 
 TOKIO_WORKER_THREADS=1 taskset -c 0 "$binary" bench constant-ok --rls-addr 127.0.0.1:18091 2>/dev/null &
 ceiling_pid=$!
-TOKIO_WORKER_THREADS=1 taskset -c 0 "$binary" serve --rls-addr 127.0.0.1:18081 --metrics-addr 127.0.0.1:16070 \
-  --data-dir "$work/data" --policy "$work/policy.yaml" 2>/dev/null &
+# Every listener on loopback, off the default ports, so a node running beside is not met.
+TOKIO_WORKER_THREADS=1 taskset -c 0 "$binary" serve --config "$work/node.toml" \
+  --rls-addr 127.0.0.1:18081 --metrics-addr 127.0.0.1:16070 --billing-addr 127.0.0.1:18082 \
+  --admin-addr 127.0.0.1:18083 --raft-addr 127.0.0.1:18084 --data-dir "$work/data" \
+  --policy "$work/policy.yaml" 2>"$work/node.log" &
 node_pid=$!
+ready=
 for _ in $(seq 100); do
-  curl -sf http://127.0.0.1:16070/readyz >/dev/null 2>&1 && break
+  curl -sf http://127.0.0.1:16070/readyz >/dev/null 2>&1 && { ready=1; break; }
   sleep 0.1
 done
+[ -n "$ready" ] || { echo "the node did not become ready:" >&2; tail -n 20 "$work/node.log" >&2; exit 1; }
+echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
 
 for _ in $(seq "$rounds"); do
   run ceiling 18091 "$ceiling_pid"
   run quotamesh 18081 "$node_pid"
 done
+
+echo "load average after:  $(cut -d' ' -f1-3 /proc/loadavg)"
+
+# What the node decided, from its own metrics: all OK through the rule, and how many
+# decisions the fallback bucket paid instead of a lease.
+metrics=$(curl -sf http://127.0.0.1:16070/metrics)
+sum() { printf '%s\n' "$metrics" | awk -v pattern="$1" '$0 !~ /^#/ && $1 ~ pattern {total += $2} END {printf "%d", total}'; }
+ok=$(sum '^quotamesh_rls_descriptor_decisions_total[{].*code="ok"')
+not_ok=$(sum '^quotamesh_rls_descriptor_decisions_total[{].*code="(over_limit|shadow_over_limit)"')
+unmatched=$(sum '^quotamesh_rls_unmatched_total')
+rejected=$(sum '^quotamesh_rls_rejected_requests_total')
+bypassed=$(sum '^quotamesh_rate_limit_bypassed_total')
+calls=$(sum '^quotamesh_ledger_calls_total')
+failed_calls=$(sum '^quotamesh_ledger_calls_total[{]result="error"')
+printf 'node (ledger timeout %s ms): %s OK through the rule, %s over limit, %s unmatched, %s rejected; %s paid from the fallback; %s ledger calls (%s failed), 1 per %s decisions\n' \
+  "$ledger_timeout_ms" "$ok" "$not_ok" "$unmatched" "$rejected" "$bypassed" "$calls" "$failed_calls" \
+  "$(awk -v d="$ok" -v c="$calls" 'BEGIN {if (c > 0) printf "%.0f", d / c; else print "-"}')"
+if [ "$ok" -eq 0 ] || [ "$not_ok" -ne 0 ] || [ "$unmatched" -ne 0 ] || [ "$rejected" -ne 0 ]; then
+  echo "the node did not answer every request OK through the rule: the figures are not of admitted decisions" >&2
+  exit 1
+fi
+
+leased_note=""
+if [ $((bypassed * 100)) -gt "$ok" ]; then
+  leased_note="   (NOT leasing: the fallback paid $((bypassed * 100 / ok)) % of the decisions)"
+fi
 
 median() { sort -g | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
 ceiling_rps=$(cut -d' ' -f1 "$work/ceiling.result" | median)
@@ -74,7 +124,7 @@ node_rps=$(cut -d' ' -f1 "$work/quotamesh.result" | median)
 node_cpu=$(cut -d' ' -f2 "$work/quotamesh.result" | median)
 printf 'median of %s rounds: ceiling %s req/s %s us CPU; quotamesh %s req/s %s us CPU\n' \
   "$rounds" "$ceiling_rps" "$ceiling_cpu" "$node_rps" "$node_cpu"
-awk -v a="$node_rps" -v b="$ceiling_rps" -v c="$node_cpu" -v d="$ceiling_cpu" 'BEGIN {
-  printf "throughput ratio quotamesh/ceiling   %.3f\n", a / b
+awk -v a="$node_rps" -v b="$ceiling_rps" -v c="$node_cpu" -v d="$ceiling_cpu" -v note="$leased_note" 'BEGIN {
+  printf "throughput ratio quotamesh/ceiling   %.3f%s\n", a / b, note
   printf "CPU per request ratio                %.3f\n", c / d
 }'

@@ -81,9 +81,19 @@ fn main() -> anyhow::Result<()> {
             Arc::new(support::shard_set(&ledger, patient, support::no_policy(), &metrics).await?);
         // A hot key: the largest leases and the longest TTL, so the refill asked at the
         // watermark arrives long before the balance runs out even at millions per second.
-        let hot_lease = LeaseTuning::with_sizes(1_000, 1_000_000, 500)?;
+        // The lease is that large from the first one (min = max): sized by the rate
+        // estimate, it would start at the minimum and be refilled too late for a 5 ms
+        // ledger timeout on a busy machine, until the estimate caught up.
+        let hot_lease = LeaseTuning::with_sizes(1_000_000, 1_000_000, 500)?;
         let roomy = LimitSpec::new(Algorithm::TokenBucket, 1_000_000_000_000, 1000, None)?;
         let hot = probe(&shards, "hot", &roomy, &hot_lease);
+        // The first lease, from a ledger that has just started, may come later than the
+        // ledger timeout (the decision is then paid from the fallback): wait for it.
+        let leased = tokio::time::Instant::now() + Duration::from_secs(60);
+        while shards.decide(&hot, quotamesh::clock::now_ms()).await?.bypass.is_some() {
+            anyhow::ensure!(tokio::time::Instant::now() < leased, "the hot key was never leased");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         let default_lease = LeaseTuning::default();
         let leased_p99 = measure("shard decision, leased balance, admitted", async || {
             let decision = shards.decide(&hot, quotamesh::clock::now_ms()).await.expect("decides");
