@@ -95,6 +95,9 @@ async fn a_blocked_key_asks_nothing_until_retry_after() {
     assert_eq!(admitted, 2, "the window's two hits");
     let retry_ms = blocked_retry_ms.expect("rejected once the window was spent");
     assert!(retry_ms > 1_000 && retry_ms <= 3_600_000, "retry after {retry_ms} ms");
+    // The first rejection asked for what refills; the ledger's "none until the window
+    // ends" blocks the key once it lands.
+    tokio::time::sleep(Duration::from_millis(200)).await;
     let asks = counter(&metrics, "asks", "queued");
     let calls = counter(&metrics, "calls", "ok") + counter(&metrics, "calls", "error");
     for _ in 0..500 {
@@ -202,4 +205,58 @@ async fn an_unreachable_ledger_opens_the_circuit() {
     assert_eq!(decision.outcomes[0].verdicts[0].retry_after_ms, FAIL_CLOSED_RETRY_AFTER_MS);
     assert_eq!(metrics.rate_limit_failed_closed.get(), 1);
     shards.shutdown().await;
+}
+
+/// Concurrent requests at ten times a key's limit: the ledger's small grants pay what the
+/// limit allows and the rest is rejected locally, never paid from the fallback while the
+/// ledger answers; the total stays within the limit plus the drift bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_above_its_limit_is_held_to_it_without_fallback() {
+    let (_ledger, shards, metrics) = leasing(PATIENT, true).await;
+    let shards = std::sync::Arc::new(shards);
+    let spec =
+        LimitSpec::new(Algorithm::TokenBucket, 200, 1_000, Some(200)).expect("a valid limit");
+    let lease = LeaseTuning::default();
+    let started = std::time::Instant::now();
+    let mut ticks = tokio::time::interval(Duration::from_millis(1));
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..3_000 {
+        ticks.tick().await;
+        for _ in 0..2 {
+            let shards = std::sync::Arc::clone(&shards);
+            tasks.spawn(async move {
+                let probe = support::probe(
+                    &shards,
+                    "t",
+                    ("user", "hot"),
+                    &spec,
+                    &lease,
+                    FailureMode::Open,
+                    1,
+                );
+                let decision =
+                    shards.decide(&probe, quotamesh::clock::now_ms()).await.expect("decides");
+                (decision.admitted, decision.bypass)
+            });
+        }
+    }
+    let mut admitted = 0_u64;
+    let mut bypassed = 0_u64;
+    while let Some(result) = tasks.join_next().await {
+        let (was_admitted, bypass) = result.expect("the task ran");
+        admitted += u64::from(was_admitted);
+        bypassed += u64::from(bypass.is_some());
+    }
+    let elapsed_ms = started.elapsed().as_millis() as u64;
+    let allowed = 200 + elapsed_ms * 200 / 1_000 + lease.drift_bound_tokens(1);
+    println!(
+        "admitted {admitted} of 6000 in {elapsed_ms} ms; allowed {allowed}; bypassed {bypassed}"
+    );
+    assert_eq!(bypassed, 0, "the ledger answered every call: no fallback");
+    assert!(admitted <= allowed, "admitted {admitted} above {allowed}");
+    assert!(
+        admitted >= 200 + elapsed_ms * 200 / 1_000 / 2,
+        "admitted {admitted}: far below the limit"
+    );
+    assert_eq!(counter(&metrics, "bypassed", "ledger_timeout"), 0);
 }

@@ -582,7 +582,16 @@ enum ShortKeys {
 
 /// What one counter came to in a pass.
 enum Judged {
-    Decided { verdict: Verdict, staged: Staged, bypass: Option<BypassReason>, failed_closed: bool },
+    Decided {
+        verdict: Verdict,
+        staged: Staged,
+        bypass: Option<BypassReason>,
+        failed_closed: bool,
+    },
+    /// Rejected: the ledger answers but its bucket is empty; ask for what refills.
+    AtLimit {
+        verdict: Verdict,
+    },
     Short,
 }
 
@@ -776,6 +785,7 @@ impl ShardSet {
 
         let mut missing: Vec<Vec<ColdKey>> = Vec::new();
         let mut short: SmallVec<[(usize, usize); 2]> = SmallVec::new();
+        let mut refills: SmallVec<[(usize, usize); 2]> = SmallVec::new();
         let mut outcomes = Vec::with_capacity(probes.len());
         // States this request would write, in order: a counter met twice in one request
         // (two identical descriptors) is decided against its already-consumed state.
@@ -830,6 +840,10 @@ impl ShardSet {
                         }
                         failed_closed |= closed && probe.enforced;
                     }
+                    Judged::AtLimit { verdict } => {
+                        verdicts.push(verdict);
+                        refills.push((probe_index, counter_index));
+                    }
                     Judged::Short => short.push((probe_index, counter_index)),
                 }
             }
@@ -847,8 +861,8 @@ impl ShardSet {
             return Err(Pending::Missing(missing));
         }
         let mut asks: SmallVec<[(StripeId, LeaseAsk); 2]> = SmallVec::new();
-        if !short.is_empty() {
-            for (probe_index, counter_index) in short {
+        if !short.is_empty() || short_keys == ShortKeys::Wait {
+            for (probe_index, counter_index) in short.iter().chain(&refills).copied() {
                 let probe = &probes[probe_index];
                 let (key, spec) = probe.counters[counter_index];
                 let stripe = &mut guards[guard_of(probe.stripe)];
@@ -857,6 +871,8 @@ impl ShardSet {
                     asks.push((probe.stripe, self.ask(probe, key, spec, slot.lease_key, want)));
                 }
             }
+        }
+        if !short.is_empty() {
             drop(guards);
             self.send_asks(asks);
             return Err(Pending::Leasing);
@@ -931,6 +947,21 @@ impl ShardSet {
                     retry_after_ms,
                 };
                 Judged::Decided { verdict, staged, bypass: None, failed_closed: false }
+            }
+            // The ledger's bucket was empty after this node's last grant, which is still
+            // live: the ledger answers and the key is at its limit. Reject as the ledger
+            // would, and ask for what refills (a fallback here would admit above the limit,
+            // a wait would hold requests the ledger cannot pay).
+            Spend::Short if ledger_remaining_tokens == 0 && staged.lease.grant_live(now_ms) => {
+                let verdict = Verdict {
+                    admitted: false,
+                    remaining: 0,
+                    reset_ms: spec.reset_ms_estimate(0, now_ms),
+                    retry_after_ms: spec
+                        .reset_ms_estimate(capacity_tokens.saturating_sub(hits), now_ms)
+                        .max(1),
+                };
+                Judged::AtLimit { verdict }
             }
             Spend::Short => match (short_keys, probe.failure_mode) {
                 (ShortKeys::Wait, _) => Judged::Short,

@@ -315,6 +315,11 @@ impl KeyLease {
         Some(LeaseWant { tokens: size.max(lacking).min(LEASE_TOKENS_MAX), sent_at_ms: now_ms })
     }
 
+    /// True while the latest grant's lease has not expired on the node.
+    pub fn grant_live(&self, now_ms: u64) -> bool {
+        now_ms < self.expires_at_ms
+    }
+
     /// Node time of the last hit counted (0 for none).
     pub fn last_hit_ms(&self) -> u64 {
         self.rate.updated_ms
