@@ -346,9 +346,11 @@ async fn a_blocked_key_is_refused_locally_until_its_window_ends() -> Result<()> 
         let answer = send_one(&mut client, GATEWAYS[0], "job", entry, origin).await;
         assert_eq!(answer.outcome, Outcome::Admitted, "hit {hit}");
     }
-    // The sixth is refused once the ledger's "none until the window ends" is back.
+    // The sixth is refused at once (the last grant left the ledger's window empty) and asks
+    // for what refilled; the ledger's "none until the window ends" then blocks the key.
     let answer = send_one(&mut client, GATEWAYS[0], "job", entry, origin).await;
     assert_eq!(answer.outcome, Outcome::OverLimit);
+    tokio::time::sleep(Duration::from_millis(500)).await;
 
     let asks_of = |metrics: &str| metric_sum(metrics, "quotamesh_lease_asks_total");
     let calls_of = |metrics: &str| metric_sum(metrics, "quotamesh_ledger_calls_total");
