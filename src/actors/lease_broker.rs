@@ -313,6 +313,12 @@ impl BrokerState {
     fn flush(&mut self, myself: &ActorRef<BrokerMsg>, probe_tick: bool) {
         let now_ms = crate::clock::now_ms();
         self.flush_returns(now_ms);
+        if !self.returns.is_empty() && !self.flush_scheduled {
+            self.flush_scheduled = true;
+            myself.send_after(Duration::from_millis(self.settings.batch_window_ms), || {
+                BrokerMsg::Flush
+            });
+        }
         while self.calls_in_flight < CALLS_IN_FLIGHT_MAX {
             let probe_due = probe_tick && !self.breaker.is_closed();
             if self.asks.is_empty() && !probe_due {
@@ -379,11 +385,13 @@ impl BrokerState {
         if self.returns.is_empty() {
             return;
         }
-        let returns: Vec<(String, u64)> = self
-            .returns
-            .drain()
-            .take(LEASE_REQUESTS_PER_COMMAND_MAX)
-            .map(|(key, tokens)| (key.ledger_key(), tokens))
+        // One command's worth; the rest stays for the next flush (a draining iterator cut
+        // short would drop it).
+        let keys: Vec<LeaseKey> =
+            self.returns.keys().take(LEASE_REQUESTS_PER_COMMAND_MAX).copied().collect();
+        let returns: Vec<(String, u64)> = keys
+            .into_iter()
+            .filter_map(|key| self.returns.remove(&key).map(|tokens| (key.ledger_key(), tokens)))
             .collect();
         let tokens: u64 = returns.iter().map(|(_, tokens)| tokens).sum();
         if !self.breaker.is_closed() {
