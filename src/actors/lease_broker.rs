@@ -323,7 +323,11 @@ impl BrokerState {
         let now_ms = crate::clock::now_ms();
         let latency_ms = u64::try_from(done.latency.as_millis()).unwrap_or(u64::MAX);
         self.metrics.ledger_call_duration.observe(done.latency.as_secs_f64());
-        if done.result.is_ok() {
+        // Only answers within the deadline they were judged by teach the breaker the
+        // ledger's latency: an election's stalled calls must not raise the deadline for the
+        // next outage (half-open, the deadline is the ceiling, so a ledger that became slow
+        // for good is learnt there).
+        if done.result.is_ok() && !done.judged {
             self.breaker.observe_latency(latency_ms);
         }
         if !done.judged {
