@@ -116,6 +116,14 @@ impl Node {
         config.validate()?;
         let data_dir_lock = lock_data_dir(&config.data_dir)?;
         let metrics = Metrics::new();
+        if config.tls.is_none() && !config.peers.is_empty() {
+            // validate() let this through only because insecure_cluster says so.
+            tracing::warn!(
+                "insecure_cluster = true: the Raft port has no TLS; anyone who can reach it can \
+                 write to this region's ledgers. Configure [tls] (quotamesh cluster certs)"
+            );
+            metrics.insecure_cluster.set(1);
+        }
         let origin = config.policy.clone().map_or(PolicyOrigin::Embedded, PolicyOrigin::Path);
         let policy = Arc::new(PolicyStore::open(origin, metrics.clone())?);
 
@@ -162,6 +170,7 @@ impl Node {
             },
             raft.quota().clone(),
             policy.active(),
+            crate::api::operators::Operators::new(&config.admin),
         );
 
         let (stop, stopped) = watch::channel(false);

@@ -93,6 +93,18 @@ pub trait GroupConfig:
 {
     /// The deterministic state machine this group replicates.
     type Machine: GroupMachine<Command = Self::D, Response = Self::R>;
+
+    /// Whether `command` may reach this group through a `Forward` call from node `sender`
+    /// (the Raft id its verified certificate names), which is a voter of the group or not.
+    /// A node proposes only what it may propose itself: never on another node's behalf.
+    ///
+    /// # Errors
+    /// Why not, for the refusal's `PERMISSION_DENIED`.
+    fn check_forward(
+        command: &Self::D,
+        sender: NodeId,
+        sender_is_voter: bool,
+    ) -> Result<(), String>;
 }
 
 /// One record of a machine's materialized state: key and encoded value.

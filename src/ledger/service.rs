@@ -7,6 +7,21 @@
 //! trouble: `NOT_FOUND` for a group this process does not host (yet), `INVALID_ARGUMENT` for
 //! an undecodable payload. `Forward` runs a client write on this node and never forwards it
 //! again. The client side is `network.rs`; the group handle is `group.rs`.
+//!
+//! On a TLS port (`crate::tls`) every request carries the Raft node id its caller's verified
+//! certificate names, and a node speaks only for itself:
+//!
+//! ```text
+//!  AppendEntries, InstallSnapshot   vote.leader_id names the sender; the sender is a voter
+//!  Vote                             vote.leader_id (the candidate) names the sender; a voter
+//!  Forward                          GroupConfig::check_forward (own leases only; billing
+//!                                   from voters, each operation naming its caller)
+//! ```
+//!
+//! "A voter" is one of the receiving node's membership (either half of a joint one); a
+//! node that has no membership yet (a newcomer waiting to be added) cannot tell and
+//! accepts any node of the cluster. Refusals are `PERMISSION_DENIED`; a request without an
+//! identity on an authenticated service is `UNAUTHENTICATED`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -21,6 +36,7 @@ use tonic::{Request, Response, Status};
 use super::proto::raft_peer_server::{RaftPeer, RaftPeerServer};
 use super::proto::{GroupReply, GroupRequest};
 use super::{BasicNode, COMMAND_BYTES_MAX, GroupConfig, NodeId, PEER_MESSAGE_BYTES_MAX, RaftGroup};
+use crate::tls::transport::PeerInfo;
 
 /// Most groups one process hosts (quota, billing, and room for multi-raft shards).
 pub const GROUPS_PER_PROCESS_MAX: usize = 64;
@@ -48,13 +64,22 @@ impl RegisterError {
     }
 }
 
-/// One group as the service sees it: bytes in, bytes out.
+/// One group as the service sees it: bytes in, bytes out. `sender` is the caller's verified
+/// node id on a TLS port, `None` on a plaintext one (which checks nothing).
 #[tonic::async_trait]
 trait GroupEndpoint: Send + Sync + 'static {
-    async fn append_entries(&self, payload: &[u8]) -> Result<Vec<u8>, Status>;
-    async fn vote(&self, payload: &[u8]) -> Result<Vec<u8>, Status>;
-    async fn install_snapshot(&self, payload: &[u8]) -> Result<Vec<u8>, Status>;
-    async fn forward(&self, payload: &[u8]) -> Result<Vec<u8>, Status>;
+    async fn append_entries(
+        &self,
+        payload: &[u8],
+        sender: Option<NodeId>,
+    ) -> Result<Vec<u8>, Status>;
+    async fn vote(&self, payload: &[u8], sender: Option<NodeId>) -> Result<Vec<u8>, Status>;
+    async fn install_snapshot(
+        &self,
+        payload: &[u8],
+        sender: Option<NodeId>,
+    ) -> Result<Vec<u8>, Status>;
+    async fn forward(&self, payload: &[u8], sender: Option<NodeId>) -> Result<Vec<u8>, Status>;
 }
 
 struct Endpoint<C: GroupConfig> {
@@ -71,26 +96,72 @@ fn encode<T: Serialize>(reply: &T) -> Result<Vec<u8>, Status> {
         .map_err(|e| Status::internal(format!("cannot encode the reply: {e}")))
 }
 
+impl<C: GroupConfig> Endpoint<C> {
+    /// Whether `node` is a voter of this node's membership; `None` when this node has no
+    /// membership yet.
+    fn is_voter(&self, node: NodeId) -> Option<bool> {
+        let metrics = self.raft.metrics();
+        let metrics = metrics.borrow();
+        let membership = metrics.membership_config.membership();
+        if membership.get_joint_config().iter().all(std::collections::BTreeSet::is_empty) {
+            return None;
+        }
+        Some(membership.voter_ids().any(|voter| voter == node))
+    }
+
+    /// Checks a Raft message whose vote names `claimed` as leader or candidate.
+    fn check_raft_sender(
+        &self,
+        rpc: &str,
+        claimed: Option<NodeId>,
+        sender: Option<NodeId>,
+    ) -> Result<(), Status> {
+        let Some(sender) = sender else { return Ok(()) };
+        if claimed != Some(sender) {
+            return Err(Status::permission_denied(format!(
+                "{rpc} from node {sender} speaks for node {claimed:?}"
+            )));
+        }
+        if self.is_voter(sender) == Some(false) {
+            return Err(Status::permission_denied(format!(
+                "{rpc} from node {sender}, which is no voter of this group"
+            )));
+        }
+        Ok(())
+    }
+}
+
 #[tonic::async_trait]
 impl<C: GroupConfig> GroupEndpoint for Endpoint<C> {
-    async fn append_entries(&self, payload: &[u8]) -> Result<Vec<u8>, Status> {
-        let request = decode(payload)?;
+    async fn append_entries(
+        &self,
+        payload: &[u8],
+        sender: Option<NodeId>,
+    ) -> Result<Vec<u8>, Status> {
+        let request: openraft::raft::AppendEntriesRequest<C> = decode(payload)?;
+        self.check_raft_sender("AppendEntries", request.vote.leader_id().voted_for(), sender)?;
         encode(&self.raft.append_entries(request).await)
     }
 
-    async fn vote(&self, payload: &[u8]) -> Result<Vec<u8>, Status> {
-        let request = decode(payload)?;
+    async fn vote(&self, payload: &[u8], sender: Option<NodeId>) -> Result<Vec<u8>, Status> {
+        let request: openraft::raft::VoteRequest<NodeId> = decode(payload)?;
+        self.check_raft_sender("Vote", request.vote.leader_id().voted_for(), sender)?;
         encode(&self.raft.vote(request).await)
     }
 
-    async fn install_snapshot(&self, payload: &[u8]) -> Result<Vec<u8>, Status> {
-        let request = decode(payload)?;
+    async fn install_snapshot(
+        &self,
+        payload: &[u8],
+        sender: Option<NodeId>,
+    ) -> Result<Vec<u8>, Status> {
+        let request: openraft::raft::InstallSnapshotRequest<C> = decode(payload)?;
+        self.check_raft_sender("InstallSnapshot", request.vote.leader_id().voted_for(), sender)?;
         let reply: Result<_, RaftError<NodeId, InstallSnapshotError>> =
             self.raft.install_snapshot(request).await;
         encode(&reply)
     }
 
-    async fn forward(&self, payload: &[u8]) -> Result<Vec<u8>, Status> {
+    async fn forward(&self, payload: &[u8], sender: Option<NodeId>) -> Result<Vec<u8>, Status> {
         if payload.len() > COMMAND_BYTES_MAX {
             return Err(Status::invalid_argument(format!(
                 "command of {} bytes exceeds {COMMAND_BYTES_MAX}",
@@ -98,6 +169,10 @@ impl<C: GroupConfig> GroupEndpoint for Endpoint<C> {
             )));
         }
         let command: C::D = decode(payload)?;
+        if let Some(sender) = sender {
+            let is_voter = self.is_voter(sender).unwrap_or(false);
+            C::check_forward(&command, sender, is_voter).map_err(Status::permission_denied)?;
+        }
         let reply: Result<C::R, RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>> =
             self.raft.client_write(command).await.map(|written| written.data);
         encode(&reply)
@@ -108,12 +183,31 @@ impl<C: GroupConfig> GroupEndpoint for Endpoint<C> {
 #[derive(Clone, Default)]
 pub struct RaftPeerService {
     groups: Arc<RwLock<HashMap<String, Arc<dyn GroupEndpoint>>>>,
+    /// Served over TLS: every request must carry its caller's identity.
+    authenticated: bool,
 }
 
 impl RaftPeerService {
-    /// A service hosting no group yet.
-    pub fn new() -> Self {
-        Self::default()
+    /// A service hosting no group yet; `authenticated` when it is served over TLS
+    /// ([`Self::serve_tls`]), so every request must name its verified sender.
+    pub fn new(authenticated: bool) -> Self {
+        Self { groups: Arc::default(), authenticated }
+    }
+
+    /// The verified node id of a request's caller: `None` on a plaintext service.
+    ///
+    /// # Errors
+    /// `UNAUTHENTICATED` on an authenticated service for a request without a node identity.
+    fn sender<T>(&self, request: &Request<T>) -> Result<Option<NodeId>, Status> {
+        if !self.authenticated {
+            return Ok(None);
+        }
+        request
+            .extensions()
+            .get::<PeerInfo>()
+            .and_then(|info| info.identity.node_id())
+            .map(Some)
+            .ok_or_else(|| Status::unauthenticated("no verified node certificate"))
     }
 
     /// Routes requests for `group` to `raft`.
@@ -167,7 +261,14 @@ impl RaftPeerService {
             .max_encoding_message_size(PEER_MESSAGE_BYTES_MAX)
     }
 
-    /// Serves the Raft transport on `listener` until `shutdown` completes.
+    fn router(self) -> tonic::transport::server::Router {
+        tonic::transport::Server::builder()
+            .timeout(SERVER_REQUEST_TIMEOUT)
+            .concurrency_limit_per_connection(CONCURRENT_REQUESTS_PER_CONNECTION_MAX)
+            .add_service(self.into_server())
+    }
+
+    /// Serves the Raft transport in plaintext on `listener` until `shutdown` completes.
     ///
     /// # Errors
     /// The transport error that stopped the server.
@@ -180,12 +281,22 @@ impl RaftPeerService {
         // binds itself, and Nagle meeting the peer's delayed ACK stalls a small reply ~40 ms.
         let incoming =
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-        tonic::transport::Server::builder()
-            .timeout(SERVER_REQUEST_TIMEOUT)
-            .concurrency_limit_per_connection(CONCURRENT_REQUESTS_PER_CONNECTION_MAX)
-            .add_service(self.into_server())
-            .serve_with_incoming_shutdown(incoming, shutdown)
-            .await
+        self.router().serve_with_incoming_shutdown(incoming, shutdown).await
+    }
+
+    /// Serves the Raft transport over mutual TLS (`crate::tls::transport::incoming`) on
+    /// `listener` until `shutdown` completes.
+    ///
+    /// # Errors
+    /// The transport error that stopped the server.
+    pub async fn serve_tls(
+        self,
+        listener: tokio::net::TcpListener,
+        tls: Arc<rustls::ServerConfig>,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), tonic::transport::Error> {
+        let incoming = crate::tls::transport::incoming(listener, tls);
+        self.router().serve_with_incoming_shutdown(incoming, shutdown).await
     }
 }
 
@@ -195,14 +306,17 @@ impl RaftPeer for RaftPeerService {
         &self,
         request: Request<GroupRequest>,
     ) -> Result<Response<GroupReply>, Status> {
+        let sender = self.sender(&request)?;
         let request = request.into_inner();
-        let payload = self.endpoint(&request.group)?.append_entries(&request.payload).await?;
+        let payload =
+            self.endpoint(&request.group)?.append_entries(&request.payload, sender).await?;
         Ok(Response::new(GroupReply { payload }))
     }
 
     async fn vote(&self, request: Request<GroupRequest>) -> Result<Response<GroupReply>, Status> {
+        let sender = self.sender(&request)?;
         let request = request.into_inner();
-        let payload = self.endpoint(&request.group)?.vote(&request.payload).await?;
+        let payload = self.endpoint(&request.group)?.vote(&request.payload, sender).await?;
         Ok(Response::new(GroupReply { payload }))
     }
 
@@ -210,8 +324,10 @@ impl RaftPeer for RaftPeerService {
         &self,
         request: Request<GroupRequest>,
     ) -> Result<Response<GroupReply>, Status> {
+        let sender = self.sender(&request)?;
         let request = request.into_inner();
-        let payload = self.endpoint(&request.group)?.install_snapshot(&request.payload).await?;
+        let payload =
+            self.endpoint(&request.group)?.install_snapshot(&request.payload, sender).await?;
         Ok(Response::new(GroupReply { payload }))
     }
 
@@ -219,8 +335,9 @@ impl RaftPeer for RaftPeerService {
         &self,
         request: Request<GroupRequest>,
     ) -> Result<Response<GroupReply>, Status> {
+        let sender = self.sender(&request)?;
         let request = request.into_inner();
-        let payload = self.endpoint(&request.group)?.forward(&request.payload).await?;
+        let payload = self.endpoint(&request.group)?.forward(&request.payload, sender).await?;
         Ok(Response::new(GroupReply { payload }))
     }
 }
