@@ -31,6 +31,8 @@
 //!
 //! [admin]                          # who may call the admin API
 //! read_open = false                # true: Status and ReadKeys need no token
+//! tls = false                      # true: TLS with [tls]'s certificate; operator certificates
+//!                                  # authenticate as tokens do
 //! [[admin.tokens]]                 # none: every admin call is UNAUTHENTICATED
 //! name = "ops"                     # the operator named in the log
 //! sha256 = "<64 hex digits>"       # `quotamesh billing hash-token` prints it
@@ -350,6 +352,10 @@ impl ClusterTlsConfig {
 pub struct AdminConfig {
     /// `Status` and `ReadKeys` without a token (the calls that change nothing).
     pub read_open: bool,
+    /// Serve the admin API over TLS with the node's `[tls]` certificate; an operator
+    /// certificate of the cluster's CA (`quotamesh cluster certs issue-operator`) then
+    /// authenticates a caller as a token does.
+    pub tls: bool,
     /// The operators.
     pub tokens: Vec<AdminToken>,
 }
@@ -717,6 +723,11 @@ impl NodeConfig {
             && !(100..=3_600_000).contains(&tls.reload_interval_ms)
         {
             return invalid("tls.reload_interval_ms must be between 100 and 3600000".to_owned());
+        }
+        if self.admin.tls && self.tls.is_none() {
+            return invalid(
+                "admin.tls uses the node's certificate: configure [tls] too".to_owned(),
+            );
         }
         if self.admin.tokens.len() > ADMIN_TOKENS_MAX {
             return invalid(format!("admin.tokens: at most {ADMIN_TOKENS_MAX}"));

@@ -36,6 +36,7 @@ use crate::core::headers::HeaderOptions;
 use crate::metrics::Metrics;
 use crate::policy_store::{PolicyLoadError, PolicyOrigin, PolicyStore};
 use crate::raft_host::{RaftHost, RaftHostError};
+use crate::tls::credentials::Accept;
 
 mod billing;
 
@@ -182,10 +183,13 @@ impl Node {
                 return Err(error);
             }
         };
+        let admin_tls = raft.credentials().filter(|_| config.admin.tls).map(|credentials| {
+            crate::tls::transport::server_config(credentials, Accept::NodesAndOperators)
+        });
         let admin_server = {
             let shutdown = until_stopped(stopped.clone());
             tokio::spawn(async move {
-                if let Err(error) = admin.serve(admin_listener, shutdown).await {
+                if let Err(error) = admin.serve(admin_listener, admin_tls, shutdown).await {
                     tracing::error!(%error, "admin gRPC server stopped");
                 }
             })

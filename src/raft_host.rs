@@ -103,6 +103,7 @@ pub struct RaftHost {
     quota: RaftGroup<QuotaGroup>,
     stop: watch::Sender<bool>,
     server: JoinHandle<()>,
+    credentials: Option<std::sync::Arc<Credentials>>,
     tls_reload: Option<JoinHandle<()>>,
 }
 
@@ -184,15 +185,16 @@ impl RaftHost {
         let tls = credentials
             .as_ref()
             .map(|credentials| crate::tls::transport::server_config(credentials, Accept::Nodes));
-        let tls_reload = credentials.zip(config.tls.as_ref()).map(|(credentials, files)| {
-            let mut stopped = stopped.clone();
-            credentials.watch(
-                std::time::Duration::from_millis(files.reload_interval_ms),
-                async move {
-                    let _ = stopped.wait_for(|stop| *stop).await;
-                },
-            )
-        });
+        let tls_reload =
+            credentials.clone().zip(config.tls.as_ref()).map(|(credentials, files)| {
+                let mut stopped = stopped.clone();
+                credentials.watch(
+                    std::time::Duration::from_millis(files.reload_interval_ms),
+                    async move {
+                        let _ = stopped.wait_for(|stop| *stop).await;
+                    },
+                )
+            });
         let server = {
             let service = service.clone();
             tokio::spawn(async move {
@@ -226,6 +228,7 @@ impl RaftHost {
             quota,
             stop,
             server,
+            credentials,
             tls_reload,
         })
     }
@@ -269,6 +272,11 @@ impl RaftHost {
     /// The channels to peers, for another group to share.
     pub fn channels(&self) -> &PeerChannels {
         &self.channels
+    }
+
+    /// The node's TLS credentials (`[tls]`), for the other ports that use them.
+    pub fn credentials(&self) -> Option<&std::sync::Arc<Credentials>> {
+        self.credentials.as_ref()
     }
 
     /// The peer service, for another group to register with.

@@ -16,7 +16,8 @@
 //!
 //! Every call needs an operator token (`crate::api::operators`): the ones that change the
 //! group or the ledger (`Init`, `AddNode`, `RemoveNode`, `AcquireLeases`) a full one, the
-//! reads (`Status`, `ReadKeys`) any, or none with `admin.read_open`. Changes are logged with
+//! reads (`Status`, `ReadKeys`) any, or none with `admin.read_open`. With `admin.tls` the
+//! port is TLS and an operator certificate counts as a full token. Changes are logged with
 //! the operator's name.
 //!
 //! Every call is bounded by the caller's gRPC deadline, capped at [`ADMIN_DEADLINE_MAX`]
@@ -102,7 +103,12 @@ impl AdminService {
 
     /// Checks the caller's token for `access`; logs who asks for a change.
     fn authorize<T>(&self, request: &Request<T>, access: Access, call: &str) -> Result<(), Status> {
-        let operator = self.operators.authorize(request.metadata(), access).map_err(|error| {
+        let certificate = request
+            .extensions()
+            .get::<crate::tls::transport::PeerInfo>()
+            .and_then(|info| info.identity.as_deref());
+        let authorized = self.operators.authorize(request.metadata(), certificate, access);
+        let operator = authorized.map_err(|error| {
             tracing::warn!(call, remote = ?request.remote_addr(), %error, "admin call refused");
             Status::from(error)
         })?;
@@ -121,24 +127,33 @@ impl AdminService {
             .max_encoding_message_size(ADMIN_MESSAGE_BYTES_MAX)
     }
 
-    /// Serves the admin API on `listener` until `shutdown` completes.
+    /// Serves the admin API on `listener` until `shutdown` completes: over TLS with `tls`
+    /// (client certificates optional; an operator's counts as a token), else plaintext.
     ///
     /// # Errors
     /// The transport error that stopped the server.
     pub async fn serve(
         self,
         listener: tokio::net::TcpListener,
+        tls: Option<Arc<rustls::ServerConfig>>,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), tonic::transport::Error> {
-        let incoming =
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-        tonic::transport::Server::builder()
+        let router = tonic::transport::Server::builder()
             // A backstop: each handler bounds its own work by the caller's deadline.
             .timeout(ADMIN_DEADLINE_MAX + Duration::from_secs(5))
             .concurrency_limit_per_connection(ADMIN_CONCURRENT_REQUESTS_PER_CONNECTION_MAX)
-            .add_service(self.into_server())
-            .serve_with_incoming_shutdown(incoming, shutdown)
-            .await
+            .add_service(self.into_server());
+        match tls {
+            Some(tls) => {
+                let incoming = crate::tls::transport::incoming(listener, tls);
+                router.serve_with_incoming_shutdown(incoming, shutdown).await
+            }
+            None => {
+                let incoming =
+                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+                router.serve_with_incoming_shutdown(incoming, shutdown).await
+            }
+        }
     }
 
     fn members(&self) -> Vec<proto::Member> {

@@ -1,6 +1,8 @@
 //! Who may call the admin API: operators, each with a bearer token whose SHA-256 the
 //! configuration stores (`[[admin.tokens]]`), compared in constant time exactly as the
-//! billing API's tokens are (`crate::api::billing::auth`).
+//! billing API's tokens are (`crate::api::billing::auth`), or, on an admin port served over
+//! TLS (`admin.tls`), with an operator certificate of the cluster's CA, which counts as a
+//! full token.
 //!
 //! ```text
 //!  call            no or unknown token     read-only token       token
@@ -13,6 +15,7 @@ use std::sync::Arc;
 
 use crate::api::billing::auth::{AuthError, configured_digest, find_digest, presented_digest};
 use crate::config::AdminConfig;
+use crate::tls::{Holder, PeerIdentity};
 
 /// What a call does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,8 +57,9 @@ impl Operators {
         Self { tokens, read_open: config.read_open }
     }
 
-    /// Checks that a call with this metadata may have `access`; returns the operator, or
-    /// `None` for an open read without a token.
+    /// Checks that a call with this metadata (and, over TLS, this verified client
+    /// `certificate`) may have `access`; returns the operator, or `None` for an open read
+    /// without a token.
     ///
     /// # Errors
     /// [`AuthError`]: `Missing`, `Malformed` or `Unknown` (UNAUTHENTICATED), `ReadOnly`
@@ -63,8 +67,12 @@ impl Operators {
     pub fn authorize(
         &self,
         metadata: &tonic::metadata::MetadataMap,
+        certificate: Option<&PeerIdentity>,
         access: Access,
     ) -> Result<Option<Arc<Operator>>, AuthError> {
+        if let Some(PeerIdentity { holder: Holder::Operator { name }, .. }) = certificate {
+            return Ok(Some(Arc::new(Operator { name: name.clone(), read_only: false })));
+        }
         if access == Access::Read && self.read_open && metadata.get("authorization").is_none() {
             return Ok(None);
         }
@@ -91,6 +99,32 @@ mod tests {
         map
     }
 
+    impl Operators {
+        fn authorize_token(
+            &self,
+            metadata: &tonic::metadata::MetadataMap,
+            access: Access,
+        ) -> Result<Option<Arc<Operator>>, AuthError> {
+            self.authorize(metadata, None, access)
+        }
+    }
+
+    /// An operator certificate serves as a full token; a node's certificate does not.
+    #[test]
+    fn operator_certificates_count_as_tokens() {
+        let operators = Operators::new(&AdminConfig::default());
+        let identity = |holder| PeerIdentity { cluster_id: "c".to_owned(), holder };
+        let alice = identity(Holder::Operator { name: "alice".to_owned() });
+        let granted = operators.authorize(&metadata(None), Some(&alice), Access::Change);
+        assert_eq!(granted.expect("operator").map(|o| o.name.clone()).as_deref(), Some("alice"));
+        let node =
+            identity(Holder::Node { region: "r".to_owned(), node_id: crate::ledger::NodeId(1) });
+        assert_eq!(
+            operators.authorize(&metadata(None), Some(&node), Access::Read),
+            Err(AuthError::Missing)
+        );
+    }
+
     /// Changes need a full token; reads need a token unless opened; a read-only token may
     /// read but not change; unknown tokens are refused either way.
     #[test]
@@ -102,24 +136,31 @@ mod tests {
         };
         let mut config = AdminConfig {
             read_open: false,
+            tls: false,
             tokens: vec![token("ops", "s1", false), token("viewer", "s2", true)],
         };
         let operators = Operators::new(&config);
-        let ops = operators.authorize(&metadata(Some("s1")), Access::Change).expect("ops");
+        let ops = operators.authorize_token(&metadata(Some("s1")), Access::Change).expect("ops");
         assert_eq!(ops.map(|o| o.name.clone()).as_deref(), Some("ops"));
-        assert!(operators.authorize(&metadata(Some("s2")), Access::Read).is_ok());
+        assert!(operators.authorize_token(&metadata(Some("s2")), Access::Read).is_ok());
         assert!(matches!(
-            operators.authorize(&metadata(Some("s2")), Access::Change),
+            operators.authorize_token(&metadata(Some("s2")), Access::Change),
             Err(AuthError::ReadOnly { .. })
         ));
         assert_eq!(
-            operators.authorize(&metadata(Some("s3")), Access::Change),
+            operators.authorize_token(&metadata(Some("s3")), Access::Change),
             Err(AuthError::Unknown)
         );
-        assert_eq!(operators.authorize(&metadata(None), Access::Read), Err(AuthError::Missing));
+        assert_eq!(
+            operators.authorize_token(&metadata(None), Access::Read),
+            Err(AuthError::Missing)
+        );
         config.read_open = true;
         let operators = Operators::new(&config);
-        assert_eq!(operators.authorize(&metadata(None), Access::Read), Ok(None));
-        assert_eq!(operators.authorize(&metadata(None), Access::Change), Err(AuthError::Missing));
+        assert_eq!(operators.authorize_token(&metadata(None), Access::Read), Ok(None));
+        assert_eq!(
+            operators.authorize_token(&metadata(None), Access::Change),
+            Err(AuthError::Missing)
+        );
     }
 }

@@ -3,7 +3,9 @@
 //! `crate::cli::certs`'s.
 //!
 //! Every call carries the operator token (`authorization: Bearer`), read from
-//! `QUOTAMESH_ADMIN_TOKEN` or the file `--admin-token-file` names.
+//! `QUOTAMESH_ADMIN_TOKEN` or the file `--admin-token-file` names; against an admin port
+//! served with `admin.tls`, `--ca-cert` (and an operator's `--client-cert`, `--client-key`
+//! instead of a token) makes the connection TLS.
 //!
 //! Membership changes run on the quota group's leader. Give `--admin-addr` every node of the
 //! region (comma-separated or repeated) and the command finds the leader by asking each for
@@ -40,6 +42,15 @@ pub struct Target {
     /// A file holding the operator token (else `QUOTAMESH_ADMIN_TOKEN`).
     #[arg(long)]
     pub admin_token_file: Option<std::path::PathBuf>,
+    /// The cluster's CA certificate: talk TLS to an admin port served with `admin.tls`.
+    #[arg(long)]
+    pub ca_cert: Option<std::path::PathBuf>,
+    /// An operator certificate (`quotamesh cluster certs issue-operator`), instead of a token.
+    #[arg(long, requires = "client_key")]
+    pub client_cert: Option<std::path::PathBuf>,
+    /// The operator certificate's key.
+    #[arg(long, requires = "client_cert")]
+    pub client_key: Option<std::path::PathBuf>,
     /// The token, once read.
     #[arg(skip)]
     token: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
@@ -60,11 +71,14 @@ impl Target {
         };
         self.token = match token.as_deref().map(str::trim).filter(|token| !token.is_empty()) {
             None => None,
-            Some(token) => Some(
-                format!("Bearer {token}")
-                    .parse()
-                    .context("the admin token must be printable ASCII")?,
-            ),
+            Some(token) => {
+                let mut value: tonic::metadata::MetadataValue<tonic::metadata::Ascii> =
+                    format!("Bearer {token}")
+                        .parse()
+                        .context("the admin token must be printable ASCII")?;
+                value.set_sensitive(true);
+                Some(value)
+            }
         };
         Ok(())
     }
@@ -236,12 +250,19 @@ fn first_address(target: &Target) -> anyhow::Result<&str> {
 }
 
 async fn connect(address: &str, target: &Target) -> anyhow::Result<AdminClient<Channel>> {
+    let scheme = if target.ca_cert.is_some() { "https" } else { "http" };
     let url =
-        if address.contains("://") { address.to_owned() } else { format!("http://{address}") };
-    let channel = tonic::transport::Endpoint::from_shared(url)
+        if address.contains("://") { address.to_owned() } else { format!("{scheme}://{address}") };
+    let mut endpoint = tonic::transport::Endpoint::from_shared(url)
         .with_context(|| format!("invalid admin address {address:?}"))?
         .connect_timeout(CONNECT_TIMEOUT)
-        .timeout(Duration::from_millis(target.timeout_ms))
+        .timeout(Duration::from_millis(target.timeout_ms));
+    if let Some(ca) = &target.ca_cert {
+        let identity = target.client_cert.as_deref().zip(target.client_key.as_deref());
+        endpoint =
+            endpoint.tls_config(crate::cli::billing::client_tls(Some(ca), identity, None)?)?;
+    }
+    let channel = endpoint
         .connect()
         .await
         .with_context(|| format!("cannot connect to the admin API at {address}"))?;

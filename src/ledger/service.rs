@@ -205,7 +205,7 @@ impl RaftPeerService {
         request
             .extensions()
             .get::<PeerInfo>()
-            .and_then(|info| info.identity.node_id())
+            .and_then(|info| info.identity.as_ref()?.node_id())
             .map(Some)
             .ok_or_else(|| Status::unauthenticated("no verified node certificate"))
     }

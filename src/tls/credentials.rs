@@ -269,7 +269,8 @@ impl ResolvesClientCert for CurrentCertificate {
 pub enum Accept {
     /// Nodes of the cluster only (the Raft port, and a node dialling a peer).
     Nodes,
-    /// Nodes and operators (the admin port).
+    /// Nodes and operators, or a client without a certificate (the admin port, where a
+    /// token authenticates such a client).
     NodesAndOperators,
 }
 
@@ -316,7 +317,8 @@ impl ClientCertVerifier for PeerClientVerifier {
     }
 
     fn client_auth_mandatory(&self) -> bool {
-        true
+        // The admin port also takes operators with a token and no certificate.
+        self.accept == Accept::Nodes
     }
 
     fn root_hint_subjects(&self) -> &[DistinguishedName] {

@@ -40,8 +40,9 @@ const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
 /// What tonic puts in every request's extensions on a TLS port: who is calling.
 #[derive(Debug, Clone)]
 pub struct PeerInfo {
-    /// The identity the peer's verified certificate names.
-    pub identity: Arc<PeerIdentity>,
+    /// The identity the peer's verified certificate names; `None` on a port where a client
+    /// certificate is optional (the admin port) and none was sent.
+    pub identity: Option<Arc<PeerIdentity>>,
     /// The peer's address.
     pub remote_addr: Option<SocketAddr>,
 }
@@ -106,7 +107,9 @@ impl AsyncWrite for PeerConnection {
     }
 }
 
-/// The rustls server configuration of a port that accepts `accept`.
+/// The rustls server configuration of a port that accepts `accept`: on the Raft port a
+/// node certificate is required; on the admin port a client certificate is optional (an
+/// operator may use a token instead), but one that is sent must be valid.
 pub fn server_config(credentials: &Arc<Credentials>, accept: Accept) -> Arc<ServerConfig> {
     let verifier = Arc::new(PeerClientVerifier { credentials: Arc::clone(credentials), accept });
     let mut config = ServerConfig::builder_with_provider(super::provider())
@@ -178,19 +181,18 @@ pub fn incoming(
                             return;
                         }
                     };
-                let identity = stream
-                    .get_ref()
-                    .1
-                    .peer_certificates()
-                    .and_then(|chain| chain.first())
-                    .map(|leaf| PeerIdentity::from_certificate(leaf));
                 // The verifier has checked the identity already; this only reads it.
-                let Some(Ok(identity)) = identity else {
-                    tracing::warn!(%remote_addr, "verified peer without a readable identity");
-                    return;
+                let identity = match stream.get_ref().1.peer_certificates() {
+                    None | Some([]) => None,
+                    Some([leaf, ..]) => match PeerIdentity::from_certificate(leaf) {
+                        Ok(identity) => Some(Arc::new(identity)),
+                        Err(error) => {
+                            tracing::warn!(%remote_addr, %error, "verified peer without an identity");
+                            return;
+                        }
+                    },
                 };
-                let info =
-                    PeerInfo { identity: Arc::new(identity), remote_addr: Some(remote_addr) };
+                let info = PeerInfo { identity, remote_addr: Some(remote_addr) };
                 let _ = accepted.send(Ok(PeerConnection { stream, info })).await;
             });
         }

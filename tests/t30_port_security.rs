@@ -314,3 +314,64 @@ async fn admin_calls_need_the_operator_token() -> Result<()> {
     assert_eq!(cluster.voters(leader).await?.len(), 3);
     Ok(())
 }
+
+// Proves that with `admin.tls` the admin port speaks TLS only, and that an operator
+// certificate of the cluster's CA authenticates a caller without a token, a node's
+// certificate does not, and a token still does without any client certificate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_certificates_authenticate_on_a_tls_admin_port() -> Result<()> {
+    let scratch = tempfile::tempdir()?;
+    let root = scratch.path();
+    let ca = TestCa::new(root, "local")?;
+    let policy = common::write_file(root, "policy.yaml", common::cluster::CLUSTER_POLICY);
+    let operator = ca.authority.issue_operator("alice", quotamesh::clock::now_ms(), 1)?;
+    let (operator_cert, operator_key) = ca.write("operator-alice", &operator)?;
+    let (node_cert, node_key) = ca.write("node-7", &ca.issue(7, "127.0.0.1")?)?;
+    let config = root.join("node.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "{}\n[admin]\ntls = true\n{}",
+            ca.node_section(1, "127.0.0.1")?,
+            common::tls::admin_section()
+        ),
+    )?;
+    let admin_addr = format!("127.0.0.1:{}", common::free_port());
+    let config_flag = config.display().to_string();
+    let _node = common::NodeProcess::start_with(
+        &policy,
+        &root.join("data"),
+        &["--config", &config_flag, "--admin-addr", &admin_addr],
+    )?;
+    let status = |extra: &[&std::path::Path], token: Option<&str>| -> Result<(bool, String)> {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_quotamesh"));
+        command.args(["cluster", "status", "--admin-addr", &admin_addr]);
+        command.env_remove("QUOTAMESH_ADMIN_TOKEN");
+        if let Some(token) = token {
+            command.env("QUOTAMESH_ADMIN_TOKEN", token);
+        }
+        if let [ca_cert, rest @ ..] = extra {
+            command.arg("--ca-cert").arg(ca_cert);
+            if let [cert, key] = rest {
+                command.arg("--client-cert").arg(cert).arg("--client-key").arg(key);
+            }
+        }
+        let output = command.output()?;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        Ok((output.status.success(), text))
+    };
+    let bundle = ca.bundle();
+    let (served, text) = status(&[&bundle, &operator_cert, &operator_key], None)?;
+    assert!(served, "an operator certificate was refused: {text}");
+    let (served, text) = status(&[&bundle, &node_cert, &node_key], None)?;
+    assert!(!served && text.contains("Unauthenticated"), "a node certificate served: {text}");
+    let (served, text) = status(&[&bundle], Some(common::tls::ADMIN_TOKEN))?;
+    assert!(served, "a token without a client certificate was refused: {text}");
+    let (served, text) = status(&[], Some(common::tls::ADMIN_TOKEN))?;
+    assert!(!served, "plaintext reached a TLS admin port: {text}");
+    Ok(())
+}
