@@ -1,7 +1,7 @@
 #!/bin/sh
 # Makes the CA and node certificates of the example region (cluster/region-a): one CA for
-# cluster "region-a", and a certificate for each of the nodes 1 to 4 (three voters and the
-# gateway) naming its Raft node id and valid for its loopback address 127.0.0.N.
+# cluster "region-a", and a certificate for each of the nodes 1 to 4 (three voters and a
+# gateway's for node 4) naming its Raft node id and valid for its loopback address 127.0.0.N.
 #
 #   cluster/make-certs.sh            # uses `quotamesh` on PATH; QUOTAMESH=path/to/quotamesh
 #
@@ -14,7 +14,10 @@ quotamesh=${QUOTAMESH:-quotamesh}
 certs=$(dirname "$0")/region-a/certs
 
 "$quotamesh" cluster certs init --cluster-id region-a --out "$certs"
-for node in 1 2 3 4; do
+for node in 1 2 3; do
     "$quotamesh" cluster certs issue --ca "$certs" --node-id "$node" --region region-a \
         --san "127.0.0.$node" --san localhost
 done
+# The gateway's certificate lets it lease for itself, nothing more.
+"$quotamesh" cluster certs issue --ca "$certs" --node-id 4 --region region-a \
+    --san 127.0.0.4 --san localhost --gateway

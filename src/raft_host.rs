@@ -119,13 +119,24 @@ impl RaftHost {
         let identity = NodeIdentity::new(config.cluster_id.clone(), config.raft_node_id);
         let claim = crate::identity::claim(&config.data_dir, &identity, &[QUOTA_GROUP_NAME])?;
         let credentials = match &config.tls {
-            Some(tls) => {
-                Some(Credentials::load(tls.files(), &config.cluster_id, config.raft_node_id)?)
-            }
+            Some(tls) => Some(Credentials::load(
+                tls.files(),
+                &config.cluster_id,
+                config.raft_node_id,
+                config.is_gateway(),
+            )?),
             None => None,
         };
         let channels =
             PeerChannels::new(credentials.as_ref().map(crate::tls::transport::client_config));
+        // The handshakes happen now rather than in a gateway's first lease calls.
+        channels.connect_early(
+            config
+                .peers
+                .iter()
+                .filter(|peer| peer.id != config.raft_node_id)
+                .map(|peer| peer.raft_addr.clone()),
+        );
         let quota = RaftGroup::<QuotaGroup>::open(
             &quota_settings(config, &config.data_dir),
             channels.clone(),

@@ -32,13 +32,14 @@ fn replace(path: &Path, text: &str) -> Result<()> {
     Ok(())
 }
 
-/// A probe presenting a certificate of `issuer` for non-member node 9 and trusting `trusted`.
+/// A probe presenting a certificate of `issuer` for gateway 9 and trusting `trusted`.
 fn probe(issuer: &TestCa, trusted: &TestCa) -> Result<Arc<rustls::ClientConfig>> {
     let name = format!("probe-{}", probe_number());
-    let (cert, key) = issuer.write(&name, &issuer.issue(9, "127.0.0.1")?)?;
+    let (cert, key) = issuer.write(&name, &issuer.issue_gateway(9, "127.0.0.1")?)?;
     let ca = issuer.directory.join(format!("{name}-trust.pem"));
     std::fs::write(&ca, trusted.authority.cert_pem())?;
-    let credentials = Credentials::load(TlsFiles { cert, key, ca }, "test-region", NodeId(9))?;
+    let credentials =
+        Credentials::load(TlsFiles { cert, key, ca }, "test-region", NodeId(9), true)?;
     Ok(client_config(&credentials))
 }
 
@@ -49,8 +50,8 @@ fn probe_number() -> usize {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
-/// Whether the TLS handshake with `address` succeeds for `config`: a Vote from a
-/// non-member is then refused by the service (PERMISSION_DENIED), not by the handshake.
+/// Whether the TLS handshake with `address` succeeds for `config`: a Vote from a gateway
+/// is then refused by the service (PERMISSION_DENIED), not by the handshake.
 async fn handshake_passes(config: &Arc<rustls::ClientConfig>, address: &str) -> Result<bool> {
     let channel = Endpoint::from_shared(format!("http://{address}"))?
         .connect_timeout(Duration::from_secs(2))
@@ -68,7 +69,7 @@ async fn handshake_passes(config: &Arc<rustls::ClientConfig>, address: &str) -> 
     match result {
         Err(status) if status.code() == tonic::Code::PermissionDenied => Ok(true),
         Err(_) => Ok(false),
-        Ok(reply) => bail!("a non-member's vote was served: {reply:?}"),
+        Ok(reply) => bail!("a gateway's vote was served: {reply:?}"),
     }
 }
 

@@ -45,21 +45,27 @@ fn peer_client(
     Ok(RaftPeerClient::new(channel))
 }
 
-/// A client configuration presenting node `id`'s certificate issued by `issuer`, trusting
-/// the CAs in `bundle` (written next to the certificate).
+/// A client configuration presenting node `id`'s certificate (a gateway's when `gateway`)
+/// issued by `issuer`, trusting the CAs in `bundle` (written next to the certificate).
 fn credentials_of(
     directory: &Path,
     issuer: &TestCa,
-    id: u64,
+    (id, gateway): (u64, bool),
     bundle: &[&TestCa],
     cluster_id: &str,
 ) -> Result<Arc<rustls::ClientConfig>> {
-    let name = format!("forger-{id}-{}", bundle.len());
-    let (cert, key) = issuer.write(&name, &issuer.issue(id, "127.0.0.1")?)?;
+    let name = format!("forger-{id}-{gateway}-{}", bundle.len());
+    let issued = if gateway {
+        issuer.issue_gateway(id, "127.0.0.1")?
+    } else {
+        issuer.issue(id, "127.0.0.1")?
+    };
+    let (cert, key) = issuer.write(&name, &issued)?;
     let ca = directory.join(format!("{name}-bundle.pem"));
     let text: String = bundle.iter().map(|ca| ca.authority.cert_pem().to_owned()).collect();
     std::fs::write(&ca, text)?;
-    let credentials = Credentials::load(TlsFiles { cert, key, ca }, cluster_id, NodeId(id))?;
+    let credentials =
+        Credentials::load(TlsFiles { cert, key, ca }, cluster_id, NodeId(id), gateway)?;
     Ok(client_config(&credentials))
 }
 
@@ -84,7 +90,7 @@ fn request(group: &str, payload: Vec<u8>) -> tonic::Request<GroupRequest> {
     tonic::Request::new(GroupRequest { group: group.to_owned(), payload })
 }
 
-/// A forged Forward: leases on `key` for node `holder`, or (for a sender speaking for
+/// A forged Forward: leases on `key` for node `holder`, or (for a gateway speaking for
 /// itself, which may lease for itself) a new policy set, which only a voter may propose.
 fn forged_forward(holder: u64, key: &str, own: bool) -> Result<Vec<u8>> {
     if own {
@@ -158,8 +164,9 @@ async fn forge_all(
 
 // Proves that on a region with mTLS on (the default for several nodes), Forward,
 // AppendEntries and Vote are refused when sent without a certificate, with a certificate of
-// another CA, with a valid certificate claiming another node id, and from a valid node that
-// is no member; and that none of them changes any node's digest, term, leader or log.
+// another CA, with a valid certificate claiming another node id, and from a gateway's
+// certificate (which may lease for itself only); and that none of them changes any node's
+// digest, term, leader or log.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forged_raft_calls_are_refused_and_change_nothing() -> Result<()> {
     let cluster = Cluster::start(3, ClusterOptions::default()).await?;
@@ -189,25 +196,37 @@ async fn forged_raft_calls_are_refused_and_change_nothing() -> Result<()> {
         ("no certificate", anonymous(&cluster.ca)?, leader, false),
         (
             "another CA's certificate",
-            credentials_of(directory, &other_ca, leader, &[&cluster.ca, &other_ca], &cluster_id)?,
+            credentials_of(
+                directory,
+                &other_ca,
+                (leader, false),
+                &[&cluster.ca, &other_ca],
+                &cluster_id,
+            )?,
             leader,
             false,
         ),
         (
             "a non-member's certificate claiming the leader",
-            credentials_of(directory, &cluster.ca, 9, &[&cluster.ca], &cluster_id)?,
+            credentials_of(directory, &cluster.ca, (9, false), &[&cluster.ca], &cluster_id)?,
             leader,
             true,
         ),
         (
-            "a non-member speaking for itself",
-            credentials_of(directory, &cluster.ca, 9, &[&cluster.ca], &cluster_id)?,
+            "a gateway speaking for itself",
+            credentials_of(directory, &cluster.ca, (9, true), &[&cluster.ca], &cluster_id)?,
             9,
             true,
         ),
         (
+            "a gateway claiming the leader",
+            credentials_of(directory, &cluster.ca, (9, true), &[&cluster.ca], &cluster_id)?,
+            leader,
+            true,
+        ),
+        (
             "a member's certificate claiming another member",
-            credentials_of(directory, &cluster.ca, follower, &[&cluster.ca], &cluster_id)?,
+            credentials_of(directory, &cluster.ca, (follower, false), &[&cluster.ca], &cluster_id)?,
             leader,
             true,
         ),
@@ -236,7 +255,7 @@ async fn forged_raft_calls_are_refused_and_change_nothing() -> Result<()> {
             }
         }
     }
-    assert_eq!(refused, 5 * 3 * 3);
+    assert_eq!(refused, 6 * 3 * 3);
     // A plaintext connection to the TLS port gets nowhere either.
     let plain = Endpoint::from_shared(format!("http://{}", cluster.nodes[&leader].raft_addr))?
         .connect_timeout(Duration::from_secs(2))
@@ -332,7 +351,7 @@ async fn operator_certificates_authenticate_on_a_tls_admin_port() -> Result<()> 
         &config,
         format!(
             "{}\n[admin]\ntls = true\n{}",
-            ca.node_section(1, "127.0.0.1")?,
+            ca.node_section(1, "127.0.0.1", false)?,
             common::tls::admin_section()
         ),
     )?;
@@ -343,7 +362,7 @@ async fn operator_certificates_authenticate_on_a_tls_admin_port() -> Result<()> 
         &root.join("data"),
         &["--config", &config_flag, "--admin-addr", &admin_addr],
     )?;
-    let status = |extra: &[&std::path::Path], token: Option<&str>| -> Result<(bool, String)> {
+    let status = |extra: &[&Path], token: Option<&str>| -> Result<(bool, String)> {
         let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_quotamesh"));
         command.args(["cluster", "status", "--admin-addr", &admin_addr]);
         command.env_remove("QUOTAMESH_ADMIN_TOKEN");

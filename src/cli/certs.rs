@@ -5,6 +5,8 @@
 //!  certs init --cluster-id region-a --out certs        certs/ca.pem, certs/ca.key
 //!  certs issue --ca certs --node-id 1 --region eu-1 --san 10.0.0.1 --san node-1.internal
 //!                                                       certs/node-1.pem, certs/node-1.key
+//!  certs issue --ca certs --node-id 4 --region eu-1 --san 10.0.0.4 --gateway
+//!                                                       a gateway's: leases for itself only
 //!  certs issue-operator --ca certs --name alice         certs/operator-alice.pem, .key
 //! ```
 //!
@@ -58,6 +60,10 @@ pub enum CertsCommand {
         /// Validity in days.
         #[arg(long, default_value_t = LEAF_VALID_DAYS_DEFAULT)]
         valid_days: u32,
+        /// A gateway's certificate (`role = "gateway"`): it may lease for itself, but never
+        /// send Raft messages or propose anything else.
+        #[arg(long)]
+        gateway: bool,
     },
     /// Issue an operator's client certificate (`operator-<name>.pem` and `.key`).
     IssueOperator {
@@ -90,10 +96,14 @@ pub fn run(command: CertsCommand) -> anyhow::Result<()> {
             authority.save(&out)?;
             println!("CA of cluster {cluster_id:?} written to {}", out.display());
         }
-        CertsCommand::Issue { ca, node_id, region, sans, out, valid_days } => {
+        CertsCommand::Issue { ca, node_id, region, sans, out, valid_days, gateway } => {
             let authority = Authority::load(&ca)?;
-            let issued =
-                authority.issue_node(&region, NodeId(node_id), &sans, now_ms, valid_days)?;
+            let node = NodeId(node_id);
+            let issued = if gateway {
+                authority.issue_gateway(&region, node, &sans, now_ms, valid_days)?
+            } else {
+                authority.issue_node(&region, node, &sans, now_ms, valid_days)?
+            };
             let written =
                 write_pair(out.as_ref().unwrap_or(&ca), &format!("node-{node_id}"), &issued)?;
             println!(

@@ -124,21 +124,39 @@ impl PeerChannels {
         Self { channels: Arc::default(), tls }
     }
 
+    /// Connects to `addresses` now, in the background, so the first call to each does not
+    /// pay for the TCP and TLS handshakes (a lease call's budget is a few milliseconds). A
+    /// peer that is not up yet is connected on first use, as without this.
+    pub fn connect_early(&self, addresses: impl IntoIterator<Item = String>) {
+        for address in addresses {
+            let (channels, tls) = (Arc::clone(&self.channels), self.tls.clone());
+            tokio::spawn(async move {
+                let Ok(endpoint) = endpoint(&address) else { return };
+                let connected = match tls {
+                    None => endpoint.connect().await,
+                    Some(tls) => {
+                        let connector =
+                            crate::tls::transport::PeerConnector::new(tls, TCP_KEEPALIVE);
+                        endpoint.connect_with_connector(connector).await
+                    }
+                };
+                if let Ok(channel) = connected {
+                    let mut channels = channels.lock();
+                    if channels.len() < PEER_CHANNELS_MAX {
+                        channels.entry(address).or_insert(channel);
+                    }
+                }
+            });
+        }
+    }
+
     fn client(&self, address: &str) -> Result<RaftPeerClient<Channel>, PeerCallError> {
         let channel = {
             let mut channels = self.channels.lock();
             match channels.get(address) {
                 Some(channel) => channel.clone(),
                 None => {
-                    let endpoint = Endpoint::from_shared(format!("http://{address}"))
-                        .map_err(|e| PeerCallError::Address {
-                            address: address.to_owned(),
-                            reason: e.to_string(),
-                        })?
-                        .connect_timeout(CONNECT_TIMEOUT)
-                        .tcp_nodelay(true)
-                        .tcp_keepalive(Some(TCP_KEEPALIVE));
-                    let channel = connect_lazy(&endpoint, self.tls.as_ref());
+                    let channel = connect_lazy(&endpoint(address)?, self.tls.as_ref());
                     if channels.len() < PEER_CHANNELS_MAX {
                         channels.insert(address.to_owned(), channel.clone());
                     }
@@ -201,6 +219,15 @@ impl PeerChannels {
         let reply = self.call_raw(address, rpc, group, payload, timeout).await?;
         postcard::from_bytes(&reply).map_err(PeerCallError::Decode)
     }
+}
+
+/// The endpoint of the peer at `address` (`host:port`).
+fn endpoint(address: &str) -> Result<Endpoint, PeerCallError> {
+    Ok(Endpoint::from_shared(format!("http://{address}"))
+        .map_err(|e| PeerCallError::Address { address: address.to_owned(), reason: e.to_string() })?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .tcp_nodelay(true)
+        .tcp_keepalive(Some(TCP_KEEPALIVE)))
 }
 
 /// A lazily connecting channel to `endpoint`, through TLS when `tls` is set (the TCP

@@ -53,15 +53,15 @@ impl GroupConfig for QuotaGroup {
     fn check_forward(
         command: &QuotaCommand,
         sender: NodeId,
-        sender_is_voter: bool,
+        sender_may_vote: bool,
     ) -> Result<(), String> {
         let for_node = match command {
             QuotaCommand::AcquireLeases { node_id, .. }
             | QuotaCommand::ReturnLease { node_id, .. }
             | QuotaCommand::ReturnLeases { node_id, .. } => *node_id,
-            QuotaCommand::PutPolicySet { .. } if sender_is_voter => return Ok(()),
+            QuotaCommand::PutPolicySet { .. } if sender_may_vote => return Ok(()),
             QuotaCommand::PutPolicySet { .. } => {
-                return Err(format!("node {sender} is no voter and may not change the policy"));
+                return Err(format!("node {sender} is a gateway and may not change the policy"));
             }
         };
         if for_node == sender {

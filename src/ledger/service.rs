@@ -9,19 +9,20 @@
 //! again. The client side is `network.rs`; the group handle is `group.rs`.
 //!
 //! On a TLS port (`crate::tls`) every request carries the Raft node id its caller's verified
-//! certificate names, and a node speaks only for itself:
+//! certificate names, and whether that is a voter's certificate or a gateway's; a node
+//! speaks only for itself:
 //!
 //! ```text
-//!  AppendEntries, InstallSnapshot   vote.leader_id names the sender; the sender is a voter
-//!  Vote                             vote.leader_id (the candidate) names the sender; a voter
-//!  Forward                          GroupConfig::check_forward (own leases only; billing
-//!                                   from voters, each operation naming its caller)
+//!  AppendEntries, InstallSnapshot   vote.leader_id names the sender; a voter's certificate
+//!  Vote                             vote.leader_id (the candidate) names the sender; a voter's
+//!  Forward                          GroupConfig::check_forward (own leases only; policy and
+//!                                   billing from voters, each operation naming its caller)
 //! ```
 //!
-//! "A voter" is one of the receiving node's membership (either half of a joint one); a
-//! node that has no membership yet (a newcomer waiting to be added) cannot tell and
-//! accepts any node of the cluster. Refusals are `PERMISSION_DENIED`; a request without an
-//! identity on an authenticated service is `UNAUTHENTICATED`.
+//! The role comes from the certificate, not from the membership: a leader being removed
+//! still leads until the new membership commits, while followers already hold that
+//! membership, so a membership check would stall the change. Refusals are
+//! `PERMISSION_DENIED`; a request without a node//! identity on an authenticated service is `UNAUTHENTICATED`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -64,22 +65,29 @@ impl RegisterError {
     }
 }
 
-/// One group as the service sees it: bytes in, bytes out. `sender` is the caller's verified
-/// node id on a TLS port, `None` on a plaintext one (which checks nothing).
+/// A verified caller on a TLS port: its node id and whether its certificate is a voter's.
+#[derive(Debug, Clone, Copy)]
+struct Sender {
+    node_id: NodeId,
+    may_vote: bool,
+}
+
+/// One group as the service sees it: bytes in, bytes out. `sender` is the verified caller
+/// on a TLS port, `None` on a plaintext one (which checks nothing).
 #[tonic::async_trait]
 trait GroupEndpoint: Send + Sync + 'static {
     async fn append_entries(
         &self,
         payload: &[u8],
-        sender: Option<NodeId>,
+        sender: Option<Sender>,
     ) -> Result<Vec<u8>, Status>;
-    async fn vote(&self, payload: &[u8], sender: Option<NodeId>) -> Result<Vec<u8>, Status>;
+    async fn vote(&self, payload: &[u8], sender: Option<Sender>) -> Result<Vec<u8>, Status>;
     async fn install_snapshot(
         &self,
         payload: &[u8],
-        sender: Option<NodeId>,
+        sender: Option<Sender>,
     ) -> Result<Vec<u8>, Status>;
-    async fn forward(&self, payload: &[u8], sender: Option<NodeId>) -> Result<Vec<u8>, Status>;
+    async fn forward(&self, payload: &[u8], sender: Option<Sender>) -> Result<Vec<u8>, Status>;
 }
 
 struct Endpoint<C: GroupConfig> {
@@ -96,39 +104,27 @@ fn encode<T: Serialize>(reply: &T) -> Result<Vec<u8>, Status> {
         .map_err(|e| Status::internal(format!("cannot encode the reply: {e}")))
 }
 
-impl<C: GroupConfig> Endpoint<C> {
-    /// Whether `node` is a voter of this node's membership; `None` when this node has no
-    /// membership yet.
-    fn is_voter(&self, node: NodeId) -> Option<bool> {
-        let metrics = self.raft.metrics();
-        let metrics = metrics.borrow();
-        let membership = metrics.membership_config.membership();
-        if membership.get_joint_config().iter().all(std::collections::BTreeSet::is_empty) {
-            return None;
-        }
-        Some(membership.voter_ids().any(|voter| voter == node))
+/// Checks a Raft message whose vote names `claimed` as leader or candidate: only a voter's
+/// certificate, and only in its own name.
+fn check_raft_sender(
+    rpc: &str,
+    claimed: Option<NodeId>,
+    sender: Option<Sender>,
+) -> Result<(), Status> {
+    let Some(sender) = sender else { return Ok(()) };
+    if !sender.may_vote {
+        return Err(Status::permission_denied(format!(
+            "{rpc} from gateway {}: a gateway sends no Raft messages",
+            sender.node_id
+        )));
     }
-
-    /// Checks a Raft message whose vote names `claimed` as leader or candidate.
-    fn check_raft_sender(
-        &self,
-        rpc: &str,
-        claimed: Option<NodeId>,
-        sender: Option<NodeId>,
-    ) -> Result<(), Status> {
-        let Some(sender) = sender else { return Ok(()) };
-        if claimed != Some(sender) {
-            return Err(Status::permission_denied(format!(
-                "{rpc} from node {sender} speaks for node {claimed:?}"
-            )));
-        }
-        if self.is_voter(sender) == Some(false) {
-            return Err(Status::permission_denied(format!(
-                "{rpc} from node {sender}, which is no voter of this group"
-            )));
-        }
-        Ok(())
+    if claimed != Some(sender.node_id) {
+        return Err(Status::permission_denied(format!(
+            "{rpc} from node {} speaks for node {claimed:?}",
+            sender.node_id
+        )));
     }
+    Ok(())
 }
 
 #[tonic::async_trait]
@@ -136,32 +132,32 @@ impl<C: GroupConfig> GroupEndpoint for Endpoint<C> {
     async fn append_entries(
         &self,
         payload: &[u8],
-        sender: Option<NodeId>,
+        sender: Option<Sender>,
     ) -> Result<Vec<u8>, Status> {
         let request: openraft::raft::AppendEntriesRequest<C> = decode(payload)?;
-        self.check_raft_sender("AppendEntries", request.vote.leader_id().voted_for(), sender)?;
+        check_raft_sender("AppendEntries", request.vote.leader_id().voted_for(), sender)?;
         encode(&self.raft.append_entries(request).await)
     }
 
-    async fn vote(&self, payload: &[u8], sender: Option<NodeId>) -> Result<Vec<u8>, Status> {
+    async fn vote(&self, payload: &[u8], sender: Option<Sender>) -> Result<Vec<u8>, Status> {
         let request: openraft::raft::VoteRequest<NodeId> = decode(payload)?;
-        self.check_raft_sender("Vote", request.vote.leader_id().voted_for(), sender)?;
+        check_raft_sender("Vote", request.vote.leader_id().voted_for(), sender)?;
         encode(&self.raft.vote(request).await)
     }
 
     async fn install_snapshot(
         &self,
         payload: &[u8],
-        sender: Option<NodeId>,
+        sender: Option<Sender>,
     ) -> Result<Vec<u8>, Status> {
         let request: openraft::raft::InstallSnapshotRequest<C> = decode(payload)?;
-        self.check_raft_sender("InstallSnapshot", request.vote.leader_id().voted_for(), sender)?;
+        check_raft_sender("InstallSnapshot", request.vote.leader_id().voted_for(), sender)?;
         let reply: Result<_, RaftError<NodeId, InstallSnapshotError>> =
             self.raft.install_snapshot(request).await;
         encode(&reply)
     }
 
-    async fn forward(&self, payload: &[u8], sender: Option<NodeId>) -> Result<Vec<u8>, Status> {
+    async fn forward(&self, payload: &[u8], sender: Option<Sender>) -> Result<Vec<u8>, Status> {
         if payload.len() > COMMAND_BYTES_MAX {
             return Err(Status::invalid_argument(format!(
                 "command of {} bytes exceeds {COMMAND_BYTES_MAX}",
@@ -170,8 +166,8 @@ impl<C: GroupConfig> GroupEndpoint for Endpoint<C> {
         }
         let command: C::D = decode(payload)?;
         if let Some(sender) = sender {
-            let is_voter = self.is_voter(sender).unwrap_or(false);
-            C::check_forward(&command, sender, is_voter).map_err(Status::permission_denied)?;
+            C::check_forward(&command, sender.node_id, sender.may_vote)
+                .map_err(Status::permission_denied)?;
         }
         let reply: Result<C::R, RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>> =
             self.raft.client_write(command).await.map(|written| written.data);
@@ -194,20 +190,20 @@ impl RaftPeerService {
         Self { groups: Arc::default(), authenticated }
     }
 
-    /// The verified node id of a request's caller: `None` on a plaintext service.
+    /// The verified caller of a request: `None` on a plaintext service.
     ///
     /// # Errors
     /// `UNAUTHENTICATED` on an authenticated service for a request without a node identity.
-    fn sender<T>(&self, request: &Request<T>) -> Result<Option<NodeId>, Status> {
+    fn sender<T>(&self, request: &Request<T>) -> Result<Option<Sender>, Status> {
         if !self.authenticated {
             return Ok(None);
         }
-        request
-            .extensions()
-            .get::<PeerInfo>()
-            .and_then(|info| info.identity.as_ref()?.node_id())
-            .map(Some)
-            .ok_or_else(|| Status::unauthenticated("no verified node certificate"))
+        let identity =
+            request.extensions().get::<PeerInfo>().and_then(|info| info.identity.as_ref());
+        let sender = identity.and_then(|identity| {
+            Some(Sender { node_id: identity.node_id()?, may_vote: identity.may_vote() })
+        });
+        sender.map(Some).ok_or_else(|| Status::unauthenticated("no verified node certificate"))
     }
 
     /// Routes requests for `group` to `raft`.

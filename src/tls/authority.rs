@@ -189,7 +189,7 @@ impl Authority {
         &self.cert_pem
     }
 
-    /// Issues the certificate of Raft node `node_id` of region `region`, valid for the TLS
+    /// Issues the certificate of voter `node_id` of region `region`, valid for the TLS
     /// host names and addresses `hosts` (what its peers dial), as server and as client.
     ///
     /// # Errors
@@ -201,6 +201,34 @@ impl Authority {
         hosts: &[String],
         now_ms: u64,
         valid_days: u32,
+    ) -> Result<Issued, AuthorityError> {
+        self.issue_member(region, node_id, hosts, now_ms, valid_days, false)
+    }
+
+    /// Issues the certificate of gateway `node_id` (`role = "gateway"`) of region `region`,
+    /// as [`Self::issue_node`] does for a voter.
+    ///
+    /// # Errors
+    /// [`AuthorityError::Invalid`] for a bad region, host or validity.
+    pub fn issue_gateway(
+        &self,
+        region: &str,
+        node_id: NodeId,
+        hosts: &[String],
+        now_ms: u64,
+        valid_days: u32,
+    ) -> Result<Issued, AuthorityError> {
+        self.issue_member(region, node_id, hosts, now_ms, valid_days, true)
+    }
+
+    fn issue_member(
+        &self,
+        region: &str,
+        node_id: NodeId,
+        hosts: &[String],
+        now_ms: u64,
+        valid_days: u32,
+        gateway: bool,
     ) -> Result<Issued, AuthorityError> {
         if !super::valid_name(region) {
             return Err(AuthorityError::Invalid(format!(
@@ -216,7 +244,12 @@ impl Authority {
                 "give 1 to {SANS_MAX} host names or addresses (--san) the peers reach the node at"
             )));
         }
-        let holder = Holder::Node { region: region.to_owned(), node_id };
+        let region = region.to_owned();
+        let holder = if gateway {
+            Holder::Gateway { region, node_id }
+        } else {
+            Holder::Node { region, node_id }
+        };
         let usages = [ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
         self.issue(holder, hosts, &usages, now_ms, valid_days)
     }

@@ -87,6 +87,7 @@ pub struct Credentials {
     files: TlsFiles,
     cluster_id: String,
     node_id: NodeId,
+    gateway: bool,
     current: ArcSwap<Loaded>,
 }
 
@@ -112,8 +113,9 @@ fn read(path: &std::path::Path) -> Result<Vec<u8>, CredentialsError> {
 }
 
 impl Credentials {
-    /// Loads the files of node `node_id` of cluster `cluster_id`; the node's own certificate
-    /// must name exactly that node and cluster (a node never starts with another's).
+    /// Loads the files of node `node_id` of cluster `cluster_id`, a gateway's when
+    /// `gateway`; the node's own certificate must name exactly that node, role and cluster
+    /// (a node never starts with another's, nor a voter with a gateway's).
     ///
     /// # Errors
     /// [`CredentialsError`] naming the file that cannot be read or used.
@@ -121,14 +123,16 @@ impl Credentials {
         files: TlsFiles,
         cluster_id: &str,
         node_id: NodeId,
+        gateway: bool,
     ) -> Result<Arc<Self>, CredentialsError> {
         super::install_crypto_provider();
         let bytes = [read(&files.cert)?, read(&files.key)?, read(&files.ca)?];
-        let loaded = parse(&files, bytes, cluster_id, node_id)?;
+        let loaded = parse(&files, bytes, cluster_id, node_id, gateway)?;
         Ok(Arc::new(Self {
             files,
             cluster_id: cluster_id.to_owned(),
             node_id,
+            gateway,
             current: ArcSwap::from_pointee(loaded),
         }))
     }
@@ -143,7 +147,7 @@ impl Credentials {
         if bytes == self.current.load().bytes {
             return Ok(false);
         }
-        let loaded = parse(&self.files, bytes, &self.cluster_id, self.node_id)?;
+        let loaded = parse(&self.files, bytes, &self.cluster_id, self.node_id, self.gateway)?;
         self.current.store(Arc::new(loaded));
         Ok(true)
     }
@@ -196,6 +200,7 @@ fn parse(
     bytes: [Vec<u8>; 3],
     cluster_id: &str,
     node_id: NodeId,
+    gateway: bool,
 ) -> Result<Loaded, CredentialsError> {
     let invalid = |path: &PathBuf, reason: String| CredentialsError::Invalid {
         path: path.display().to_string(),
@@ -209,10 +214,15 @@ fn parse(
     let identity =
         PeerIdentity::from_certificate(own).map_err(|e| invalid(&files.cert, e.to_string()))?;
     identity.check_cluster(cluster_id).map_err(|e| invalid(&files.cert, e.to_string()))?;
-    if identity.node_id() != Some(node_id) {
+    let role = if gateway { "gateway" } else { "voter" };
+    if identity.node_id() != Some(node_id) || identity.may_vote() == gateway {
         return Err(invalid(
             &files.cert,
-            format!("names {}, but this node is Raft node {node_id}", identity.uri()),
+            format!(
+                "names {}, but this node is Raft node {node_id}, a {role} (`certs issue{}`)",
+                identity.uri(),
+                if gateway { " --gateway" } else { "" }
+            ),
         ));
     }
     let key = PrivateKeyDer::from_pem_slice(key).map_err(|e| invalid(&files.key, e.to_string()))?;
@@ -267,7 +277,7 @@ impl ResolvesClientCert for CurrentCertificate {
 /// Which holders a port accepts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Accept {
-    /// Nodes of the cluster only (the Raft port, and a node dialling a peer).
+    /// Nodes and gateways of the cluster only (the Raft port, and a node dialling a peer).
     Nodes,
     /// Nodes and operators, or a client without a certificate (the admin port, where a
     /// token authenticates such a client).
@@ -277,7 +287,8 @@ pub enum Accept {
 impl Accept {
     fn allows(self, holder: &Holder) -> bool {
         match (self, holder) {
-            (_, Holder::Node { .. }) | (Self::NodesAndOperators, Holder::Operator { .. }) => true,
+            (_, Holder::Node { .. } | Holder::Gateway { .. })
+            | (Self::NodesAndOperators, Holder::Operator { .. }) => true,
             (_, Holder::Authority) | (Self::Nodes, Holder::Operator { .. }) => false,
         }
     }
@@ -410,5 +421,46 @@ impl ServerCertVerifier for PeerServerVerifier {
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.credentials.current.load().server_verifier.supported_verify_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tls::authority::Authority;
+
+    /// A node loads its own certificate, refuses one naming another node or cluster and a
+    /// key that does not fit, and a reload picks up new files (and keeps the old on bad ones).
+    #[test]
+    fn load_checks_the_identity_and_reload_swaps() -> anyhow::Result<()> {
+        let directory = tempfile::tempdir()?;
+        let now_ms = 1_800_000_000_000;
+        let authority = Authority::generate("c", now_ms, 10)?;
+        let hosts = ["127.0.0.1".to_owned()];
+        let files = TlsFiles {
+            cert: directory.path().join("n.pem"),
+            key: directory.path().join("n.key"),
+            ca: directory.path().join("ca.pem"),
+        };
+        let write = |issued: &crate::tls::authority::Issued| -> std::io::Result<()> {
+            std::fs::write(&files.cert, &issued.cert_pem)?;
+            std::fs::write(&files.key, &issued.key_pem)
+        };
+        std::fs::write(&files.ca, authority.cert_pem())?;
+        write(&authority.issue_node("r", NodeId(1), &hosts, now_ms, 10)?)?;
+        let credentials = Credentials::load(files.clone(), "c", NodeId(1), false)?;
+        assert!(Credentials::load(files.clone(), "c", NodeId(2), false).is_err(), "another node's");
+        assert!(
+            Credentials::load(files.clone(), "d", NodeId(1), false).is_err(),
+            "another cluster's"
+        );
+        assert!(Credentials::load(files.clone(), "c", NodeId(1), true).is_err(), "a voter's");
+        assert!(!credentials.reload()?, "nothing changed");
+        write(&authority.issue_node("r", NodeId(1), &hosts, now_ms, 10)?)?;
+        assert!(credentials.reload()?, "a new certificate and key");
+        let other = authority.issue_node("r", NodeId(1), &hosts, now_ms, 10)?;
+        std::fs::write(&files.key, &other.key_pem)?;
+        assert!(credentials.reload().is_err(), "a key that does not fit is refused");
+        Ok(())
     }
 }

@@ -6,7 +6,8 @@
 //!
 //! ```text
 //!  quotamesh://<cluster_id>/ca                     the cluster's CA
-//!  quotamesh://<cluster_id>/<region>/node/<id>     a node: its Raft node id in that cluster
+//!  quotamesh://<cluster_id>/<region>/node/<id>     a voter: its Raft node id in that cluster
+//!  quotamesh://<cluster_id>/<region>/gateway/<id>  a gateway: leases for itself, never votes
 //!  quotamesh://<cluster_id>/operator/<name>        an operator (admin API client)
 //! ```
 //!
@@ -50,11 +51,19 @@ pub(crate) fn provider() -> std::sync::Arc<rustls::crypto::CryptoProvider> {
 pub enum Holder {
     /// The cluster's certificate authority.
     Authority,
-    /// A node of region `region`, Raft node `node_id`.
+    /// A voter (or a node that may become one) of region `region`, Raft node `node_id`.
     Node {
         /// The node's region.
         region: String,
         /// Its Raft node id.
+        node_id: NodeId,
+    },
+    /// A gateway of region `region` (`role = "gateway"`): it may lease in its own name, but
+    /// never send Raft messages or propose anything else.
+    Gateway {
+        /// The gateway's region.
+        region: String,
+        /// Its Raft node id (the ledger counts its leases under it).
         node_id: NodeId,
     },
     /// An operator of the admin API.
@@ -115,6 +124,9 @@ impl PeerIdentity {
             Holder::Node { region, node_id } => {
                 format!("{IDENTITY_SCHEME}{cluster}/{region}/node/{node_id}")
             }
+            Holder::Gateway { region, node_id } => {
+                format!("{IDENTITY_SCHEME}{cluster}/{region}/gateway/{node_id}")
+            }
             Holder::Operator { name } => format!("{IDENTITY_SCHEME}{cluster}/operator/{name}"),
         }
     }
@@ -135,9 +147,15 @@ impl PeerIdentity {
             [cluster, "operator", name] if valid_name(name) => {
                 (cluster, Holder::Operator { name: (*name).to_owned() })
             }
-            [cluster, region, "node", id] if valid_name(region) => {
+            [cluster, region, kind @ ("node" | "gateway"), id] if valid_name(region) => {
                 let node_id = id.parse::<u64>().ok().filter(|id| *id > 0).ok_or_else(malformed)?;
-                (cluster, Holder::Node { region: (*region).to_owned(), node_id: NodeId(node_id) })
+                let (region, node_id) = ((*region).to_owned(), NodeId(node_id));
+                let holder = if *kind == "node" {
+                    Holder::Node { region, node_id }
+                } else {
+                    Holder::Gateway { region, node_id }
+                };
+                (cluster, holder)
             }
             _ => return Err(malformed()),
         };
@@ -189,12 +207,18 @@ impl PeerIdentity {
         }
     }
 
-    /// The Raft node id, when the holder is a node.
+    /// The Raft node id, when the holder is a node or a gateway.
     pub fn node_id(&self) -> Option<NodeId> {
         match &self.holder {
-            Holder::Node { node_id, .. } => Some(*node_id),
+            Holder::Node { node_id, .. } | Holder::Gateway { node_id, .. } => Some(*node_id),
             Holder::Authority | Holder::Operator { .. } => None,
         }
+    }
+
+    /// Whether the holder is a voter's certificate (a node), which may send Raft messages
+    /// and propose for the region; a gateway's may not.
+    pub fn may_vote(&self) -> bool {
+        matches!(self.holder, Holder::Node { .. })
     }
 }
 
@@ -214,6 +238,10 @@ mod tests {
             PeerIdentity {
                 cluster_id: "c".into(),
                 holder: Holder::Operator { name: "alice".into() },
+            },
+            PeerIdentity {
+                cluster_id: "c".into(),
+                holder: Holder::Gateway { region: "r".into(), node_id: NodeId(4) },
             },
         ] {
             assert_eq!(PeerIdentity::parse_uri(&identity.uri()), Ok(identity.clone()));

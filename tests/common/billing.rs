@@ -134,7 +134,7 @@ impl BillingCluster {
         let ca = if count > 1 { Some(TestCa::new(scratch.path(), "local")?) } else { None };
         for node in &nodes {
             let tls = match &ca {
-                Some(ca) => ca.node_section(node.id, "127.0.0.1")?,
+                Some(ca) => ca.node_section(node.id, "127.0.0.1", false)?,
                 None => String::new(),
             };
             let text = format!(

@@ -141,7 +141,7 @@ impl ClusterNode {
             text.push_str(&format!("\n[[peers]]\nid = {id}\nraft_addr = \"{address}\"\n"));
         }
         text.push('\n');
-        text.push_str(&ca.node_section(self.id, &self.raft_addr.ip().to_string())?);
+        text.push_str(&ca.node_section(self.id, &self.raft_addr.ip().to_string(), self.gateway)?);
         text.push('\n');
         text.push_str(&admin_section());
         text.push_str("\n[quota_group]\n");

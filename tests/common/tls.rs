@@ -43,15 +43,17 @@ impl TestCa {
         self.directory.join("ca.pem")
     }
 
-    /// Issues node `id`'s certificate for `host` (what its peers dial).
+    /// Issues voter `id`'s certificate for `host` (what its peers dial).
     pub fn issue(&self, id: u64, host: &str) -> anyhow::Result<Issued> {
-        Ok(self.authority.issue_node(
-            REGION,
-            NodeId(id),
-            &[host.to_owned()],
-            quotamesh::clock::now_ms(),
-            30,
-        )?)
+        let hosts = [host.to_owned()];
+        Ok(self.authority.issue_node(REGION, NodeId(id), &hosts, quotamesh::clock::now_ms(), 30)?)
+    }
+
+    /// Issues gateway `id`'s certificate for `host`.
+    pub fn issue_gateway(&self, id: u64, host: &str) -> anyhow::Result<Issued> {
+        let hosts = [host.to_owned()];
+        let now_ms = quotamesh::clock::now_ms();
+        Ok(self.authority.issue_gateway(REGION, NodeId(id), &hosts, now_ms, 30)?)
     }
 
     /// Writes `issued` as `<name>.pem` and `<name>.key`; returns their paths.
@@ -63,9 +65,11 @@ impl TestCa {
         Ok((cert, key))
     }
 
-    /// Issues node `id`'s certificate for `host`, writes it, and returns its `[tls]` section.
-    pub fn node_section(&self, id: u64, host: &str) -> anyhow::Result<String> {
-        let (cert, key) = self.write(&format!("node-{id}"), &self.issue(id, host)?)?;
+    /// Issues node `id`'s certificate for `host` (a gateway's when `gateway`), writes it,
+    /// and returns its `[tls]` section.
+    pub fn node_section(&self, id: u64, host: &str, gateway: bool) -> anyhow::Result<String> {
+        let issued = if gateway { self.issue_gateway(id, host)? } else { self.issue(id, host)? };
+        let (cert, key) = self.write(&format!("node-{id}"), &issued)?;
         Ok(format!(
             "[tls]\ncert = \"{}\"\nkey = \"{}\"\nca = \"{}\"\n",
             cert.display(),
