@@ -14,3 +14,12 @@ pub fn now_ms() -> u64 {
         .map(|elapsed| u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX))
         .unwrap_or(0)
 }
+
+/// Microseconds since the Unix epoch (0 if the clock is before it): a node process's
+/// incarnation, which orders its lease epochs after those of earlier processes.
+pub fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|elapsed| u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}

@@ -13,10 +13,12 @@
 //! - [`lease_key`]: a counter's name in the ledger, alike on every node.
 //! - [`circuit`]: the circuit breaker around ledger calls.
 //! - [`ledger`]: the regional quota ledger's deterministic state machine.
+//! - [`fair_share`]: max-min fair division of a contended key's rate between nodes.
 
 pub mod billing;
 pub mod circuit;
 pub mod digest;
+pub mod fair_share;
 pub mod headers;
 pub mod lease;
 pub mod lease_key;
