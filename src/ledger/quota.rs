@@ -48,8 +48,8 @@ openraft::declare_raft_types!(
 impl GroupConfig for QuotaGroup {
     type Machine = QuotaLedger;
 
-    /// Lease commands only for the sender's own leases (a gateway's as a voter's); a new
-    /// policy set only from a voter.
+    /// Lease commands (acquire, settle) only for the sender's own leases (a gateway's as a
+    /// voter's); a new policy set only from a voter.
     fn check_forward(
         command: &QuotaCommand,
         sender: NodeId,
@@ -57,8 +57,7 @@ impl GroupConfig for QuotaGroup {
     ) -> Result<(), String> {
         let for_node = match command {
             QuotaCommand::AcquireLeases { node_id, .. }
-            | QuotaCommand::ReturnLease { node_id, .. }
-            | QuotaCommand::ReturnLeases { node_id, .. } => *node_id,
+            | QuotaCommand::SettleLeases { node_id, .. } => *node_id,
             QuotaCommand::PutPolicySet { .. } if sender_may_vote => return Ok(()),
             QuotaCommand::PutPolicySet { .. } => {
                 return Err(format!("node {sender} is a gateway and may not change the policy"));
