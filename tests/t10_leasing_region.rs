@@ -276,7 +276,15 @@ async fn a_steady_key_costs_few_ledger_calls_and_an_idle_key_strands_little() ->
             .sum();
         anyhow::Ok(tokens)
     };
-    let leased = outstanding().await?;
+    // The first hit is admitted from credit before its lease commits: wait for the commit.
+    let deadline = Instant::now() + common::cluster::CLUSTER_WAIT;
+    let leased = loop {
+        match outstanding().await {
+            Ok(leased) => break leased,
+            Err(error) if Instant::now() > deadline => return Err(error),
+            Err(_) => tokio::time::sleep(Duration::from_millis(25)).await,
+        }
+    };
     eprintln!("idle key: the ledger counts {leased} tokens leased to node {gateway} after one hit");
     assert!(
         (1..=tuning.min_lease_tokens).contains(&leased),
