@@ -84,6 +84,9 @@ pub struct Metrics {
     pub ledger_call_duration: Histogram,
     /// `quotamesh_ledger_circuit_state`: 0 closed, 1 half-open (leasing again), 2 open.
     pub ledger_circuit_state: IntGauge,
+    /// `quotamesh_insecure_cluster`: 1 when the node runs a multi-node region without TLS
+    /// between nodes (`insecure_cluster = true`); alert on it.
+    pub insecure_cluster: IntGauge,
 }
 
 impl Default for Metrics {
@@ -269,6 +272,10 @@ impl Metrics {
             ledger_circuit_state: gauge(
                 "quotamesh_ledger_circuit_state",
                 "Circuit breaker around ledger calls: 0 closed, 1 half-open, 2 open.",
+            ),
+            insecure_cluster: gauge(
+                "quotamesh_insecure_cluster",
+                "1 when this node serves a multi-node region's Raft port without TLS.",
             ),
             registry,
         };

@@ -2,11 +2,17 @@
 //! (the quota group; the billing group joins it), and the Raft peer listener they share.
 //!
 //! ```text
-//! start:    claim data_dir (identity.json) ─▶ open <data_dir>/quota (seeds: the voters)
-//!           ─▶ register with the RaftPeer service ─▶ listen on raft_addr
+//! start:    claim data_dir (identity.json) ─▶ load the TLS files ([tls], crate::tls)
+//!           ─▶ open <data_dir>/quota (seeds: the voters)
+//!           ─▶ register with the RaftPeer service ─▶ listen on raft_addr (mTLS with [tls])
 //!           ─▶ single-node region (a voter without peers)? form the group
-//! shutdown: stop every group (storage released) ─▶ stop the RaftPeer listener
+//! shutdown: stop every group (storage released) ─▶ stop the RaftPeer listener and the
+//!           TLS file poll
 //! ```
+//!
+//! With `[tls]` every link to and from this node is mutual TLS: the listener accepts only
+//! nodes of this cluster and tells the service who each caller is; the channels to peers
+//! present this node's certificate. The files are polled and reloaded on change.
 //!
 //! A gateway (`role = "gateway"`) runs the same quota group handle, opened on its own
 //! storage and never initialized: it is no member, so it holds no replica, never votes, and
@@ -34,6 +40,7 @@ use crate::ledger::{
     BasicNode, GroupSettings, MembershipError, NodeId, OpenError, PeerChannels, QUOTA_GROUP_NAME,
     QuotaGroup, RaftGroup, RaftPeerService,
 };
+use crate::tls::credentials::{Accept, Credentials, CredentialsError};
 
 /// Why the Raft side of a node could not start. None of these goes away by retrying as is.
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +48,9 @@ pub enum RaftHostError {
     /// The data directory belongs to another cluster or node, or is damaged.
     #[error(transparent)]
     Identity(#[from] IdentityError),
+    /// The TLS files cannot be used.
+    #[error(transparent)]
+    Tls(#[from] CredentialsError),
     /// A group's storage could not be opened (corrupt, locked, bad settings).
     #[error("cannot open the {group} Raft group: {source}")]
     Open {
@@ -93,6 +103,8 @@ pub struct RaftHost {
     quota: RaftGroup<QuotaGroup>,
     stop: watch::Sender<bool>,
     server: JoinHandle<()>,
+    credentials: Option<std::sync::Arc<Credentials>>,
+    tls_reload: Option<JoinHandle<()>>,
 }
 
 impl RaftHost {
@@ -106,7 +118,25 @@ impl RaftHost {
     pub async fn start(config: &NodeConfig) -> Result<Self, RaftHostError> {
         let identity = NodeIdentity::new(config.cluster_id.clone(), config.raft_node_id);
         let claim = crate::identity::claim(&config.data_dir, &identity, &[QUOTA_GROUP_NAME])?;
-        let channels = PeerChannels::new();
+        let credentials = match &config.tls {
+            Some(tls) => Some(Credentials::load(
+                tls.files(),
+                &config.cluster_id,
+                config.raft_node_id,
+                config.is_gateway(),
+            )?),
+            None => None,
+        };
+        let channels =
+            PeerChannels::new(credentials.as_ref().map(crate::tls::transport::client_config));
+        // The handshakes happen now rather than in a gateway's first lease calls.
+        channels.connect_early(
+            config
+                .peers
+                .iter()
+                .filter(|peer| peer.id != config.raft_node_id)
+                .map(|peer| peer.raft_addr.clone()),
+        );
         let quota = RaftGroup::<QuotaGroup>::open(
             &quota_settings(config, &config.data_dir),
             channels.clone(),
@@ -116,7 +146,7 @@ impl RaftHost {
             group: QUOTA_GROUP_NAME,
             source: Box::new(source),
         })?;
-        match Self::serve(config, channels, quota.clone(), claim).await {
+        match Self::serve(config, channels, credentials, quota.clone(), claim).await {
             Ok(host) => Ok(host),
             Err(error) => {
                 // Release the storage so a retry in this process can open it again.
@@ -131,10 +161,11 @@ impl RaftHost {
     async fn serve(
         config: &NodeConfig,
         channels: PeerChannels,
+        credentials: Option<std::sync::Arc<Credentials>>,
         quota: RaftGroup<QuotaGroup>,
         claim: Claim,
     ) -> Result<Self, RaftHostError> {
-        let service = RaftPeerService::new();
+        let service = RaftPeerService::new(credentials.is_some());
         service.register_group(&quota)?;
         let listener = tokio::net::TcpListener::bind(config.raft_addr)
             .await
@@ -162,13 +193,30 @@ impl RaftHost {
             }
         }
         let (stop, mut stopped) = watch::channel(false);
+        let tls = credentials
+            .as_ref()
+            .map(|credentials| crate::tls::transport::server_config(credentials, Accept::Nodes));
+        let tls_reload =
+            credentials.clone().zip(config.tls.as_ref()).map(|(credentials, files)| {
+                let mut stopped = stopped.clone();
+                credentials.watch(
+                    std::time::Duration::from_millis(files.reload_interval_ms),
+                    async move {
+                        let _ = stopped.wait_for(|stop| *stop).await;
+                    },
+                )
+            });
         let server = {
             let service = service.clone();
             tokio::spawn(async move {
                 let shutdown = async move {
                     let _ = stopped.wait_for(|stop| *stop).await;
                 };
-                if let Err(error) = service.serve(listener, shutdown).await {
+                let served = match tls {
+                    Some(tls) => service.serve_tls(listener, tls, shutdown).await,
+                    None => service.serve(listener, shutdown).await,
+                };
+                if let Err(error) = served {
                     tracing::error!(%error, "Raft peer server stopped");
                 }
             })
@@ -178,7 +226,7 @@ impl RaftHost {
             .iter()
             .map(|peer| (peer.id, BasicNode::new(peer.raft_addr.clone())))
             .collect();
-        tracing::info!(%raft_addr, advertise = %advertise_addr, node = %config.raft_node_id, cluster = %config.cluster_id, role = %config.role, "Raft peer service listening");
+        tracing::info!(%raft_addr, advertise = %advertise_addr, node = %config.raft_node_id, cluster = %config.cluster_id, role = %config.role, tls = config.tls.is_some(), "Raft peer service listening");
         Ok(Self {
             node_id: config.raft_node_id,
             role: config.role,
@@ -191,6 +239,8 @@ impl RaftHost {
             quota,
             stop,
             server,
+            credentials,
+            tls_reload,
         })
     }
 
@@ -235,6 +285,11 @@ impl RaftHost {
         &self.channels
     }
 
+    /// The node's TLS credentials (`[tls]`), for the other ports that use them.
+    pub fn credentials(&self) -> Option<&std::sync::Arc<Credentials>> {
+        self.credentials.as_ref()
+    }
+
     /// The peer service, for another group to register with.
     pub fn peer_service(&self) -> &RaftPeerService {
         &self.service
@@ -254,6 +309,9 @@ impl RaftHost {
             tracing::warn!("the Raft peer server did not drain; closing it");
             server.abort();
             let _ = server.await;
+        }
+        if let Some(reload) = self.tls_reload {
+            let _ = reload.await;
         }
     }
 }
