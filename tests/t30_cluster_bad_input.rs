@@ -32,7 +32,7 @@ async fn bad_requests_get_clear_errors_and_change_nothing() -> Result<()> {
         .await?;
     let before = cluster.converged(&[1, 2, 3]).await?;
 
-    let long_value = "v".repeat(500); // Each field fits; the key (24 + 500 bytes) does not.
+    let long_value = "v".repeat(1_025); // Over the RLS path's 1 KiB per field.
     let mut nested = wanted("api_key", "x", 1);
     nested.entries.push(entry("api_key", "y"));
     let mut other_domain = wanted("api_key", "x", 1);
@@ -97,10 +97,10 @@ async fn bad_requests_get_clear_errors_and_change_nothing() -> Result<()> {
             "tokens_wanted".into(),
         ),
         (
-            "key too long",
+            "value too long",
             request(vec![wanted("api_key", &long_value, 1)]),
             Code::InvalidArgument,
-            "over 512".into(),
+            "at most 1024 bytes".into(),
         ),
         ("no entries", request(vec![no_entries]), Code::InvalidArgument, "1 to 16 entries".into()),
         (

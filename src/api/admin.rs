@@ -56,9 +56,10 @@ pub const ADMIN_CONCURRENT_REQUESTS_PER_CONNECTION_MAX: usize = 256;
 pub const LEASE_TTL_MS_DEFAULT: u64 = 1_000;
 /// Most keys one `ReadKeys` call may ask for.
 pub const READ_KEYS_MAX: usize = LEASE_REQUESTS_PER_COMMAND_MAX;
-/// Longest domain, entry key or entry value in a lease request; the whole ledger key is
-/// bounded by [`KEY_BYTES_MAX`] anyway.
-const FIELD_BYTES_MAX: usize = KEY_BYTES_MAX;
+/// Longest domain, entry key or entry value in a lease request: the RLS path's bound, so
+/// every descriptor the RLS path leases for can be granted by hand too (the ledger key is a
+/// fixed-length digest whatever the descriptor's length).
+const FIELD_BYTES_MAX: usize = crate::api::rls::FIELD_BYTES_MAX;
 
 const _: () = assert!(LEASE_TTL_MS_DEFAULT <= LEASE_TTL_MS_MAX);
 const _: () =

@@ -598,7 +598,16 @@ fn fair_cap(
         .collect();
     demands.push((lease.demand_milli_per_second, lookahead_ms));
     let total_milli: u128 = demands.iter().map(|(demand, _)| u128::from(*demand)).sum();
-    if total_milli <= u128::from(rate_milli) {
+    // Contended: the demand exceeds the rate, and the bucket cannot cover the demand of the
+    // next two lookaheads (a key with its burst in hand serves first come, as one bucket).
+    let near_term_micro: u128 = demands
+        .iter()
+        .map(|(demand, lookahead_ms)| {
+            u128::from(*demand) * u128::from(lookahead_ms.saturating_mul(2))
+        })
+        .sum();
+    let bucket_micro = u128::from(available_tokens) * u128::from(MICRO_TOKENS_PER_TOKEN);
+    if total_milli <= u128::from(rate_milli) || bucket_micro >= near_term_micro {
         return None;
     }
     let shares =
@@ -621,7 +630,13 @@ fn fair_cap(
         .sum();
     let reserve_tokens =
         u64::try_from(reserve_micro / u128::from(MICRO_TOKENS_PER_TOKEN)).unwrap_or(u64::MAX);
-    let free_tokens = available_tokens.saturating_sub(reserve_tokens);
+    // A burst left in the bucket is anyone's, but at most a horizon of the node's own share
+    // per grant: the node whose asks arrive first (the leader's own) must not take it all.
+    let share_horizon_tokens = u64::try_from(
+        u128::from(share_milli) * u128::from(horizon_ms) / u128::from(MICRO_TOKENS_PER_TOKEN),
+    )
+    .unwrap_or(u64::MAX);
+    let free_tokens = available_tokens.saturating_sub(reserve_tokens).min(share_horizon_tokens);
     Some(FairCap {
         cap_tokens: lease.entitlement.whole_tokens().saturating_add(free_tokens),
         share_milli,
@@ -964,9 +979,14 @@ impl QuotaLedger {
         }
         // Contended, what is left for this node is its share, not the whole bucket (the rest
         // is other nodes' entitlement): a node that sees 0 rejects locally at its limit.
-        let remaining_tokens = fair.map_or(taken.remaining, |fair| {
-            taken.remaining.min(fair.cap_tokens.saturating_sub(taken.granted))
-        });
+        // Contended and short of its want, the node has used its share: nothing is left for
+        // it (the rest of the bucket is other nodes' entitlement), so it rejects locally and
+        // runs up no credit until its next ask.
+        let remaining_tokens = match fair {
+            Some(_) if taken.granted < wanted => 0,
+            Some(fair) => taken.remaining.min(fair.cap_tokens.saturating_sub(taken.granted)),
+            None => taken.remaining,
+        };
         if taken.granted == 0 {
             return (nothing(retry_after_ms.max(1), remaining_tokens), fair.is_some());
         }
