@@ -9,7 +9,12 @@
 //! `RaftError` is `RemoteError`. The server side is `service.rs`.
 //!
 //! One [`PeerChannels`] per process holds one HTTP/2 channel per peer address, shared by all
-//! groups, so several groups to the same peer reuse one connection.
+//! groups, so several groups to the same peer reuse one connection. A connection that goes
+//! silent (a partition that drops packets rather than refusing them) must not outlive the
+//! partition by the kernel's retransmission timers (13 to 19 s measured): HTTP/2 PINGs close
+//! it within [`KEEPALIVE_INTERVAL`] + [`KEEPALIVE_TIMEOUT`], and [`TIMEOUTS_BEFORE_RESET`]
+//! calls in a row past their deadline drop the channel, so the next call connects afresh
+//! (each connect bounded by [`CONNECT_TIMEOUT`]).
 
 use std::collections::HashMap;
 use std::marker::PhantomData;
@@ -21,7 +26,7 @@ use openraft::error::{
     InstallSnapshotError, NetworkError, PayloadTooLarge, RPCError, RaftError, RemoteError, Timeout,
     Unreachable,
 };
-use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::network::{Backoff, RPCOption, RaftNetwork, RaftNetworkFactory};
 use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
     VoteRequest, VoteResponse,
@@ -39,9 +44,21 @@ use super::{BasicNode, GroupConfig, NodeId, PEER_MESSAGE_BYTES_MAX};
 /// gateways. Past this, calls still work on a fresh, unshared channel.
 pub const PEER_CHANNELS_MAX: usize = 64;
 /// How long opening a TCP connection to a peer may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
-/// TCP keep-alive on peer connections, so a silently dead peer is noticed.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+/// TCP keep-alive on peer connections, a backstop for the HTTP/2 PINGs below.
 const TCP_KEEPALIVE: Duration = Duration::from_secs(10);
+/// How often an HTTP/2 PING goes out on a peer connection, idle or not.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_millis(500);
+/// How long a PING may go unanswered before the connection is closed (and reopened by the
+/// next call): a peer's loaded machine answers a PING within milliseconds.
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(1);
+/// Calls to one address in a row that ran past their deadline, after which its channel is
+/// dropped: a connection whose PINGs still pass but whose calls hang is not reused.
+pub const TIMEOUTS_BEFORE_RESET: u32 = 2;
+/// How long replication waits before calling an unreachable peer again (openraft's default
+/// is 500 ms). Each call costs at most a connect attempt, so a short wait is cheap and a
+/// healed peer is reached again within it plus [`CONNECT_TIMEOUT`].
+const UNREACHABLE_BACKOFF: Duration = Duration::from_millis(100);
 /// Room left in a message for the group name and the protobuf and gRPC framing.
 const MESSAGE_FRAMING_BYTES: usize = 1024;
 
@@ -111,7 +128,13 @@ fn connection_refused(status: &tonic::Status) -> bool {
 /// The channels of a process to its Raft peers, shared by every group; cheap to clone.
 #[derive(Clone, Default)]
 pub struct PeerChannels {
-    channels: Arc<Mutex<HashMap<String, Channel>>>,
+    channels: Arc<Mutex<HashMap<String, CachedChannel>>>,
+}
+
+/// One peer's channel and how many calls on it timed out in a row.
+struct CachedChannel {
+    channel: Channel,
+    timeouts_in_a_row: u32,
 }
 
 impl PeerChannels {
@@ -124,7 +147,7 @@ impl PeerChannels {
         let channel = {
             let mut channels = self.channels.lock();
             match channels.get(address) {
-                Some(channel) => channel.clone(),
+                Some(cached) => cached.channel.clone(),
                 None => {
                     let channel = Endpoint::from_shared(format!("http://{address}"))
                         .map_err(|e| PeerCallError::Address {
@@ -134,9 +157,14 @@ impl PeerChannels {
                         .connect_timeout(CONNECT_TIMEOUT)
                         .tcp_nodelay(true)
                         .tcp_keepalive(Some(TCP_KEEPALIVE))
+                        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+                        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+                        .keep_alive_while_idle(true)
                         .connect_lazy();
                     if channels.len() < PEER_CHANNELS_MAX {
-                        channels.insert(address.to_owned(), channel.clone());
+                        let cached =
+                            CachedChannel { channel: channel.clone(), timeouts_in_a_row: 0 };
+                        channels.insert(address.to_owned(), cached);
                     }
                     channel
                 }
@@ -169,13 +197,32 @@ impl PeerChannels {
                 Rpc::Forward => client.forward(request).await,
             }
         };
-        match tokio::time::timeout(timeout, call).await {
+        let result = match tokio::time::timeout(timeout, call).await {
             Err(_) => Err(PeerCallError::Timeout(timeout)),
             Ok(Err(status)) if status.code() == tonic::Code::DeadlineExceeded => {
                 Err(PeerCallError::Timeout(timeout))
             }
             Ok(Err(status)) => Err(PeerCallError::Status(status)),
             Ok(Ok(reply)) => Ok(reply.into_inner().payload),
+        };
+        self.count_timeout(address, matches!(result, Err(PeerCallError::Timeout(_))));
+        result
+    }
+
+    /// Counts a timed-out call to `address` (or clears the count), and drops the channel
+    /// after [`TIMEOUTS_BEFORE_RESET`] in a row: calls in flight on it finish or time out
+    /// on their own; the next call opens a new connection.
+    fn count_timeout(&self, address: &str, timed_out: bool) {
+        let mut channels = self.channels.lock();
+        let Some(cached) = channels.get_mut(address) else { return };
+        if !timed_out {
+            cached.timeouts_in_a_row = 0;
+            return;
+        }
+        cached.timeouts_in_a_row = cached.timeouts_in_a_row.saturating_add(1);
+        if cached.timeouts_in_a_row >= TIMEOUTS_BEFORE_RESET {
+            channels.remove(address);
+            tracing::debug!(%address, "peer channel reset after calls timed out in a row");
         }
     }
 
@@ -331,5 +378,9 @@ impl<C: GroupConfig> RaftNetwork<C> for PeerClient<C> {
     ) -> Result<VoteResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
         let payload = encode(&rpc)?;
         self.send(Rpc::Vote, RPCTypes::Vote, payload, &option).await
+    }
+
+    fn backoff(&self) -> Backoff {
+        Backoff::new(std::iter::repeat(UNREACHABLE_BACKOFF))
     }
 }

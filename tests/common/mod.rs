@@ -113,7 +113,24 @@ impl NodeProcess {
         environment: &[(&str, String)],
         log_path: Option<&Path>,
     ) -> anyhow::Result<Self> {
+        Self::spawn_as(rls_addr, metrics_addr, data_dir, arguments, environment, log_path, None)
+    }
+
+    /// [`Self::spawn`] under the user id `uid` when given (the test runs as root), so
+    /// firewall rules can tell the process's packets apart (`meta skuid`).
+    pub fn spawn_as(
+        rls_addr: SocketAddr,
+        metrics_addr: SocketAddr,
+        data_dir: &Path,
+        arguments: &[OsString],
+        environment: &[(&str, String)],
+        log_path: Option<&Path>,
+        uid: Option<u32>,
+    ) -> anyhow::Result<Self> {
         let mut command = Command::new(env!("CARGO_BIN_EXE_quotamesh"));
+        if let Some(uid) = uid {
+            std::os::unix::process::CommandExt::uid(&mut command, uid);
+        }
         command
             .arg("serve")
             .arg("--rls-addr")
