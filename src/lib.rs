@@ -28,4 +28,5 @@ pub mod ledger;
 pub mod metrics;
 pub mod node;
 pub mod policy_store;
+pub mod raft_health;
 pub mod raft_host;

@@ -3,8 +3,8 @@
 //! This file owns the authoritative buckets of a region (DESIGN.md section 4): which tokens
 //! are granted as leases, to which node, until when; what comes back; when an idle key is
 //! forgotten; and the versioned policy set. It does no IO, reads no clock and draws no random
-//! number: every command carries its proposer's `now_ms`, and apply uses
-//! `max(last_seen_ms, now_ms)`, so every replica that applies the same commands in the same
+//! number: every command carries the time its leader stamped (`ledger_time.rs`), and apply
+//! uses `max(last_seen_ms, now_ms)`, so every replica that applies the same commands in the same
 //! order reaches the same state ([`QuotaLedger::digest`] compares them). The bucket math is
 //! `rate.rs`'s; replication, storage and the encoding of records are `src/ledger/`'s.
 //!
@@ -107,7 +107,7 @@ pub struct LeaseRequest {
 pub enum QuotaCommand {
     /// Lease requests of one node, answered item by item.
     AcquireLeases {
-        /// The proposer's clock.
+        /// Ledger time, stamped by the leader that proposed it (`ledger_time.rs`).
         now_ms: u64,
         /// The node the leases are for.
         node_id: NodeId,
@@ -116,7 +116,7 @@ pub enum QuotaCommand {
     },
     /// Unspent tokens of a node's lease on a key, given back.
     ReturnLease {
-        /// The proposer's clock.
+        /// Ledger time, stamped by the leader that proposed it (`ledger_time.rs`).
         now_ms: u64,
         /// The node giving the tokens back.
         node_id: NodeId,
@@ -127,7 +127,7 @@ pub enum QuotaCommand {
     },
     /// A new version of the policy set (files of YAML by name), stored for every node.
     PutPolicySet {
-        /// The proposer's clock.
+        /// Ledger time, stamped by the leader that proposed it (`ledger_time.rs`).
         now_ms: u64,
         /// Must exceed the stored version (or equal it with identical files: a retry).
         version: u64,
@@ -138,7 +138,7 @@ pub enum QuotaCommand {
     /// broker's batch of surplus and idle balances); each return is credited as
     /// [`QuotaCommand::ReturnLease`] would.
     ReturnLeases {
-        /// The proposer's clock.
+        /// Ledger time, stamped by the leader that proposed it (`ledger_time.rs`).
         now_ms: u64,
         /// The node giving the tokens back.
         node_id: NodeId,

@@ -31,10 +31,14 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use openraft::error::{ClientWriteError, InitializeError, RaftError};
-use openraft::{ChangeMembers, Config, ConfigError, Raft, RaftMetrics, SnapshotPolicy};
+use openraft::{
+    ChangeMembers, Config, ConfigError, Raft, RaftMetrics, ServerState, SnapshotPolicy,
+};
 use parking_lot::Mutex;
+use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::ledger_time::{ClockOffsets, Forwarded, Stamper};
 use super::log_store::{LogOpenError, LogStore};
 use super::network::{PeerCallError, PeerChannels, PeerNetwork, Rpc};
 use super::state_store::{MachineView, StateOpenError, StateStore};
@@ -81,6 +85,10 @@ pub struct GroupSettings {
     /// gateway): the region's voters with their Raft addresses, at most [`SEEDS_MAX`]. This
     /// node's own id is ignored. Empty (the default): such a write waits for the metrics.
     pub seeds: BTreeMap<NodeId, BasicNode>,
+    /// Where this node, leading, judges and reports the clocks of the nodes whose writes it
+    /// proposes; shared by the groups of a process. Default: `max_clock_offset_ms` 500, no
+    /// metrics.
+    pub clock_offsets: ClockOffsets,
 }
 
 impl GroupSettings {
@@ -97,6 +105,7 @@ impl GroupSettings {
             snapshot_every_logs: 10_000,
             logs_kept_after_snapshot: 1_000,
             seeds: BTreeMap::new(),
+            clock_offsets: ClockOffsets::default(),
         }
     }
 
@@ -272,6 +281,8 @@ pub struct RaftGroup<C: GroupConfig> {
     channels: PeerChannels,
     storage: StorageLiveness,
     route: Arc<LeaderRoute>,
+    stamper: Arc<Stamper>,
+    clock_offsets: ClockOffsets,
 }
 
 /// How a node outside the group finds the leader: its seeds and the leader it last reached.
@@ -373,6 +384,8 @@ impl<C: GroupConfig> Clone for RaftGroup<C> {
             channels: self.channels.clone(),
             storage: self.storage.clone(),
             route: Arc::clone(&self.route),
+            stamper: Arc::clone(&self.stamper),
+            clock_offsets: self.clock_offsets.clone(),
         }
     }
 }
@@ -425,7 +438,19 @@ impl<C: GroupConfig> RaftGroup<C> {
                 reason: fatal.to_string(),
             })?;
         let route = Arc::new(LeaderRoute::new(settings.node_id, &settings.seeds));
-        Ok(Self { name, node_id: settings.node_id, raft, view, channels, storage, route })
+        let stamper = Arc::new(Stamper::default());
+        tokio::spawn(anchor_on_election(raft.metrics(), Arc::downgrade(&stamper), view.clone()));
+        Ok(Self {
+            name,
+            node_id: settings.node_id,
+            raft,
+            view,
+            channels,
+            storage,
+            route,
+            stamper,
+            clock_offsets: settings.clock_offsets.clone(),
+        })
     }
 
     /// The group's name.
@@ -656,8 +681,37 @@ impl<C: GroupConfig> RaftGroup<C> {
         }
     }
 
+    /// Sets `command`'s time to this node's stamp as the leader (`crate::ledger::ledger_time`),
+    /// over the proposer's: every command is proposed through here or [`Self::forwarded`].
+    fn stamp(&self, command: &mut C::D) {
+        let term = self.raft.metrics().borrow().current_term;
+        let stamp_ms = self.stamper.stamp(term, || self.view.read(GroupMachine::ledger_time_ms));
+        <C::Machine as GroupMachine>::stamp(command, stamp_ms);
+    }
+
+    /// Proposes a command another node forwarded (the server side of `Forward`): judges the
+    /// sender's clock when this node leads, stamps the command and writes it here.
+    pub(crate) async fn forwarded(
+        &self,
+        forwarded: Forwarded<C::D>,
+    ) -> Result<C::R, RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>> {
+        if self.leader() == Some(self.node_id) {
+            self.clock_offsets.observe(&self.name, forwarded.from, forwarded.sent_at_ms);
+        }
+        let mut command = forwarded.command;
+        self.stamp(&mut command);
+        self.raft.client_write(command).await.map(|written| written.data)
+    }
+
+    /// The clock offsets this node saw while leading (shared with the process's other groups).
+    pub fn clock_offsets(&self) -> &ClockOffsets {
+        &self.clock_offsets
+    }
+
     async fn write_here(&self, command: &C::D, remaining: Duration) -> Attempt<C::R> {
-        match tokio::time::timeout(remaining, self.raft.client_write(command.clone())).await {
+        let mut command = command.clone();
+        self.stamp(&mut command);
+        match tokio::time::timeout(remaining, self.raft.client_write(command)).await {
             Err(_) => Attempt::Done(Err(WriteError::Timeout)),
             Ok(Ok(written)) => Attempt::Done(Ok(written.data)),
             Ok(Err(error)) => self.classify(self.node_id, error),
@@ -698,13 +752,17 @@ impl<C: GroupConfig> RaftGroup<C> {
         command: &C::D,
         remaining: Duration,
     ) -> Attempt<C::R> {
+        // The wall clock is read as the call leaves, so the leader sees this node's offset
+        // plus the transit time only, however long the write waited for a leader.
+        let forwarded =
+            Forwarded { from: self.node_id, sent_at_ms: crate::clock::now_ms(), command };
         let reply = self
             .channels
-            .call::<C::D, C::R, RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>>(
+            .call::<_, C::R, RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>>(
                 &node.addr,
                 Rpc::Forward,
                 &self.name,
-                command,
+                &forwarded,
                 remaining,
             )
             .await;
@@ -814,6 +872,29 @@ impl<C: GroupConfig> RaftGroup<C> {
 enum Attempt<R> {
     Done(Result<R, WriteError>),
     NotApplied { leader: Option<(NodeId, Option<BasicNode>)> },
+}
+
+/// Anchors the group's ledger time as soon as this node becomes leader, so its first stamp
+/// of a term counts from the election rather than from its first write. Ends when the
+/// group stops (its metrics close) or its handle is gone.
+async fn anchor_on_election<M: GroupMachine>(
+    mut metrics: watch::Receiver<RaftMetrics<NodeId, BasicNode>>,
+    stamper: Weak<Stamper>,
+    view: MachineView<M>,
+) {
+    loop {
+        let (term, leads) = {
+            let metrics = metrics.borrow_and_update();
+            (metrics.current_term, metrics.state == ServerState::Leader)
+        };
+        if leads {
+            let Some(stamper) = stamper.upgrade() else { return };
+            stamper.anchor(term, || view.read(GroupMachine::ledger_time_ms));
+        }
+        if metrics.changed().await.is_err() {
+            return;
+        }
+    }
 }
 
 async fn open_stores<C: GroupConfig>(

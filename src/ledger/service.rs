@@ -5,19 +5,20 @@
 //! encodes `Result<response, RaftError>` back, so a remote Raft error reaches the caller's
 //! openraft as a value (`RemoteError`), never as a gRPC status. Statuses mean transport
 //! trouble: `NOT_FOUND` for a group this process does not host (yet), `INVALID_ARGUMENT` for
-//! an undecodable payload. `Forward` runs a client write on this node and never forwards it
-//! again. The client side is `network.rs`; the group handle is `group.rs`.
+//! an undecodable payload. `Forward` carries the sender's id and wall clock with the command
+//! (`ledger_time.rs`); it runs the write on this node, stamped with this node's ledger time,
+//! and never forwards it again. The client side is `network.rs`; the group handle is `group.rs`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use openraft::Raft;
 use openraft::error::{ClientWriteError, InstallSnapshotError, RaftError};
 use parking_lot::RwLock;
 use serde::Serialize;
 use tonic::{Request, Response, Status};
 
+use super::ledger_time::Forwarded;
 use super::proto::raft_peer_server::{RaftPeer, RaftPeerServer};
 use super::proto::{GroupReply, GroupRequest};
 use super::{BasicNode, COMMAND_BYTES_MAX, GroupConfig, NodeId, PEER_MESSAGE_BYTES_MAX, RaftGroup};
@@ -58,7 +59,7 @@ trait GroupEndpoint: Send + Sync + 'static {
 }
 
 struct Endpoint<C: GroupConfig> {
-    raft: Raft<C>,
+    group: RaftGroup<C>,
 }
 
 fn decode<T: serde::de::DeserializeOwned>(payload: &[u8]) -> Result<T, Status> {
@@ -75,18 +76,18 @@ fn encode<T: Serialize>(reply: &T) -> Result<Vec<u8>, Status> {
 impl<C: GroupConfig> GroupEndpoint for Endpoint<C> {
     async fn append_entries(&self, payload: &[u8]) -> Result<Vec<u8>, Status> {
         let request = decode(payload)?;
-        encode(&self.raft.append_entries(request).await)
+        encode(&self.group.raft().append_entries(request).await)
     }
 
     async fn vote(&self, payload: &[u8]) -> Result<Vec<u8>, Status> {
         let request = decode(payload)?;
-        encode(&self.raft.vote(request).await)
+        encode(&self.group.raft().vote(request).await)
     }
 
     async fn install_snapshot(&self, payload: &[u8]) -> Result<Vec<u8>, Status> {
         let request = decode(payload)?;
         let reply: Result<_, RaftError<NodeId, InstallSnapshotError>> =
-            self.raft.install_snapshot(request).await;
+            self.group.raft().install_snapshot(request).await;
         encode(&reply)
     }
 
@@ -97,9 +98,9 @@ impl<C: GroupConfig> GroupEndpoint for Endpoint<C> {
                 payload.len()
             )));
         }
-        let command: C::D = decode(payload)?;
+        let forwarded: Forwarded<C::D> = decode(payload)?;
         let reply: Result<C::R, RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>> =
-            self.raft.client_write(command).await.map(|written| written.data);
+            self.group.forwarded(forwarded).await;
         encode(&reply)
     }
 }
@@ -116,27 +117,8 @@ impl RaftPeerService {
         Self::default()
     }
 
-    /// Routes requests for `group` to `raft`.
-    ///
-    /// # Errors
-    /// [`RegisterError`] when the name is taken or the process hosts too many groups.
-    pub fn register<C: GroupConfig>(
-        &self,
-        group: &str,
-        raft: Raft<C>,
-    ) -> Result<(), RegisterError> {
-        let mut groups = self.groups.write();
-        if groups.contains_key(group) {
-            return Err(RegisterError::Duplicate(group.to_owned()));
-        }
-        if groups.len() >= GROUPS_PER_PROCESS_MAX {
-            return Err(RegisterError::TooMany);
-        }
-        groups.insert(group.to_owned(), Arc::new(Endpoint { raft }));
-        Ok(())
-    }
-
-    /// Routes requests for `group`'s name to it: [`Self::register`] for a [`RaftGroup`].
+    /// Routes requests for `group`'s name to it. Forwarded writes go through the group's
+    /// handle, which stamps their time as the leader's (`super::ledger_time`).
     ///
     /// # Errors
     /// [`RegisterError`] when the name is taken or the process hosts too many groups.
@@ -144,7 +126,15 @@ impl RaftPeerService {
         &self,
         group: &RaftGroup<C>,
     ) -> Result<(), RegisterError> {
-        self.register(group.name(), group.raft().clone())
+        let mut groups = self.groups.write();
+        if groups.contains_key(group.name()) {
+            return Err(RegisterError::Duplicate(group.name().to_owned()));
+        }
+        if groups.len() >= GROUPS_PER_PROCESS_MAX {
+            return Err(RegisterError::TooMany);
+        }
+        groups.insert(group.name().to_owned(), Arc::new(Endpoint { group: group.clone() }));
+        Ok(())
     }
 
     /// Stops routing requests to `group` (peers then see it as unreachable).
