@@ -76,13 +76,6 @@ pub enum RaftHostError {
     },
 }
 
-impl RaftHostError {
-    /// Starting again unchanged will not help.
-    pub fn retry_may_help(&self) -> bool {
-        false
-    }
-}
-
 /// The Raft groups of a running node and their shared transport.
 pub struct RaftHost {
     node_id: NodeId,

@@ -36,8 +36,8 @@ use crate::core::ledger::{
     LEASE_REQUESTS_PER_COMMAND_MAX, LeaseRequest, NodeId, QuotaCommand, QuotaResponse,
 };
 use crate::core::rate::LimitSpec;
-use crate::ledger::RaftGroup;
 use crate::ledger::quota::QuotaGroup;
+use crate::ledger::{RaftGroup, WriteError};
 use crate::metrics::Metrics;
 
 /// Messages queued for the broker at most; beyond it asks fail at once (the handler falls
@@ -122,7 +122,7 @@ pub struct CallDone {
     permit: Permit,
     asks: Vec<LeaseAsk>,
     latency: Duration,
-    result: Result<QuotaResponse, String>,
+    result: Result<QuotaResponse, WriteError>,
 }
 
 /// The handle handlers and shard actors hold.
@@ -369,8 +369,8 @@ impl BrokerState {
             let started = Instant::now();
             let result = match tokio::time::timeout(timeout, ledger.write(command, timeout)).await {
                 Ok(Ok(response)) => Ok(response),
-                Ok(Err(error)) => Err(error.to_string()),
-                Err(_) => Err("timed out".to_owned()),
+                Ok(Err(error)) => Err(error),
+                Err(_) => Err(WriteError::Timeout),
             };
             let done = CallDone { permit, asks, latency: started.elapsed(), result };
             // A stopped broker drops the answers; the handlers fall back at their deadline.

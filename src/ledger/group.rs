@@ -173,13 +173,6 @@ pub enum OpenError {
     },
 }
 
-impl OpenError {
-    /// Retrying the same open will not help: settings or the directory need an operator.
-    pub fn retry_may_help(&self) -> bool {
-        false
-    }
-}
-
 /// Why a write was not acknowledged.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum WriteError {
@@ -220,9 +213,11 @@ pub enum WriteError {
 }
 
 impl WriteError {
-    /// Whether sending the same command again may succeed.
+    /// Whether sending the same command again (here, later, or through another node) may
+    /// get it applied: false when the group refuses the command as such (too large, or the
+    /// leader cannot read it), which no retry changes.
     pub fn retry_may_help(&self) -> bool {
-        matches!(self, Self::NoLeader | Self::Timeout | Self::LeaderLost { .. })
+        !matches!(self, Self::TooLarge { .. } | Self::Refused { .. })
     }
 
     /// Whether the command may have been applied although no answer came back.
@@ -249,13 +244,6 @@ pub enum MembershipError {
     /// This node's Raft group has stopped.
     #[error("the Raft group on this node has stopped: {0}")]
     Stopped(String),
-}
-
-impl MembershipError {
-    /// Whether the same change may succeed later (or on the leader).
-    pub fn retry_may_help(&self) -> bool {
-        matches!(self, Self::NotLeader { .. } | Self::Refused(_))
-    }
 }
 
 fn membership_error(
@@ -355,7 +343,7 @@ impl StorageLiveness {
     }
 }
 
-/// Why a group did not stop cleanly.
+/// Why a group did not stop cleanly. Shutting down again will not help.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ShutdownError {
     /// openraft's core task failed while stopping.
@@ -365,13 +353,6 @@ pub enum ShutdownError {
     /// the directory in this process would fail on sled's lock.
     #[error("the group's storage was still in use {STORAGE_RELEASE_TIMEOUT:?} after shutdown")]
     StorageBusy,
-}
-
-impl ShutdownError {
-    /// Shutting down again will not help.
-    pub fn retry_may_help(&self) -> bool {
-        false
-    }
 }
 
 impl<C: GroupConfig> Clone for RaftGroup<C> {

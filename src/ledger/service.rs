@@ -31,7 +31,8 @@ const CONCURRENT_REQUESTS_PER_CONNECTION_MAX: usize = 256;
 /// Longest any request may run on the server, whatever deadline the caller sent.
 const SERVER_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Why a group could not be registered with the service.
+/// Why a group could not be registered with the service. Registering again will not help
+/// without unregistering first.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RegisterError {
     /// A group of that name is already registered.
@@ -40,13 +41,6 @@ pub enum RegisterError {
     /// [`GROUPS_PER_PROCESS_MAX`] groups are registered already.
     #[error("at most {GROUPS_PER_PROCESS_MAX} groups per process")]
     TooMany,
-}
-
-impl RegisterError {
-    /// Registering again will not help without unregistering first.
-    pub fn retry_may_help(&self) -> bool {
-        false
-    }
 }
 
 /// One group as the service sees it: bytes in, bytes out.

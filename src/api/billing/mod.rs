@@ -157,7 +157,7 @@ impl BillingService {
                 Decision::Approved => "approved",
                 Decision::InsufficientFunds => "insufficient_funds",
             },
-            Err(ProposeError::Refused(_)) => "refused",
+            Err(ProposeError::Refused(_) | ProposeError::Rejected(_)) => "refused",
             Err(ProposeError::Overloaded) => "overloaded",
             Err(ProposeError::Unavailable(_) | ProposeError::Stopped) => "unavailable",
         };
