@@ -73,12 +73,12 @@ fn main() -> anyhow::Result<()> {
     runtime.block_on(async {
         let metrics = Metrics::new();
         let ledger = support::ledger(true).await?;
-        // A patient ledger timeout: this measures the decision, not the disk; with the 5 ms
-        // default a loaded machine's fsync opens the circuit and the run measures the
-        // fallback instead (the bypass count below says whether that happened).
-        let patient = support::Setup { ledger_timeout_ms: 500, ..support::Setup::default() };
-        let shards =
-            Arc::new(support::shard_set(&ledger, patient, support::no_policy(), &metrics).await?);
+        // The node's defaults: calls judged by the ledger's measured latency (the bypass
+        // count below says whether a run paid from the fallback).
+        let shards = Arc::new(
+            support::shard_set(&ledger, support::Setup::default(), support::no_policy(), &metrics)
+                .await?,
+        );
         // A hot key: the largest leases and the longest TTL, so the refill asked at the
         // watermark arrives long before the balance runs out even at millions per second.
         // The lease is that large from the first one (min = max): sized by the rate

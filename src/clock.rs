@@ -25,3 +25,12 @@ pub fn monotonic() -> Instant {
 pub fn elapsed_ms(earlier: Instant) -> u64 {
     u64::try_from(earlier.elapsed().as_millis()).unwrap_or(u64::MAX)
 }
+
+/// Microseconds since the Unix epoch (0 if the clock is before it): a node process's
+/// incarnation, which orders its lease epochs after those of earlier processes.
+pub fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|elapsed| u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}

@@ -12,6 +12,9 @@ use prometheus::{
 /// Label value used for a domain the policy does not define.
 pub const DOMAIN_UNKNOWN: &str = "unknown";
 
+/// The `reason` labels of `quotamesh_rate_limit_bypassed_total`.
+pub const BYPASS_REASONS: [&str; 3] = ["circuit_open", "ledger_timeout", "overloaded"];
+
 /// The node's metrics and the registry that exports them.
 #[derive(Clone)]
 pub struct Metrics {
@@ -56,20 +59,30 @@ pub struct Metrics {
     pub lease_asks: IntCounterVec,
     /// `quotamesh_lease_size_tokens`: tokens per grant.
     pub lease_size: Histogram,
-    /// `quotamesh_lease_returned_tokens_total{result}`: unspent tokens given back
-    /// (`returned`, `failed`, `dropped` while the circuit is open).
-    pub lease_returned_tokens: IntCounterVec,
+    /// `quotamesh_lease_credited_tokens_total`: tokens the ledger credited back from this
+    /// node's settlements (returned and expired unspent balances, grants whose answer was
+    /// lost).
+    pub lease_credited_tokens: IntCounter,
+    /// `quotamesh_lease_charged_tokens_total`: tokens this node admitted beyond its leases
+    /// (credit, fallback) that its settlements charged to the ledger.
+    pub lease_charged_tokens: IntCounter,
+    /// `quotamesh_lease_credit_admissions_total`: decisions admitted on credit (a cold key's
+    /// first hits, a refill on the way), charged by the key's next report.
+    pub lease_credit_admissions: IntCounter,
     /// `quotamesh_lease_held_tokens{domain, rule}`: leased tokens this node holds per rule,
     /// at the last sweep; summed over the region's nodes it is the live drift.
     pub lease_held_tokens: IntGaugeVec,
-    /// `quotamesh_lease_drift_bound_tokens{domain, rule}`: the configured bound on tokens
-    /// outside the ledger per key, `N * (1 + watermark) * max_lease`.
+    /// `quotamesh_lease_drift_bound_tokens{domain, rule}`: the bound on tokens outside the
+    /// ledger per key of the rule: every node's lease and credit, plus the fallback allowance
+    /// while the circuit is not closed (`LeaseTuning::drift_bound_tokens`).
     pub lease_drift_bound_tokens: IntGaugeVec,
-    /// `quotamesh_ledger_calls_total{result}`: batched ledger calls (`ok`, `slow`, `error`).
+    /// `quotamesh_ledger_calls_total{result}`: batched ledger calls (`ok`; `slow`: past the
+    /// deadline measured from the ledger's own latency, still awaited; `timeout`: no answer
+    /// at all; `error`).
     pub ledger_calls: IntCounterVec,
     /// `quotamesh_ledger_call_duration_seconds`: latency of batched ledger calls.
     pub ledger_call_duration: Histogram,
-    /// `quotamesh_ledger_circuit_state`: 0 closed, 1 recovering (probing), 2 open.
+    /// `quotamesh_ledger_circuit_state`: 0 closed, 1 half-open (leasing again), 2 open.
     pub ledger_circuit_state: IntGauge,
     /// `quotamesh_clock_offset_seconds{node}`: how far a node's wall clock was ahead of this
     /// leader's (negative: behind) at its last forwarded write.
@@ -185,7 +198,7 @@ impl Metrics {
         .expect("valid metric");
         registry.register(Box::new(clock_offset.clone())).expect("unique metric");
 
-        Self {
+        let metrics = Self {
             rls_decisions: counter_vec(
                 "quotamesh_rls_decisions_total",
                 "ShouldRateLimit answers by domain and overall code.",
@@ -258,10 +271,17 @@ impl Metrics {
                 "Tokens per lease grant.",
                 vec![0.0, 1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1_000.0, 10_000.0],
             ),
-            lease_returned_tokens: counter_vec(
-                "quotamesh_lease_returned_tokens_total",
-                "Unspent leased tokens given back: returned, failed, or dropped.",
-                &["result"],
+            lease_credited_tokens: counter(
+                "quotamesh_lease_credited_tokens_total",
+                "Tokens the ledger credited back from this node's settlements.",
+            ),
+            lease_charged_tokens: counter(
+                "quotamesh_lease_charged_tokens_total",
+                "Tokens admitted beyond leases (credit, fallback) charged to the ledger.",
+            ),
+            lease_credit_admissions: counter(
+                "quotamesh_lease_credit_admissions_total",
+                "Decisions admitted on credit, charged by the key's next report.",
             ),
             lease_held_tokens: gauge_vec(
                 "quotamesh_lease_held_tokens",
@@ -270,23 +290,26 @@ impl Metrics {
             ),
             lease_drift_bound_tokens: gauge_vec(
                 "quotamesh_lease_drift_bound_tokens",
-                "Configured bound on tokens outside the ledger per key: N x (1 + watermark) x \
-                 max_lease.",
+                "Bound on tokens outside the ledger per key: every node's lease and credit, plus \
+                 the fallback allowance while the circuit is not closed.",
                 &["domain", "rule"],
             ),
             ledger_calls: counter_vec(
                 "quotamesh_ledger_calls_total",
-                "Batched lease calls to the quota ledger by result: ok, slow, error.",
+                "Batched lease calls to the quota ledger by result: ok, slow, timeout, error.",
                 &["result"],
             ),
             ledger_call_duration: histogram(
                 "quotamesh_ledger_call_duration_seconds",
                 "Latency of batched lease calls to the quota ledger.",
-                vec![0.000_25, 0.000_5, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1],
+                vec![
+                    0.000_25, 0.000_5, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                    0.5, 1.0, 2.5,
+                ],
             ),
             ledger_circuit_state: gauge(
                 "quotamesh_ledger_circuit_state",
-                "Circuit breaker around ledger calls: 0 closed, 1 recovering, 2 open.",
+                "Circuit breaker around ledger calls: 0 closed, 1 half-open, 2 open.",
             ),
             clock_offset,
             clock_offset_exceeded: counter_vec(
@@ -346,7 +369,19 @@ impl Metrics {
                 &["outcome"],
             ),
             registry,
+        };
+        // Every label known in advance is exported at 0 from the start, so dashboards and
+        // alerts see the series before the first event.
+        for reason in BYPASS_REASONS {
+            metrics.rate_limit_bypassed.with_label_values(&[reason]);
         }
+        for result in ["queued", "refused"] {
+            metrics.lease_asks.with_label_values(&[result]);
+        }
+        for result in ["ok", "slow", "timeout", "error"] {
+            metrics.ledger_calls.with_label_values(&[result]);
+        }
+        metrics
     }
 
     /// The Prometheus text exposition of every metric.

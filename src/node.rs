@@ -395,11 +395,11 @@ async fn start_leasing(
         node_id: raft.node_id(),
         batch_window_ms: leasing.batch_window_ms,
         breaker: BreakerSettings {
-            call_timeout_ms: leasing.ledger_timeout_ms,
+            fixed_deadline_ms: leasing.ledger_timeout_ms,
             failures_to_open: leasing.circuit_failures_to_open,
             probe_interval_ms: leasing.circuit_probe_interval_ms,
-            healthy_probing_ms: leasing.circuit_close_after_ms,
-            healthy_p99_ms: leasing.ledger_timeout_ms,
+            close_after_calls: leasing.circuit_close_after_calls,
+            ..BreakerSettings::default()
         },
     };
     let (broker, broker_task) = LeaseBroker::start(raft.quota().clone(), settings, metrics.clone())
@@ -409,7 +409,7 @@ async fn start_leasing(
         shard_count: config.shard_count(),
         keys_per_shard_max: config.shards.keys_per_shard_max,
         sweep_interval: Duration::from_millis(config.shards.sweep_interval_ms),
-        ledger_timeout: Duration::from_millis(leasing.ledger_timeout_ms),
+        wait_budget: Duration::from_millis(leasing.wait_budget_ms),
         fallback_multiplier_permille: leasing.fallback_multiplier_permille(),
         nodes_in_region: config.nodes_in_region(),
     };

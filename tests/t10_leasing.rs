@@ -3,8 +3,9 @@
 //! supplied, a blocked key stays local, idle balances go back, and an unreachable ledger
 //! opens the circuit so fail-open rules admit from the fallback and fail-closed rules deny.
 //!
-//! The ledger timeout is raised where a test checks exact counts, so a slow disk on a busy
-//! machine cannot turn a lease into a fallback admission; the fault tests use the default.
+//! Every test runs the node's defaults (ledger calls judged by measured latency, a 15 ms
+//! wait budget): a decision that waited too long on a slow disk is paid from the fallback
+//! and charged to the ledger, so the counts these tests check hold on a busy machine too.
 
 use std::time::Duration;
 
@@ -19,12 +20,12 @@ use quotamesh::metrics::Metrics;
 #[path = "../benches/support/mod.rs"]
 mod support;
 
-/// Generous for a loaded CI machine: these tests check counts, not latency.
-const PATIENT: support::Setup = support::Setup {
+/// The node's defaults, with a quicker sweep so returns show within the tests' patience.
+const DEFAULTS: support::Setup = support::Setup {
     shard_count: 2,
     keys_per_shard_max: 100_000,
     sweep_interval: Duration::from_millis(100),
-    ledger_timeout_ms: 2_000,
+    ledger_timeout_ms: None,
     nodes_in_region: 1,
 };
 
@@ -47,10 +48,11 @@ fn counter(metrics: &Metrics, family: &str, label: &str) -> u64 {
 }
 
 /// A burst of 30 requests at a bucket of 20 admits the bucket's 20 plus what it refilled
-/// meanwhile, all paid by leases (no bypass), and the ledger accounts for the tokens.
+/// meanwhile, however long the ledger takes (what a wait could not pay is charged to it),
+/// and the ledger accounts for the tokens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_enforce_the_limit_exactly() {
-    let (ledger, shards, metrics) = leasing(PATIENT, true).await;
+    let (ledger, shards, metrics) = leasing(DEFAULTS, true).await;
     let spec = LimitSpec::new(Algorithm::TokenBucket, 20, 1_000, Some(20)).expect("a valid limit");
     let lease = LeaseTuning::default();
     let probe = support::probe(&shards, "t", ("user", "u1"), &spec, &lease, FailureMode::Open, 1);
@@ -58,7 +60,6 @@ async fn leases_enforce_the_limit_exactly() {
     let mut admitted = 0;
     for _ in 0..30 {
         let decision = shards.decide(&probe, quotamesh::clock::now_ms()).await.expect("decides");
-        assert_eq!(decision.bypass, None);
         admitted += u64::from(decision.admitted);
     }
     let refilled = (started.elapsed().as_millis() as u64 * 20).div_ceil(1000);
@@ -79,7 +80,7 @@ async fn leases_enforce_the_limit_exactly() {
 /// retry_after, and no further request reaches the broker or the ledger.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_blocked_key_asks_nothing_until_retry_after() {
-    let (_ledger, shards, metrics) = leasing(PATIENT, true).await;
+    let (_ledger, shards, metrics) = leasing(DEFAULTS, true).await;
     let spec = LimitSpec::new(Algorithm::FixedWindow, 2, 3_600_000, None).expect("a valid limit");
     let lease = LeaseTuning::default();
     let probe = support::probe(&shards, "t", ("user", "u2"), &spec, &lease, FailureMode::Open, 1);
@@ -120,7 +121,7 @@ async fn a_blocked_key_asks_nothing_until_retry_after() {
 /// arrives; a request larger than the limit's capacity is refused without a ledger call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_requests_lease_what_they_need() {
-    let (_ledger, shards, metrics) = leasing(PATIENT, true).await;
+    let (_ledger, shards, metrics) = leasing(DEFAULTS, true).await;
     let spec =
         LimitSpec::new(Algorithm::TokenBucket, 100, 1_000, Some(100)).expect("a valid limit");
     let lease = LeaseTuning::default();
@@ -139,12 +140,17 @@ async fn large_requests_lease_what_they_need() {
 /// ledger counts as outstanding only the token that was spent (until the lease's TTL).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_balances_return_to_the_ledger() {
-    let (ledger, shards, metrics) = leasing(PATIENT, true).await;
+    let (ledger, shards, metrics) = leasing(DEFAULTS, true).await;
     let spec = LimitSpec::new(Algorithm::TokenBucket, 1_000, 1_000, None).expect("a valid limit");
     let lease = LeaseTuning::default();
     let probe = support::probe(&shards, "t", ("user", "u4"), &spec, &lease, FailureMode::Open, 1);
     assert!(shards.decide(&probe, quotamesh::clock::now_ms()).await.expect("decides").admitted);
-    assert!(shards.held_tokens(quotamesh::clock::now_ms()) > 0, "the rest of the lease");
+    // The first hit was admitted on credit; its report's lease lands a commit later.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while shards.held_tokens(quotamesh::clock::now_ms()) == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "no lease arrived");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let key = LeaseKey::of("t", [("user", "u4")].into_iter(), 0, &spec).ledger_key();
     let held_by_ledger = || {
         ledger.host.quota().read(|machine| {
@@ -163,18 +169,18 @@ async fn idle_balances_return_to_the_ledger() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(shards.held_tokens(quotamesh::clock::now_ms()), 0);
-    assert!(metrics.lease_returned_tokens.with_label_values(&["returned"]).get() > 0);
+    assert!(metrics.lease_credited_tokens.get() > 0, "the ledger credited the balance back");
     shards.shutdown().await;
 }
 
-/// With no ledger leader, the first short keys wait out the ledger timeout and fall back;
-/// after three failed calls the circuit opens and decisions fall back at once. Fail-open
-/// admits from a bucket of the limit's size (one node) and counts bypasses; fail-closed
-/// denies with the probe interval as retry-after.
+/// With no ledger leader, a cold fail-open key admits its credit, then its short requests
+/// wait out the budget and fall back; once three calls are judged slow (against the default
+/// deadline: nothing measured yet, so a second) the circuit opens and decisions fall back
+/// at once. Credit and fallback together admit no more than the limit; fail-closed denies
+/// with the probe interval as retry-after and asks nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_ledger_opens_the_circuit() {
-    let setup = support::Setup { ledger_timeout_ms: 5, ..PATIENT };
-    let (_ledger, shards, metrics) = leasing(setup, false).await;
+    let (_ledger, shards, metrics) = leasing(DEFAULTS, false).await;
     let spec = LimitSpec::new(Algorithm::TokenBucket, 10, 60_000, Some(10)).expect("a valid limit");
     let lease = LeaseTuning::default();
     let open = support::probe(&shards, "t", ("user", "open"), &spec, &lease, FailureMode::Open, 1);
@@ -182,22 +188,41 @@ async fn an_unreachable_ledger_opens_the_circuit() {
         support::probe(&shards, "t", ("user", "closed"), &spec, &lease, FailureMode::Closed, 1);
     let mut reasons = Vec::new();
     let mut admitted = 0;
-    for _ in 0..40 {
+    let started = std::time::Instant::now();
+    // Other keys' reports are calls of their own, as a node's traffic makes them.
+    let others: Vec<_> = ["a", "b", "c"]
+        .into_iter()
+        .map(|user| {
+            support::probe(&shards, "t", ("user", user), &spec, &lease, FailureMode::Open, 1)
+        })
+        .collect();
+    while metrics.ledger_circuit_state.get() != 2 {
+        assert!(started.elapsed() < Duration::from_secs(30), "the circuit never opened");
+        for other in &others {
+            shards.decide(other, quotamesh::clock::now_ms()).await.expect("decides");
+        }
         let decision = shards.decide(&open, quotamesh::clock::now_ms()).await.expect("decides");
         admitted += u64::from(decision.admitted);
         if let Some(reason) = decision.bypass {
             reasons.push(reason);
         }
-        // The broker answers asynchronously; let failed calls reach the breaker.
-        tokio::time::sleep(Duration::from_millis(2)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(admitted, 10, "the fallback bucket holds the whole limit on one node");
-    assert_eq!(reasons.first(), Some(&BypassReason::LedgerTimeout));
-    assert_eq!(reasons.last(), Some(&BypassReason::CircuitOpen), "{reasons:?}");
+    // A key first seen while the circuit is open gets no credit: its fallback pays, at once.
+    let fresh =
+        support::probe(&shards, "t", ("user", "fresh"), &spec, &lease, FailureMode::Open, 1);
+    let decision = shards.decide(&fresh, quotamesh::clock::now_ms()).await.expect("decides");
+    assert!(decision.admitted);
+    assert_eq!(decision.bypass, Some(BypassReason::CircuitOpen));
+    // 10 per minute refill a token every 6 s.
+    let refilled = started.elapsed().as_secs() / 6 + 1;
+    assert!((10..=10 + refilled).contains(&admitted), "admitted {admitted}, limit 10 + {refilled}");
+    assert_eq!(reasons.first(), Some(&BypassReason::LedgerTimeout), "{reasons:?}");
     let bypassed = counter(&metrics, "bypassed", "circuit_open")
         + counter(&metrics, "bypassed", "ledger_timeout");
-    assert_eq!(bypassed, 10, "every admission was a bypass");
-    assert_eq!(metrics.ledger_circuit_state.get(), 2, "open");
+    let credit = metrics.lease_credit_admissions.get();
+    assert!(credit >= 5, "each key's credit of a minimum lease: {credit}");
+    assert!(bypassed > admitted - 5, "the key admitted 5 on credit, the rest (and fresh) bypassed");
     let asks = counter(&metrics, "asks", "queued");
     let decision = shards.decide(&closed, quotamesh::clock::now_ms()).await.expect("decides");
     assert_eq!(counter(&metrics, "asks", "queued"), asks, "no ask while the circuit is open");
@@ -207,12 +232,12 @@ async fn an_unreachable_ledger_opens_the_circuit() {
     shards.shutdown().await;
 }
 
-/// Concurrent requests at ten times a key's limit: the ledger's small grants pay what the
-/// limit allows and the rest is rejected locally, never paid from the fallback while the
-/// ledger answers; the total stays within the limit plus the drift bound.
+/// Concurrent requests at ten times a key's limit: the ledger's grants pay what the limit
+/// allows and the rest is rejected locally; whatever a slow answer left to the fallback is
+/// charged, so the total stays within the limit plus the drift bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_above_its_limit_is_held_to_it_without_fallback() {
-    let (_ledger, shards, metrics) = leasing(PATIENT, true).await;
+    let (_ledger, shards, _metrics) = leasing(DEFAULTS, true).await;
     let shards = std::sync::Arc::new(shards);
     let spec =
         LimitSpec::new(Algorithm::TokenBucket, 200, 1_000, Some(200)).expect("a valid limit");
@@ -248,15 +273,13 @@ async fn a_key_above_its_limit_is_held_to_it_without_fallback() {
         bypassed += u64::from(bypass.is_some());
     }
     let elapsed_ms = started.elapsed().as_millis() as u64;
-    let allowed = 200 + elapsed_ms * 200 / 1_000 + lease.drift_bound_tokens(1);
+    let allowed = 200 + elapsed_ms * 200 / 1_000 + lease.drift_bound_tokens(200, 1, true, None);
     println!(
         "admitted {admitted} of 6000 in {elapsed_ms} ms; allowed {allowed}; bypassed {bypassed}"
     );
-    assert_eq!(bypassed, 0, "the ledger answered every call: no fallback");
     assert!(admitted <= allowed, "admitted {admitted} above {allowed}");
     assert!(
         admitted >= 200 + elapsed_ms * 200 / 1_000 / 2,
         "admitted {admitted}: far below the limit"
     );
-    assert_eq!(counter(&metrics, "bypassed", "ledger_timeout"), 0);
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use quotamesh::actors::lease_broker::{BrokerSettings, LeaseBroker};
 use quotamesh::actors::shard::{LedgerName, Probe, ShardSet, ShardSetOptions};
-use quotamesh::config::{NodeConfig, PeerConfig};
+use quotamesh::config::{LeasingConfig, NodeConfig, PeerConfig};
 use quotamesh::core::circuit::BreakerSettings;
 use quotamesh::core::lease::LeaseTuning;
 use quotamesh::core::ledger::NodeId;
@@ -55,20 +55,21 @@ pub struct Setup {
     pub shard_count: usize,
     pub keys_per_shard_max: usize,
     pub sweep_interval: Duration,
-    /// The node's `leasing.ledger_timeout_ms` (also the breaker's call timeout).
-    pub ledger_timeout_ms: u64,
+    /// The node's `leasing.ledger_timeout_ms`: `None` judges calls by measured latency.
+    pub ledger_timeout_ms: Option<u64>,
     /// Nodes the fallback bucket shares the limit with.
     pub nodes_in_region: u64,
 }
 
 impl Default for Setup {
-    /// The node's defaults: 5 ms ledger timeout, 1 ms batches, one node, a sweep a second.
+    /// The node's defaults: measured ledger deadlines, 1 ms batches, one node, a sweep a
+    /// second.
     fn default() -> Self {
         Self {
             shard_count: 2,
             keys_per_shard_max: 1_000_000,
             sweep_interval: Duration::from_secs(1),
-            ledger_timeout_ms: 5,
+            ledger_timeout_ms: None,
             nodes_in_region: 1,
         }
     }
@@ -85,8 +86,7 @@ pub async fn shard_set(
         node_id: ledger.host.node_id(),
         batch_window_ms: 1,
         breaker: BreakerSettings {
-            call_timeout_ms: setup.ledger_timeout_ms,
-            healthy_p99_ms: setup.ledger_timeout_ms,
+            fixed_deadline_ms: setup.ledger_timeout_ms,
             ..BreakerSettings::default()
         },
     };
@@ -96,7 +96,7 @@ pub async fn shard_set(
         shard_count: setup.shard_count,
         keys_per_shard_max: setup.keys_per_shard_max,
         sweep_interval: setup.sweep_interval,
-        ledger_timeout: Duration::from_millis(setup.ledger_timeout_ms),
+        wait_budget: Duration::from_millis(LeasingConfig::default().wait_budget_ms),
         fallback_multiplier_permille: 1_000,
         nodes_in_region: setup.nodes_in_region,
     };

@@ -1,54 +1,58 @@
 //! The lease-broker actor: the one place a node talks to the quota ledger for leases.
 //!
 //! ```text
-//!  RLS handlers ──ask (bounded)──▶ ┌──────────────┐   one AcquireLeases per batch
-//!  shard actors ─return──────────▶ │ LeaseBroker  │ ──(5 ms timeout)──▶ quota group leader
-//!                                  │  breaker     │ ◀────────────────── grants
+//!  RLS handlers ──ask (bounded)──▶ ┌──────────────┐  one SettleLeases per batch
+//!  shard actors ─settle──────────▶ │ LeaseBroker  │ ─────────────────────────▶ quota group leader
+//!                                  │  breaker     │ ◀── answers, however late
 //!  shard actors ◀──cast answers─── └──────────────┘
 //! ```
 //!
-//! Asks and returns from every shard are gathered for up to `batch_window_ms` (or until a
-//! command is full) and sent as ONE command each; the group forwards it to the leader
-//! (`crate::ledger::RaftGroup::write`). Every call is bounded by `ledger_timeout_ms` and
-//! reported to the circuit breaker (`crate::core::circuit`): while the circuit is not
-//! closed, asks are answered "failed" at once (the handlers then decide from the fallback
-//! bucket) and only one probe per interval reaches the ledger, carrying whatever asks are
-//! pending, or an empty command when none are.
+//! Every ask is a key's report (`crate::core::lease`): its totals spent and held, and what
+//! it wants. Asks from every shard are gathered for up to `batch_window_ms` (or until a
+//! command is full) and sent as ONE command; the group forwards it to the leader
+//! (`crate::ledger::RaftGroup::write`).
 //!
-//! A call that timed out may still commit: the tokens it granted stay outstanding in the
-//! ledger until their TTL and are never spent, so a lost answer under-admits, never over.
+//! The circuit breaker (`crate::core::circuit`) judges each call against the ledger's
+//! measured latency when it answers or when its deadline passes, whichever comes first; a
+//! call judged slow is NOT abandoned: it runs until its answer comes (bounded by
+//! [`CALL_TIMEOUT`]) and the answer is applied like any other, so a grant is never lost to a
+//! timer. While the circuit is open, asks are answered "not applied" at once (the handlers
+//! decide from the fallback, and the spending is charged by the key's next report) and one
+//! probe per interval reaches the ledger, carrying whatever is pending, or an empty command
+//! when nothing is. Half-open, every call goes again.
 //!
 //! The mailbox is unbounded (ractor); [`LeaseBroker`] counts queued messages and refuses
 //! beyond [`BROKER_QUEUE_MAX`].
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-use crate::actors::shard::{CounterKey, ShardMsg};
+use crate::actors::lease_protocol::{LeaseAnswers, LeaseAsk};
 use crate::core::circuit::{BreakerSettings, CallOutcome, CircuitBreaker, CircuitState, Permit};
-use crate::core::lease::{LeaseTuning, LeaseWant};
-use crate::core::lease_key::LeaseKey;
+use crate::core::lease::ReportAnswer;
 use crate::core::ledger::{
-    LEASE_REQUESTS_PER_COMMAND_MAX, LeaseRequest, NodeId, QuotaCommand, QuotaResponse,
+    LEASE_REQUESTS_PER_COMMAND_MAX, NodeId, QuotaCommand, QuotaResponse, ReportOutcome,
 };
-use crate::core::rate::LimitSpec;
+use crate::ledger::RaftGroup;
+use crate::ledger::WriteError;
 use crate::ledger::quota::QuotaGroup;
-use crate::ledger::{RaftGroup, WriteError};
 use crate::metrics::Metrics;
 
-/// Messages queued for the broker at most; beyond it asks fail at once (the handler falls
-/// back) and returns are dropped (their tokens expire in the ledger).
+/// Messages queued for the broker at most; beyond it asks are refused at once (the key
+/// decides without the ledger and settles later).
 pub const BROKER_QUEUE_MAX: usize = 65_536;
 /// Ledger calls in flight at once; further batches wait for one to finish.
 pub const CALLS_IN_FLIGHT_MAX: usize = 4;
+/// Longest a ledger call runs before it is given up as of unknown outcome (the next report
+/// of each key settles whatever it did).
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The circuit as the hot path reads it.
 const CIRCUIT_CLOSED: u8 = 0;
-const CIRCUIT_RECOVERING: u8 = 1;
+const CIRCUIT_HALF_OPEN: u8 = 1;
 const CIRCUIT_OPEN: u8 = 2;
 
 /// How the broker runs.
@@ -58,61 +62,23 @@ pub struct BrokerSettings {
     pub node_id: NodeId,
     /// Longest a batch waits for more asks.
     pub batch_window_ms: u64,
-    /// The circuit breaker; its `call_timeout_ms` bounds every ledger call.
+    /// The circuit breaker.
     pub breaker: BreakerSettings,
-}
-
-/// One key's request for a lease, and where its answer goes.
-#[derive(Debug)]
-pub struct LeaseAsk {
-    /// The shard actor that owns the key.
-    pub reply_to: ActorRef<ShardMsg>,
-    /// The key's stripe in that shard.
-    pub stripe: u32,
-    /// The key in the shard.
-    pub counter: CounterKey,
-    /// The key in the ledger.
-    pub lease_key: LeaseKey,
-    /// The limit the ledger's bucket follows.
-    pub spec: LimitSpec,
-    /// The rule's lease settings (TTL, expiry margin).
-    pub tuning: LeaseTuning,
-    /// What was asked, and when.
-    pub want: LeaseWant,
-}
-
-/// What the ledger said to one ask.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LeaseAnswer {
-    /// Granted `granted_tokens` (0: none until `retry_after_ms`); `remaining_tokens` were left
-    /// in the ledger's bucket.
-    Granted {
-        /// Tokens leased to this node.
-        granted_tokens: u64,
-        /// When nothing was granted: ms until a token is available.
-        retry_after_ms: u64,
-        /// Whole tokens left in the ledger's bucket after the grant.
-        remaining_tokens: u64,
-    },
-    /// No answer (timeout, error, open circuit, refused request): nothing known granted.
-    Failed,
 }
 
 /// Messages to the broker.
 pub enum BrokerMsg {
-    /// A key needs a lease.
+    /// A key's report.
     Ask(LeaseAsk),
-    /// Unspent tokens to give back.
-    Return {
-        /// The key in the ledger.
-        lease_key: LeaseKey,
-        /// Tokens given back.
-        tokens: u64,
-    },
     /// The batch window ended.
     Flush,
-    /// While the circuit is not closed: send a probe if one is due.
+    /// While the circuit is open: send a probe if one is due.
     ProbeTick,
+    /// A call's deadline passed before its answer.
+    Overdue {
+        /// The call's permit.
+        permit: Permit,
+    },
     /// A ledger call finished.
     Done(CallDone),
 }
@@ -122,6 +88,8 @@ pub struct CallDone {
     permit: Permit,
     asks: Vec<LeaseAsk>,
     latency: Duration,
+    /// True when the breaker already judged the call (its deadline passed first).
+    judged: bool,
     result: Result<QuotaResponse, WriteError>,
 }
 
@@ -158,7 +126,6 @@ impl LeaseBroker {
             queued: Arc::clone(&queued),
             circuit: Arc::clone(&circuit),
             asks: Vec::new(),
-            returns: HashMap::new(),
             flush_scheduled: false,
             probe_scheduled: false,
             calls_in_flight: 0,
@@ -172,10 +139,11 @@ impl LeaseBroker {
         Ok((Self { actor, queued, circuit }, join))
     }
 
-    /// Queues an ask; false when the broker is full or stopped (the ask was not sent, so
-    /// the caller clears the key's request in flight).
+    /// Queues a report; false when the broker is full or stopped (it was not sent, so the
+    /// caller clears the key's report in flight).
     pub fn ask(&self, ask: LeaseAsk) -> bool {
-        if !self.reserve() {
+        if self.queued.fetch_add(1, Ordering::Relaxed) >= BROKER_QUEUE_MAX {
+            self.queued.fetch_sub(1, Ordering::Relaxed);
             return false;
         }
         if self.actor.cast(BrokerMsg::Ask(ask)).is_err() {
@@ -185,20 +153,13 @@ impl LeaseBroker {
         true
     }
 
-    /// Queues unspent tokens for return; false when they were dropped (broker full or
-    /// stopped: the ledger expires them at their TTL instead).
-    pub fn give_back(&self, lease_key: LeaseKey, tokens: u64) -> bool {
-        if tokens == 0 || !self.reserve() {
-            return false;
-        }
-        if self.actor.cast(BrokerMsg::Return { lease_key, tokens }).is_err() {
-            self.queued.fetch_sub(1, Ordering::Relaxed);
-            return false;
-        }
-        true
+    /// True while the circuit is open: keys without tokens decide from the fallback.
+    pub fn circuit_open(&self) -> bool {
+        self.circuit.load(Ordering::Relaxed) == CIRCUIT_OPEN
     }
 
-    /// True while the circuit is closed: short keys may wait for a lease.
+    /// True once the circuit has closed (not merely half-open): the fallback allowance no
+    /// longer counts in the drift bound.
     pub fn circuit_closed(&self) -> bool {
         self.circuit.load(Ordering::Relaxed) == CIRCUIT_CLOSED
     }
@@ -208,17 +169,9 @@ impl LeaseBroker {
         self.queued.load(Ordering::Relaxed) >= BROKER_QUEUE_MAX
     }
 
-    /// Stops the actor (pending asks are dropped; their keys time out to the fallback).
+    /// Stops the actor (pending asks are dropped; their keys settle when they next report).
     pub fn stop(&self) {
         self.actor.stop(None);
-    }
-
-    fn reserve(&self) -> bool {
-        if self.queued.fetch_add(1, Ordering::Relaxed) >= BROKER_QUEUE_MAX {
-            self.queued.fetch_sub(1, Ordering::Relaxed);
-            return false;
-        }
-        true
     }
 }
 
@@ -233,8 +186,6 @@ struct BrokerState {
     circuit: Arc<AtomicU8>,
     /// Asks waiting for the next call (bounded by the queue bound).
     asks: Vec<LeaseAsk>,
-    /// Tokens to give back, summed per key.
-    returns: HashMap<LeaseKey, u64>,
     flush_scheduled: bool,
     probe_scheduled: bool,
     calls_in_flight: usize,
@@ -265,22 +216,21 @@ impl Actor for BrokerActor {
                 state.asks.push(ask);
                 state.schedule_flush(&myself);
             }
-            BrokerMsg::Return { lease_key, tokens } => {
-                state.queued.fetch_sub(1, Ordering::Relaxed);
-                let pending = state.returns.entry(lease_key).or_insert(0);
-                *pending = pending.saturating_add(tokens);
-                state.schedule_flush(&myself);
-            }
             BrokerMsg::Flush => {
                 state.flush_scheduled = false;
                 state.flush(&myself, false);
             }
             BrokerMsg::ProbeTick => {
                 state.probe_scheduled = false;
-                if !state.breaker.is_closed() {
+                if state.breaker.is_open() {
                     state.flush(&myself, true);
                     state.schedule_probe(&myself);
                 }
+            }
+            BrokerMsg::Overdue { permit } => {
+                state.metrics.ledger_calls.with_label_values(&["slow"]).inc();
+                state.breaker.record(crate::clock::now_ms(), permit, CallOutcome::Failed);
+                state.publish_circuit(&myself);
             }
             BrokerMsg::Done(done) => state.finish(&myself, done),
         }
@@ -312,15 +262,8 @@ impl BrokerState {
     /// sending (nothing else would tell when the ledger is back).
     fn flush(&mut self, myself: &ActorRef<BrokerMsg>, probe_tick: bool) {
         let now_ms = crate::clock::now_ms();
-        self.flush_returns(now_ms);
-        if !self.returns.is_empty() && !self.flush_scheduled {
-            self.flush_scheduled = true;
-            myself.send_after(Duration::from_millis(self.settings.batch_window_ms), || {
-                BrokerMsg::Flush
-            });
-        }
         while self.calls_in_flight < CALLS_IN_FLIGHT_MAX {
-            let probe_due = probe_tick && !self.breaker.is_closed();
+            let probe_due = probe_tick && self.breaker.is_open();
             if self.asks.is_empty() && !probe_due {
                 return;
             }
@@ -331,7 +274,7 @@ impl BrokerState {
                     .lease_asks
                     .with_label_values(&["refused"])
                     .inc_by(refused.len() as u64);
-                answer_all(refused, LeaseAnswer::Failed);
+                answer_all(refused, ReportAnswer::NotApplied);
                 return;
             }
             let take = self.asks.len().min(LEASE_REQUESTS_PER_COMMAND_MAX);
@@ -350,66 +293,28 @@ impl BrokerState {
         asks: Vec<LeaseAsk>,
         now_ms: u64,
     ) {
-        let requests = asks
-            .iter()
-            .map(|ask| LeaseRequest {
-                key: ask.lease_key.ledger_key(),
-                limit: ask.spec,
-                tokens_wanted: ask.want.tokens,
-                lease_ttl_ms: ask.tuning.lease_ttl_ms,
-            })
-            .collect();
+        let reports = asks.iter().map(LeaseAsk::report).collect();
         let command =
-            QuotaCommand::AcquireLeases { now_ms, node_id: self.settings.node_id, requests };
+            QuotaCommand::SettleLeases { now_ms, node_id: self.settings.node_id, reports };
         self.calls_in_flight += 1;
         let ledger = self.ledger.clone();
-        let timeout = Duration::from_millis(self.settings.breaker.call_timeout_ms);
+        let deadline = Duration::from_millis(self.breaker.deadline_ms());
         let myself = myself.clone();
         tokio::spawn(async move {
             let started = Instant::now();
-            let result = match tokio::time::timeout(timeout, ledger.write(command, timeout)).await {
-                Ok(Ok(response)) => Ok(response),
-                Ok(Err(error)) => Err(error),
-                Err(_) => Err(WriteError::Timeout),
+            let write = tokio::time::timeout(CALL_TIMEOUT, ledger.write(command, CALL_TIMEOUT));
+            tokio::pin!(write);
+            let (outcome, judged) = tokio::select! {
+                outcome = &mut write => (outcome, false),
+                () = tokio::time::sleep(deadline) => {
+                    let _ = myself.cast(BrokerMsg::Overdue { permit });
+                    (write.await, true)
+                }
             };
-            let done = CallDone { permit, asks, latency: started.elapsed(), result };
-            // A stopped broker drops the answers; the handlers fall back at their deadline.
+            let result = outcome.unwrap_or(Err(WriteError::Timeout));
+            let done = CallDone { permit, asks, latency: started.elapsed(), judged, result };
+            // A stopped broker drops the answers; the keys settle when they next report.
             let _ = myself.cast(BrokerMsg::Done(done));
-        });
-    }
-
-    /// Sends the pending returns as one command, outside the breaker's accounting: a
-    /// return is not worth waiting for, and while the circuit is open they are dropped (the
-    /// ledger expires the tokens at their TTL).
-    fn flush_returns(&mut self, now_ms: u64) {
-        if self.returns.is_empty() {
-            return;
-        }
-        // One command's worth; the rest stays for the next flush (a draining iterator cut
-        // short would drop it).
-        let keys: Vec<LeaseKey> =
-            self.returns.keys().take(LEASE_REQUESTS_PER_COMMAND_MAX).copied().collect();
-        let returns: Vec<(String, u64)> = keys
-            .into_iter()
-            .filter_map(|key| self.returns.remove(&key).map(|tokens| (key.ledger_key(), tokens)))
-            .collect();
-        let tokens: u64 = returns.iter().map(|(_, tokens)| tokens).sum();
-        if !self.breaker.is_closed() {
-            self.metrics.lease_returned_tokens.with_label_values(&["dropped"]).inc_by(tokens);
-            return;
-        }
-        let command =
-            QuotaCommand::ReturnLeases { now_ms, node_id: self.settings.node_id, returns };
-        let ledger = self.ledger.clone();
-        let timeout = Duration::from_millis(self.settings.breaker.call_timeout_ms);
-        let metrics = self.metrics.clone();
-        tokio::spawn(async move {
-            let outcome = match tokio::time::timeout(timeout, ledger.write(command, timeout)).await
-            {
-                Ok(Ok(QuotaResponse::ReturnedMany(_))) => "returned",
-                _ => "failed",
-            };
-            metrics.lease_returned_tokens.with_label_values(&[outcome]).inc_by(tokens);
         });
     }
 
@@ -418,49 +323,54 @@ impl BrokerState {
         let now_ms = crate::clock::now_ms();
         let latency_ms = u64::try_from(done.latency.as_millis()).unwrap_or(u64::MAX);
         self.metrics.ledger_call_duration.observe(done.latency.as_secs_f64());
-        let outcome = match &done.result {
-            Ok(_) => CallOutcome::Answered { latency_ms },
-            Err(_) => CallOutcome::Failed,
-        };
-        let label = match &done.result {
-            Ok(_) if latency_ms < self.settings.breaker.call_timeout_ms => "ok",
-            Ok(_) => "slow",
-            Err(_) => "error",
-        };
-        self.metrics.ledger_calls.with_label_values(&[label]).inc();
-        self.breaker.record(now_ms, done.permit, outcome);
-        self.publish_circuit(myself);
+        if done.result.is_ok() {
+            self.breaker.observe_latency(latency_ms);
+        }
+        if !done.judged {
+            let (label, outcome) = match &done.result {
+                Ok(_) => ("ok", CallOutcome::Answered { latency_ms }),
+                Err(WriteError::Timeout) => ("timeout", CallOutcome::Failed),
+                Err(_) => ("error", CallOutcome::Failed),
+            };
+            self.metrics.ledger_calls.with_label_values(&[label]).inc();
+            self.breaker.record(now_ms, done.permit, outcome);
+            self.publish_circuit(myself);
+        }
         match done.result {
-            Ok(QuotaResponse::Leases(results)) if results.len() == done.asks.len() => {
+            Ok(QuotaResponse::Settled(results)) if results.len() == done.asks.len() => {
                 let mut by_shard: AnswersByShard = Vec::new();
                 for (ask, result) in done.asks.into_iter().zip(results) {
                     let answer = match result {
-                        Ok(grant) => {
-                            self.metrics.lease_size.observe(grant.granted_tokens as f64);
-                            LeaseAnswer::Granted {
+                        Ok(ReportOutcome::Settled(settlement)) => {
+                            let grant = settlement.grant;
+                            if grant.granted_tokens > 0 {
+                                self.metrics.lease_size.observe(grant.granted_tokens as f64);
+                            }
+                            self.metrics.lease_charged_tokens.inc_by(settlement.charged_tokens);
+                            self.metrics.lease_credited_tokens.inc_by(settlement.credited_tokens);
+                            ReportAnswer::Settled {
                                 granted_tokens: grant.granted_tokens,
                                 retry_after_ms: grant.retry_after_ms,
                                 remaining_tokens: grant.remaining_tokens,
                             }
                         }
+                        Ok(ReportOutcome::Stale) => ReportAnswer::NotApplied,
                         Err(refused) => {
-                            tracing::warn!(%refused, "the ledger refused a lease request");
-                            LeaseAnswer::Failed
+                            tracing::warn!(%refused, "the ledger refused a lease report");
+                            ReportAnswer::NotApplied
                         }
                     };
                     push_answer(&mut by_shard, ask, answer);
                 }
-                for (shard, answers) in by_shard {
-                    let _ = shard.cast(ShardMsg::Answers(answers));
-                }
+                send_answers(by_shard);
             }
             Ok(other) => {
-                tracing::warn!(?other, "unexpected answer to AcquireLeases");
-                answer_all(done.asks, LeaseAnswer::Failed);
+                tracing::warn!(?other, "unexpected answer to SettleLeases");
+                answer_all(done.asks, ReportAnswer::NotApplied);
             }
             Err(error) => {
                 tracing::debug!(%error, "ledger call failed");
-                answer_all(done.asks, LeaseAnswer::Failed);
+                answer_all(done.asks, ReportAnswer::NotApplied);
             }
         }
         // Batches that waited for a free call slot go now.
@@ -470,39 +380,59 @@ impl BrokerState {
     }
 
     fn publish_circuit(&mut self, myself: &ActorRef<BrokerMsg>) {
-        let (value, gauge) = match self.breaker.state() {
-            CircuitState::Closed { .. } => (CIRCUIT_CLOSED, 0),
-            CircuitState::Recovering { .. } => (CIRCUIT_RECOVERING, 1),
-            CircuitState::Open { .. } => (CIRCUIT_OPEN, 2),
+        let state = self.breaker.state();
+        let value = match state {
+            CircuitState::Closed { .. } => CIRCUIT_CLOSED,
+            CircuitState::HalfOpen { .. } => CIRCUIT_HALF_OPEN,
+            CircuitState::Open { .. } => CIRCUIT_OPEN,
         };
         let before = self.circuit.swap(value, Ordering::Relaxed);
-        self.metrics.ledger_circuit_state.set(gauge);
+        self.metrics.ledger_circuit_state.set(i64::from(value));
         if before != value {
-            tracing::warn!(state = ?self.breaker.state(), "ledger circuit changed");
+            let p99_ms = self.breaker.latency_p99_ms();
+            match state {
+                CircuitState::Open { .. } => tracing::warn!(
+                    ledger_p99_ms = ?p99_ms,
+                    deadline_ms = self.breaker.deadline_ms(),
+                    "ledger circuit open: lease calls failed or were slow; fail-open rules \
+                     admit from the fallback (charged later), fail-closed rules deny"
+                ),
+                _ => {
+                    tracing::info!(state = ?state, ledger_p99_ms = ?p99_ms, "ledger circuit changed")
+                }
+            }
         }
-        if value != CIRCUIT_CLOSED {
+        if value == CIRCUIT_OPEN {
             self.schedule_probe(myself);
         }
     }
 }
 
 /// Answers grouped by the shard actor they go back to.
-type AnswersByShard = Vec<(ActorRef<ShardMsg>, Vec<(LeaseAsk, LeaseAnswer)>)>;
+type AnswersByShard = Vec<(ractor::ActorId, Vec<(LeaseAsk, ReportAnswer)>)>;
 
-fn push_answer(by_shard: &mut AnswersByShard, ask: LeaseAsk, answer: LeaseAnswer) {
+fn push_answer(by_shard: &mut AnswersByShard, ask: LeaseAsk, answer: ReportAnswer) {
     let id = ask.reply_to.get_id();
-    match by_shard.iter_mut().find(|(shard, _)| shard.get_id() == id) {
+    match by_shard.iter_mut().find(|(shard, _)| *shard == id) {
         Some((_, answers)) => answers.push((ask, answer)),
-        None => by_shard.push((ask.reply_to.clone(), vec![(ask, answer)])),
+        None => by_shard.push((id, vec![(ask, answer)])),
     }
 }
 
-fn answer_all(asks: Vec<LeaseAsk>, answer: LeaseAnswer) {
+fn send_answers(by_shard: AnswersByShard) {
+    for (_, answers) in by_shard {
+        let Some(reply_to) = answers.first().map(|(ask, _)| ask.reply_to.clone()) else {
+            continue;
+        };
+        // A stopped shard has no keys to apply them to.
+        let _ = reply_to.send_message(LeaseAnswers(answers));
+    }
+}
+
+fn answer_all(asks: Vec<LeaseAsk>, answer: ReportAnswer) {
     let mut by_shard = Vec::new();
     for ask in asks {
         push_answer(&mut by_shard, ask, answer);
     }
-    for (shard, answers) in by_shard {
-        let _ = shard.cast(ShardMsg::Answers(answers));
-    }
+    send_answers(by_shard);
 }

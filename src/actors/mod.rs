@@ -19,4 +19,5 @@
 //! (see `shard::COLD_ADMISSIONS_INFLIGHT_MAX` and `lease_broker::BROKER_QUEUE_MAX`).
 
 pub mod lease_broker;
+pub mod lease_protocol;
 pub mod shard;

@@ -8,19 +8,22 @@
 //! Ownership is split by who may change what:
 //!
 //! - the **actor** alone inserts and removes keys: it creates a key on its first hit
-//!   (a cold key, reached by a cast carrying a one-shot reply), applies the lease broker's
-//!   answers, returns surplus and idle balances, evicts when the shard is full, and sweeps
-//!   keys that hold nothing;
+//!   (a cold key, reached by a cast carrying a one-shot reply; each slot starts a new
+//!   settlement epoch), applies the lease broker's answers, settles surplus, idle and expired
+//!   balances and spending on credit with the ledger, evicts when the shard is full, and
+//!   sweeps keys that hold nothing the ledger does not know of;
 //! - an **RLS handler** spends from the slots of keys that exist, under the stripe lock,
 //!   and asks the lease broker for a refill when a balance falls below its watermark.
 //!
 //! ```text
 //!  decide ─▶ lock stripes ─▶ spend leased tokens ── all paid ──▶ commit, ask refills ─▶ OK
-//!                               │ Blocked: OVER_LIMIT until the ledger's retry_after
+//!                               │ credit (fail-open, within credit.tokens_max): admit now,
+//!                               │         the next report charges it
+//!                               │ Blocked / at limit: OVER_LIMIT until the ledger's retry_after
 //!                               │ Short: ask a lease, wait for the broker's answer
-//!                               ▼        (at most ledger_timeout_ms from the request)
+//!                               ▼        (at most wait_budget_ms from the request)
 //!                   fallback: fail-open rules pay from a local bucket at
-//!                   multiplier x limit / nodes (counted as a bypass); fail-closed deny
+//!                   multiplier x limit / nodes (a bypass, charged as debt); fail-closed deny
 //! ```
 //!
 //! A request's descriptors may live in several stripes. The handler locks all of them in
@@ -38,9 +41,18 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use smallvec::SmallVec;
 use tokio::sync::{Notify, Semaphore, oneshot};
 
-use crate::actors::lease_broker::{LeaseAnswer, LeaseAsk, LeaseBroker};
-use crate::core::lease::{KeyLease, LeaseTuning, Spend, fallback_limit};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use ractor::DerivedActorRef;
+
+use crate::actors::lease_broker::LeaseBroker;
+use crate::actors::lease_protocol::{CounterKey, LeaseAnswers, LeaseAsk};
+use crate::core::lease::{
+    Credit, KeyLease, LeaseTuning, ReportAnswer, ReportDraft, Spend, fallback_limit,
+    size_cap_tokens,
+};
 use crate::core::lease_key::LeaseKey;
+use crate::core::ledger::LeaseEpoch;
 use crate::core::policy::{FailureMode, PolicySet, RuleId};
 use crate::core::rate::{LimitSpec, LimitState};
 use crate::metrics::Metrics;
@@ -68,20 +80,6 @@ pub const FAIL_CLOSED_RETRY_AFTER_MS: u64 = 1_000;
 const EVICTION_SAMPLE: usize = 16;
 /// `Slot::rule` of a counter that no policy rule owns (a request's `limit` override).
 const NO_RULE: u32 = u32::MAX;
-
-/// 128-bit fingerprint of one counter: (domain, descriptor entries, limit).
-///
-/// 128 bits make a collision between two clients' counters practically impossible
-/// (about 1e-26 for a million keys), so the key strings need not be stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CounterKey([u64; 2]);
-
-impl Hash for CounterKey {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        // Already a keyed hash: one word is all the map needs.
-        state.write_u64(self.0[0]);
-    }
-}
 
 /// Passes a [`CounterKey`]'s first word through as the map hash.
 #[derive(Default)]
@@ -169,7 +167,8 @@ pub struct ProbeOutcome {
 pub enum BypassReason {
     /// The circuit breaker is open: the ledger failed repeatedly.
     CircuitOpen,
-    /// The key's lease did not arrive within `ledger_timeout_ms`.
+    /// The key's lease did not arrive within `wait_budget_ms` (the request's share of
+    /// Envoy's RLS timeout); what the fallback admitted is charged by the key's next report.
     LedgerTimeout,
     /// Too many requests were already waiting for leases.
     Overloaded,
@@ -226,8 +225,10 @@ struct Fallback {
 struct Slot {
     lease: KeyLease,
     lease_key: LeaseKey,
-    /// Whole tokens left in the ledger's bucket after this node's last grant.
-    ledger_remaining_tokens: u64,
+    /// The slot's life, for the ledger's settlement.
+    epoch: LeaseEpoch,
+    /// The limit the counter follows (settle reports name it).
+    spec: LimitSpec,
     /// Only while the ledger is or was recently out of reach.
     fallback: Option<Box<Fallback>>,
     /// The owning rule's id ([`NO_RULE`] for an override), for its lease tuning and gauges.
@@ -268,8 +269,7 @@ pub struct ColdKey {
     key: CounterKey,
     lease_key: LeaseKey,
     rule: u32,
-    /// Capacity of the limit: the remaining count shown until the first grant.
-    capacity_tokens: u64,
+    spec: LimitSpec,
 }
 
 /// Messages to a shard actor.
@@ -284,12 +284,49 @@ pub enum ShardMsg {
         reply: oneshot::Sender<()>,
     },
     /// The lease broker's answers to this shard's asks.
-    Answers(Vec<(LeaseAsk, LeaseAnswer)>),
+    Answers(LeaseAnswers),
     /// Return surplus and idle balances, drop keys that hold nothing.
     Sweep {
         /// The sweep's time.
         now_ms: u64,
     },
+}
+
+impl From<LeaseAnswers> for ShardMsg {
+    fn from(answers: LeaseAnswers) -> Self {
+        Self::Answers(answers)
+    }
+}
+
+impl TryFrom<ShardMsg> for LeaseAnswers {
+    type Error = ShardMsg;
+
+    fn try_from(message: ShardMsg) -> Result<Self, ShardMsg> {
+        match message {
+            ShardMsg::Answers(answers) => Ok(answers),
+            other => Err(other),
+        }
+    }
+}
+
+/// Where a node's settlement epochs come from: the process's start, and a slot counter.
+#[derive(Debug)]
+struct EpochSource {
+    incarnation: u64,
+    serial: AtomicU64,
+}
+
+impl EpochSource {
+    fn new() -> Self {
+        Self { incarnation: crate::clock::now_us(), serial: AtomicU64::new(0) }
+    }
+
+    fn next(&self) -> LeaseEpoch {
+        LeaseEpoch {
+            incarnation: self.incarnation,
+            serial: self.serial.fetch_add(1, Ordering::Relaxed),
+        }
+    }
 }
 
 /// The shard actor: owner of its table's key set.
@@ -300,10 +337,14 @@ struct ShardActorState {
     shard_label: String,
     table: Arc<ShardTable>,
     keys_max: usize,
+    nodes_in_region: u64,
     key_count: usize,
     /// Next stripe to evict from when the target stripe is empty.
     eviction_cursor: usize,
     broker: LeaseBroker,
+    /// This actor, as the broker addresses its answers.
+    answers_to: DerivedActorRef<LeaseAnswers>,
+    epochs: Arc<EpochSource>,
     policy: Arc<ArcSwap<PolicySet>>,
     lease_events: Arc<Notify>,
     metrics: Metrics,
@@ -314,7 +355,9 @@ struct ShardArguments {
     index: usize,
     table: Arc<ShardTable>,
     keys_max: usize,
+    nodes_in_region: u64,
     broker: LeaseBroker,
+    epochs: Arc<EpochSource>,
     policy: Arc<ArcSwap<PolicySet>>,
     lease_events: Arc<Notify>,
     metrics: Metrics,
@@ -327,16 +370,19 @@ impl Actor for ShardActor {
 
     async fn pre_start(
         &self,
-        _myself: ActorRef<Self::Msg>,
+        myself: ActorRef<Self::Msg>,
         arguments: ShardArguments,
     ) -> Result<Self::State, ActorProcessingErr> {
         Ok(ShardActorState {
             shard_label: arguments.index.to_string(),
             table: arguments.table,
             keys_max: arguments.keys_max,
+            nodes_in_region: arguments.nodes_in_region,
             key_count: 0,
             eviction_cursor: 0,
             broker: arguments.broker,
+            answers_to: myself.get_derived(),
+            epochs: arguments.epochs,
             policy: arguments.policy,
             lease_events: arguments.lease_events,
             metrics: arguments.metrics,
@@ -381,10 +427,15 @@ impl ShardActorState {
             if self.key_count >= self.keys_max {
                 self.evict_one(stripe_index, now_ms);
             }
+            let capacity_tokens = cold.spec.capacity_tokens();
             let slot = Slot {
-                lease: KeyLease::default(),
+                lease: KeyLease::new(
+                    capacity_tokens,
+                    size_cap_tokens(capacity_tokens, self.nodes_in_region),
+                ),
                 lease_key: cold.lease_key,
-                ledger_remaining_tokens: cold.capacity_tokens,
+                epoch: self.epochs.next(),
+                spec: cold.spec,
                 fallback: None,
                 rule: cold.rule,
                 keep_until_ms: now_ms.saturating_add(FRESH_KEY_GRACE_MS),
@@ -396,35 +447,49 @@ impl ShardActorState {
         self.metrics.shard_cold_admissions.with_label_values(&[&self.shard_label]).inc_by(created);
     }
 
-    /// Applies the ledger's answers and wakes the handlers waiting for them.
-    fn apply_answers(&mut self, answers: Vec<(LeaseAsk, LeaseAnswer)>) {
+    /// Applies the ledger's answers and wakes the handlers waiting for them. An answer for a
+    /// slot's earlier life (the slot was removed after a final settle) has nothing to apply.
+    fn apply_answers(&mut self, LeaseAnswers(answers): LeaseAnswers) {
         let now_ms = crate::clock::now_ms();
         for (ask, answer) in answers {
             let mut stripe = self.table.stripes[ask.stripe as usize].lock();
-            match (stripe.get_mut(&ask.counter), answer) {
-                (
-                    Some(slot),
-                    LeaseAnswer::Granted { granted_tokens, retry_after_ms, remaining_tokens },
-                ) => {
-                    slot.lease.apply_grant(
-                        &ask.tuning,
-                        ask.want,
-                        granted_tokens,
-                        retry_after_ms,
-                        now_ms,
-                    );
-                    slot.ledger_remaining_tokens = remaining_tokens;
+            if let Some(slot) = stripe.get_mut(&ask.counter).filter(|slot| slot.epoch == ask.epoch)
+            {
+                slot.lease.apply_answer(&ask.tuning, &ask.draft, answer, now_ms);
+                if matches!(answer, ReportAnswer::Settled { .. }) {
+                    // The ledger answers again: a later fallback starts from its new count,
+                    // not from a bucket filled while it was out of reach.
+                    slot.fallback = None;
                 }
-                (Some(slot), LeaseAnswer::Failed) => slot.lease.apply_failure(),
-                // Evicted while its lease was on the way: give the tokens back.
-                (None, LeaseAnswer::Granted { granted_tokens, .. }) => {
-                    drop(stripe);
-                    self.broker.give_back(ask.lease_key, granted_tokens);
-                }
-                (None, LeaseAnswer::Failed) => {}
             }
         }
         self.lease_events.notify_waiters();
+    }
+
+    /// Hands a settle report for `slot` to the broker, when the ledger's count differs.
+    fn settle(
+        &self,
+        stripe: u32,
+        counter: CounterKey,
+        slot: &mut Slot,
+        tuning: &LeaseTuning,
+        now_ms: u64,
+    ) {
+        if let Some(draft) = slot.lease.poll_settle(tuning, now_ms) {
+            let ask = LeaseAsk {
+                reply_to: self.answers_to.clone(),
+                stripe,
+                counter,
+                epoch: slot.epoch,
+                lease_key: slot.lease_key,
+                spec: slot.spec,
+                tuning: *tuning,
+                draft,
+            };
+            if !self.broker.ask(ask) {
+                slot.lease.apply_answer(tuning, &draft, ReportAnswer::NotApplied, now_ms);
+            }
+        }
     }
 
     /// Evicts the sampled key used least recently, from `preferred` or else the next
@@ -438,15 +503,28 @@ impl ShardActorState {
                 (self.eviction_cursor + offset) % stripe_count
             };
             let mut stripe = self.table.stripes[index].lock();
+            // A key with a report in flight stays until its answer is applied.
             let victim = stripe
                 .iter()
+                .filter(|(_, slot)| !slot.lease.in_flight())
                 .take(EVICTION_SAMPLE)
                 .min_by_key(|(_, slot)| slot.lease.last_hit_ms().max(slot.keep_until_ms))
                 .map(|(key, _)| *key);
             if let Some(key) = victim {
                 let mut slot = stripe.remove(&key).expect("the victim was just seen");
                 drop(stripe);
-                self.broker.give_back(slot.lease_key, slot.lease.take_all(now_ms));
+                let policy = self.policy.load();
+                let tuning = policy
+                    .rule(RuleId(slot.rule))
+                    .map_or_else(LeaseTuning::default, |rule| rule.lease);
+                slot.lease.take_all(now_ms);
+                self.settle(
+                    u32::try_from(index).expect("stripe index fits u32"),
+                    key,
+                    &mut slot,
+                    &tuning,
+                    now_ms,
+                );
                 self.key_count -= 1;
                 self.eviction_cursor = index;
                 self.metrics
@@ -458,33 +536,34 @@ impl ShardActorState {
         }
     }
 
-    /// Returns surplus balances (the lease size shrank with the traffic) and the whole
-    /// balance of idle keys, drops fallback buckets that are full again, and forgets keys
-    /// that hold nothing and are idle; counts what each rule's keys hold.
+    /// Settles surplus balances (the lease size shrank with the traffic), the whole balance
+    /// of idle keys, expired balances and spending on credit with the ledger; drops fallback
+    /// buckets that are full again, and forgets keys that are idle and settled; counts what
+    /// each rule's keys hold.
     fn sweep(&mut self, now_ms: u64) {
         let policy = self.policy.load();
         let default_tuning = LeaseTuning::default();
         let tuning_of =
             |rule: u32| policy.rule(RuleId(rule)).map_or(&default_tuning, |rule| &rule.lease);
         let mut removed = 0_usize;
-        let mut returns: Vec<(LeaseKey, u64)> = Vec::new();
         let mut held_by_rule: HashMap<u32, u64> = HashMap::new();
-        for stripe in &self.table.stripes {
+        for (stripe_index, stripe) in self.table.stripes.iter().enumerate() {
+            let stripe_index = u32::try_from(stripe_index).expect("stripe index fits u32");
             let mut stripe = stripe.lock();
             let before = stripe.len();
-            stripe.retain(|_, slot| {
+            stripe.retain(|counter, slot| {
                 let tuning = tuning_of(slot.rule);
                 // Idle for a lookahead: its traffic no longer needs the balance, which would
                 // otherwise expire unspent (the TTL is two lookaheads from the last refill).
                 let idle = now_ms.saturating_sub(slot.lease.last_hit_ms()) >= tuning.lookahead_ms;
-                let back = if idle {
-                    slot.lease.take_all(now_ms)
-                } else {
-                    slot.lease.take_surplus(tuning, now_ms)
-                };
-                if back > 0 {
-                    returns.push((slot.lease_key, back));
+                if !slot.lease.in_flight() {
+                    if idle {
+                        slot.lease.take_all(now_ms);
+                    } else {
+                        slot.lease.take_surplus(tuning, now_ms);
+                    }
                 }
+                self.settle(stripe_index, *counter, slot, tuning, now_ms);
                 let held = slot.lease.balance_tokens(now_ms);
                 if held > 0 {
                     *held_by_rule.entry(slot.rule).or_insert(0) += held;
@@ -494,13 +573,10 @@ impl ShardActorState {
                 }
                 now_ms < slot.keep_until_ms
                     || !idle
-                    || !slot.lease.is_settled(now_ms)
+                    || !slot.lease.is_settled(&slot.spec, now_ms)
                     || slot.fallback.is_some()
             });
             removed += before - stripe.len();
-        }
-        for (lease_key, tokens) in returns {
-            self.broker.give_back(lease_key, tokens);
         }
         *self.table.held_by_rule.lock() = held_by_rule;
         self.key_count -= removed;
@@ -520,8 +596,9 @@ pub struct ShardSetOptions {
     pub keys_per_shard_max: usize,
     /// Interval of the sweep (returns, idle keys, gauges).
     pub sweep_interval: Duration,
-    /// Longest a request waits for a lease before deciding from the fallback.
-    pub ledger_timeout: Duration,
+    /// Longest a request waits for a lease before deciding from the fallback: within
+    /// Envoy's own RLS timeout (its ratelimit filter's default is 20 ms).
+    pub wait_budget: Duration,
     /// Fallback bucket size as a share of the limit, in per mille of `limit / nodes`.
     pub fallback_multiplier_permille: u64,
     /// Nodes leasing from the region's ledger: the fallback bucket is `1 / nodes` of the
@@ -532,6 +609,8 @@ pub struct ShardSetOptions {
 struct Shard {
     table: Arc<ShardTable>,
     actor: ActorRef<ShardMsg>,
+    /// The actor, as the broker addresses answers.
+    answers_to: DerivedActorRef<LeaseAnswers>,
     join: tokio::task::JoinHandle<()>,
 }
 
@@ -608,6 +687,7 @@ impl ShardSet {
         policy: Arc<ArcSwap<PolicySet>>,
     ) -> Result<Self, ShardSpawnError> {
         let lease_events = Arc::new(Notify::new());
+        let epochs = Arc::new(EpochSource::new());
         let mut shards = Vec::with_capacity(options.shard_count);
         for index in 0..options.shard_count.max(1) {
             let table = Arc::new(ShardTable::new());
@@ -615,7 +695,9 @@ impl ShardSet {
                 index,
                 table: Arc::clone(&table),
                 keys_max: options.keys_per_shard_max,
+                nodes_in_region: options.nodes_in_region,
                 broker: broker.clone(),
+                epochs: Arc::clone(&epochs),
                 policy: Arc::clone(&policy),
                 lease_events: Arc::clone(&lease_events),
                 metrics: metrics.clone(),
@@ -626,10 +708,11 @@ impl ShardSet {
             let join = tokio::spawn(async move {
                 let _ = join.await;
             });
-            shards.push(Shard { table, actor, join });
+            shards.push(Shard { table, answers_to: actor.get_derived(), actor, join });
         }
         let sweeper = tokio::spawn(sweep_forever(
             shards.iter().map(|shard| (shard.actor.clone(), Arc::clone(&shard.table))).collect(),
+            broker.clone(),
             options,
             policy,
             metrics.clone(),
@@ -700,19 +783,21 @@ impl ShardSet {
     /// Decides a request: every probe's limits are decided under the stripes' locks, and
     /// states are consumed only if every enforced probe admits its hits.
     ///
-    /// A key whose balance does not cover its hits waits for its lease at most
-    /// `ledger_timeout` from the call, then decides from the fallback; while the circuit is
-    /// open it decides from the fallback at once.
+    /// A fail-open key whose balance does not cover its hits is admitted on credit when it
+    /// may be (its first hits, the gap while a refill is on the way), else waits for its
+    /// lease at most `wait_budget` from the call, then decides from the fallback; while the
+    /// circuit is open it decides from the fallback at once. Every admission is charged to
+    /// the ledger, so none of these timings decides a count.
     ///
     /// # Errors
     /// [`ShardError`] when new keys could not be created (overload, actor gone, churn).
     pub async fn decide(&self, probes: &[Probe<'_>], now_ms: u64) -> Result<Decision, ShardError> {
         let started = tokio::time::Instant::now();
-        let deadline = started + self.options.ledger_timeout;
-        let mut short_keys = if self.broker.circuit_closed() {
-            ShortKeys::Wait
-        } else {
+        let deadline = started + self.options.wait_budget;
+        let mut short_keys = if self.broker.circuit_open() {
             ShortKeys::Fallback(BypassReason::CircuitOpen)
+        } else {
+            ShortKeys::Wait
         };
         let mut decide_ms = now_ms;
         let mut cold_rounds = 0;
@@ -746,7 +831,7 @@ impl ShardSet {
                     }
                     if tokio::time::timeout_at(deadline, notified).await.is_err() {
                         short_keys = ShortKeys::Fallback(BypassReason::LedgerTimeout);
-                    } else if !self.broker.circuit_closed() {
+                    } else if self.broker.circuit_open() {
                         short_keys = ShortKeys::Fallback(BypassReason::CircuitOpen);
                     }
                     let waited_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(0);
@@ -812,7 +897,7 @@ impl ShardSet {
                             spec,
                         ),
                         rule: probe.rule.map_or(NO_RULE, |rule| rule.0),
-                        capacity_tokens: spec.capacity_tokens(),
+                        spec: LimitSpec::clone(spec),
                     });
                     continue;
                 };
@@ -823,14 +908,7 @@ impl ShardSet {
                     || Staged { lease: slot.lease, fallback: slot.fallback.as_deref().copied() },
                     |(_, _, staged)| *staged,
                 );
-                let judged = self.judge(
-                    &current,
-                    slot.ledger_remaining_tokens,
-                    spec,
-                    probe,
-                    now_ms,
-                    short_keys,
-                );
+                let judged = self.judge(&current, spec, probe, now_ms, short_keys);
                 match judged {
                     Judged::Decided { verdict, staged, bypass: paid_by, failed_closed: closed } => {
                         verdicts.push(verdict);
@@ -864,11 +942,11 @@ impl ShardSet {
         if !short.is_empty() || short_keys == ShortKeys::Wait {
             for (probe_index, counter_index) in short.iter().chain(&refills).copied() {
                 let probe = &probes[probe_index];
-                let (key, spec) = probe.counters[counter_index];
+                let (key, _) = probe.counters[counter_index];
                 let stripe = &mut guards[guard_of(probe.stripe)];
                 let slot = stripe.get_mut(&key).expect("a short key exists");
-                if let Some(want) = slot.lease.poll_lease_for(probe.lease, now_ms, probe.hits) {
-                    asks.push((probe.stripe, self.ask(probe, key, spec, slot.lease_key, want)));
+                if let Some(draft) = slot.lease.poll_lease_for(probe.lease, now_ms, probe.hits) {
+                    asks.push((probe.stripe, self.ask(probe, key, slot, draft)));
                 }
             }
         }
@@ -880,7 +958,7 @@ impl ShardSet {
         if admitted {
             for (probe_index, counter_index, staged) in pending {
                 let probe = &probes[probe_index];
-                let (key, spec) = probe.counters[counter_index];
+                let (key, _) = probe.counters[counter_index];
                 let stripe = &mut guards[guard_of(probe.stripe)];
                 let slot = stripe.get_mut(&key).expect("a decided key exists");
                 slot.lease = staged.lease;
@@ -889,9 +967,9 @@ impl ShardSet {
                 }
                 // While the circuit is open only the broker's probes reach the ledger.
                 if short_keys == ShortKeys::Wait
-                    && let Some(want) = slot.lease.poll_refill(probe.lease, now_ms)
+                    && let Some(draft) = slot.lease.poll_refill(probe.lease, now_ms)
                 {
-                    asks.push((probe.stripe, self.ask(probe, key, spec, slot.lease_key, want)));
+                    asks.push((probe.stripe, self.ask(probe, key, slot, draft)));
                 }
             }
         }
@@ -904,7 +982,6 @@ impl ShardSet {
     fn judge(
         &self,
         current: &Staged,
-        ledger_remaining_tokens: u64,
         spec: &LimitSpec,
         probe: &Probe<'_>,
         now_ms: u64,
@@ -923,21 +1000,37 @@ impl ShardSet {
                 failed_closed: false,
             };
         }
+        // Credit is charged by the key's next report: none while the ledger is out of reach
+        // (the fallback bucket is the allowance then), none for fail-closed rules.
+        let credit = match (probe.failure_mode, short_keys) {
+            (FailureMode::Open, ShortKeys::Wait) => Credit::fail_open(
+                probe.lease,
+                size_cap_tokens(capacity_tokens, self.options.nodes_in_region),
+            ),
+            _ => Credit::NONE,
+        };
         let mut staged = *current;
-        match staged.lease.spend(probe.lease, now_ms, hits) {
-            Spend::Admitted => {
-                let remaining = staged
-                    .lease
-                    .balance_tokens(now_ms)
-                    .saturating_add(ledger_remaining_tokens)
-                    .min(capacity_tokens);
-                let verdict = Verdict {
-                    admitted: true,
-                    remaining,
-                    reset_ms: spec.reset_ms_estimate(remaining, now_ms),
-                    retry_after_ms: 0,
-                };
-                Judged::Decided { verdict, staged, bypass: None, failed_closed: false }
+        let ledger_remaining_tokens = staged.lease.ledger_remaining_tokens();
+        let admitted = |staged: Staged| {
+            let remaining = staged
+                .lease
+                .balance_tokens(now_ms)
+                .saturating_add(ledger_remaining_tokens)
+                .saturating_sub(staged.lease.debt_tokens())
+                .min(capacity_tokens);
+            let verdict = Verdict {
+                admitted: true,
+                remaining,
+                reset_ms: spec.reset_ms_estimate(remaining, now_ms),
+                retry_after_ms: 0,
+            };
+            Judged::Decided { verdict, staged, bypass: None, failed_closed: false }
+        };
+        match staged.lease.spend(probe.lease, credit, now_ms, hits) {
+            Spend::Admitted => admitted(staged),
+            Spend::AdmittedOnCredit => {
+                self.metrics.lease_credit_admissions.inc();
+                admitted(staged)
             }
             Spend::Blocked { retry_after_ms } => {
                 let verdict = Verdict {
@@ -952,7 +1045,7 @@ impl ShardSet {
             // live: the ledger answers and the key is at its limit. Reject as the ledger
             // would, and ask for what refills (a fallback here would admit above the limit,
             // a wait would hold requests the ledger cannot pay).
-            Spend::Short if ledger_remaining_tokens == 0 && staged.lease.grant_live(now_ms) => {
+            Spend::Short if staged.lease.at_limit(now_ms) => {
                 let verdict = Verdict {
                     admitted: false,
                     remaining: 0,
@@ -983,10 +1076,26 @@ impl ShardSet {
                     let state = staged
                         .fallback
                         .filter(|fallback| fallback.spec == fallback_spec)
-                        .map_or_else(|| fallback_spec.initial_state(now_ms), |f| f.state);
+                        .map_or_else(
+                            || {
+                                fallback_start(
+                                    &fallback_spec,
+                                    ledger_remaining_tokens
+                                        .saturating_sub(staged.lease.debt_tokens()),
+                                    self.options.fallback_multiplier_permille,
+                                    self.options.nodes_in_region,
+                                    now_ms,
+                                )
+                            },
+                            |f| f.state,
+                        );
                     let evaluation = fallback_spec.evaluate(&state, now_ms, hits);
                     staged.fallback =
                         Some(Fallback { spec: fallback_spec, state: evaluation.next });
+                    if evaluation.admitted {
+                        // Paid without a lease: debt, charged by the key's next report.
+                        staged.lease.pay_beyond_lease(hits);
+                    }
                     let verdict = Verdict {
                         admitted: evaluation.admitted,
                         remaining: evaluation.remaining,
@@ -1003,33 +1112,39 @@ impl ShardSet {
         &self,
         probe: &Probe<'_>,
         counter: CounterKey,
-        spec: &LimitSpec,
-        lease_key: LeaseKey,
-        want: crate::core::lease::LeaseWant,
+        slot: &Slot,
+        draft: ReportDraft,
     ) -> LeaseAsk {
         LeaseAsk {
-            reply_to: self.shards[probe.stripe.shard as usize].actor.clone(),
+            reply_to: self.shards[probe.stripe.shard as usize].answers_to.clone(),
             stripe: probe.stripe.stripe,
             counter,
-            lease_key,
-            spec: *spec,
+            epoch: slot.epoch,
+            lease_key: slot.lease_key,
+            spec: slot.spec,
             tuning: *probe.lease,
-            want,
+            draft,
         }
     }
 
-    /// Hands asks to the broker; an ask it cannot take is failed on its key at once, so the
-    /// key can ask again.
+    /// Hands asks to the broker; an ask it cannot take is answered "not applied" on its key
+    /// at once, so the key can ask again.
     fn send_asks(&self, asks: SmallVec<[(StripeId, LeaseAsk); 2]>) {
         for (stripe, ask) in asks {
-            let counter = ask.counter;
+            let (counter, tuning, draft) = (ask.counter, ask.tuning, ask.draft);
             if self.broker.ask(ask) {
                 self.metrics.lease_asks.with_label_values(&["queued"]).inc();
             } else {
                 self.metrics.lease_asks.with_label_values(&["refused"]).inc();
                 let table = &self.shards[stripe.shard as usize].table;
                 if let Some(slot) = table.stripes[stripe.stripe as usize].lock().get_mut(&counter) {
-                    slot.lease.apply_failure();
+                    // Refused as it was drafted: "now" is its send time.
+                    slot.lease.apply_answer(
+                        &tuning,
+                        &draft,
+                        ReportAnswer::NotApplied,
+                        draft.sent_at_ms,
+                    );
                 }
             }
         }
@@ -1095,6 +1210,7 @@ impl ShardSet {
 /// gauges from what the previous sweeps counted.
 async fn sweep_forever(
     shards: Vec<(ActorRef<ShardMsg>, Arc<ShardTable>)>,
+    broker: LeaseBroker,
     options: ShardSetOptions,
     policy: Arc<ArcSwap<PolicySet>>,
     metrics: Metrics,
@@ -1121,10 +1237,37 @@ async fn sweep_forever(
             let labels = [rule.domain.as_str(), rule.path.as_str()];
             let held = held_by_rule.get(&rule.id.0).copied().unwrap_or(0);
             metrics.lease_held_tokens.with_label_values(&labels).set(gauge_value(held));
-            let bound = rule.lease.drift_bound_tokens(options.nodes_in_region);
+            let capacity_tokens =
+                rule.limits.iter().map(|limit| limit.spec.capacity_tokens()).max().unwrap_or(0);
+            let fallback_permille =
+                (!broker.circuit_closed()).then_some(options.fallback_multiplier_permille);
+            let bound = rule.lease.drift_bound_tokens(
+                capacity_tokens,
+                options.nodes_in_region,
+                rule.failure_mode == FailureMode::Open,
+                fallback_permille,
+            );
             metrics.lease_drift_bound_tokens.with_label_values(&labels).set(gauge_value(bound));
         }
     }
+}
+
+/// A fallback bucket's first state: the node's share of what the ledger said the key had
+/// left (never a full bucket, which would admit a whole limit per node on top of what the
+/// key already spent).
+fn fallback_start(
+    fallback_spec: &LimitSpec,
+    ledger_remaining_tokens: u64,
+    multiplier_permille: u64,
+    nodes: u64,
+    now_ms: u64,
+) -> LimitState {
+    let share = u128::from(ledger_remaining_tokens) * u128::from(multiplier_permille)
+        / (u128::from(nodes.max(1)) * 1000);
+    let share = u64::try_from(share).unwrap_or(u64::MAX);
+    let full = fallback_spec.initial_state(now_ms);
+    let surplus = fallback_spec.capacity_tokens().saturating_sub(share);
+    fallback_spec.acquire_up_to(&full, now_ms, surplus).next
 }
 
 fn gauge_value(tokens: u64) -> i64 {

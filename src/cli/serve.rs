@@ -57,8 +57,8 @@ pub struct ServeArgs {
     /// `[[peers]]` [default: none, a single-node region].
     #[arg(long, env = "QUOTAMESH_PEERS", value_delimiter = ',', value_parser = parse_peer)]
     pub peers: Vec<PeerConfig>,
-    /// Per ledger call, and the longest a key without tokens waits for its lease [default:
-    /// 5, or the file's `leasing.ledger_timeout_ms`].
+    /// A fixed deadline by which a ledger call is judged slow [default: 4 x the ledger's
+    /// measured p99, or the file's `leasing.ledger_timeout_ms`].
     #[arg(long, env = "QUOTAMESH_LEDGER_TIMEOUT_MS")]
     pub ledger_timeout_ms: Option<u64>,
 }
@@ -110,7 +110,7 @@ impl ServeArgs {
             config.peers.clone_from(&self.peers);
         }
         if let Some(timeout_ms) = self.ledger_timeout_ms {
-            config.leasing.ledger_timeout_ms = timeout_ms;
+            config.leasing.ledger_timeout_ms = Some(timeout_ms);
         }
         Ok(config)
     }

@@ -1,53 +1,99 @@
 //! The circuit breaker around ledger calls (DESIGN section 2), as a pure state machine.
 //!
 //! ```text
-//!            3 consecutive failures                 a probe fails or is slow
+//!            3 consecutive failures                   a call fails or is slow
 //!  Closed ─────────────────────────▶ Open ◀─────────────────────────────┐
 //!    ▲                                 │ one probe per probe_interval    │
-//!    │ 30 s of probes, p99 < 5 ms      ▼                                 │
-//!    └──────────────────────────── Recovering ───────────────────────────┘
+//!    │ close_after_calls healthy calls │ the first healthy probe         │
+//!    │                                 ▼                                 │
+//!    └──────────────────────────── HalfOpen ─────────────────────────────┘
+//!                                  (leasing resumes: every call goes)
 //! ```
 //!
-//! While the circuit is not closed the node serves from its fallback (fail-open rules) or
-//! denies (fail-closed rules) instead of waiting on the ledger; only probes reach it. The
-//! lease-broker actor owns one breaker and reports every call's outcome to it.
+//! A call is judged against the ledger's own measured latency, not a fixed number: it is
+//! slow when it takes longer than `latency_multiplier x` the p99 of recent calls, kept
+//! between a floor and a ceiling ([`LatencyTracker`]; a second before anything is measured). A ledger whose fsync'd commit is
+//! slow but steady is healthy; one that stalls is not. A fixed deadline stays available as a
+//! setting. Judging a call slow never abandons it: its answer is applied whenever it comes
+//! (the lease broker's business), so the breaker decides only whether the node waits for the
+//! ledger or decides from its fallback, never what a count is.
+//!
+//! While the circuit is open the node serves from its fallback (fail-open rules) or denies
+//! (fail-closed rules) instead of waiting on the ledger; only probes reach it. Half-open, the
+//! node leases again at once, keeping the fallback as its backstop.
 
-/// Most probe latencies kept while recovering (30 s at one probe a second fits).
-pub const PROBE_SAMPLES_MAX: usize = 256;
+/// Latencies of recent calls the tracker keeps.
+pub const LATENCY_SAMPLES_MAX: usize = 128;
 
-/// Settings of a breaker; defaults from DESIGN section 2.
+/// How a breaker judges calls and recovers; defaults from DESIGN section 2.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BreakerSettings {
-    /// A ledger call slower than this counts as failed (and is abandoned by the caller).
-    pub call_timeout_ms: u64,
+    /// A fixed deadline for every call, in ms; `None` judges calls by measured latency.
+    pub fixed_deadline_ms: Option<u64>,
+    /// The measured deadline is this multiple of the recent p99.
+    pub latency_multiplier: u64,
+    /// The measured deadline is never below this.
+    pub deadline_floor_ms: u64,
+    /// The measured deadline is never above this.
+    pub deadline_ceiling_ms: u64,
+    /// The deadline before any call has answered (nothing measured yet).
+    pub deadline_initial_ms: u64,
     /// Consecutive failures that open the circuit.
     pub failures_to_open: u32,
     /// While open, one probe per this interval.
     pub probe_interval_ms: u64,
-    /// Healthy probing needed before the circuit closes again.
-    pub healthy_probing_ms: u64,
-    /// The p99 latency probes must stay below to count as healthy.
-    pub healthy_p99_ms: u64,
+    /// Healthy calls in a row, half-open, that close the circuit.
+    pub close_after_calls: u32,
 }
 
 impl Default for BreakerSettings {
     fn default() -> Self {
         Self {
-            call_timeout_ms: 5,
+            fixed_deadline_ms: None,
+            latency_multiplier: 4,
+            deadline_floor_ms: 100,
+            deadline_ceiling_ms: 5_000,
+            deadline_initial_ms: 1_000,
             failures_to_open: 3,
             probe_interval_ms: 1_000,
-            healthy_probing_ms: 30_000,
-            healthy_p99_ms: 5,
+            close_after_calls: 5,
         }
     }
 }
 
+/// The recent latencies of answered calls, read as a deadline.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct LatencyTracker {
+    samples_ms: Vec<u64>,
+    /// Where the next sample goes once the ring is full.
+    next: usize,
+    p99_ms: u64,
+}
+
+impl LatencyTracker {
+    /// Records an answered call's latency.
+    pub fn record(&mut self, latency_ms: u64) {
+        if self.samples_ms.len() < LATENCY_SAMPLES_MAX {
+            self.samples_ms.push(latency_ms);
+        } else {
+            self.samples_ms[self.next] = latency_ms;
+            self.next = (self.next + 1) % LATENCY_SAMPLES_MAX;
+        }
+        self.p99_ms = p99_ms(&self.samples_ms);
+    }
+
+    /// The p99 of the recent samples (nearest rank); `None` before any.
+    pub fn p99_ms(&self) -> Option<u64> {
+        (!self.samples_ms.is_empty()).then_some(self.p99_ms)
+    }
+}
+
 /// Where the circuit stands.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CircuitState {
     /// Calls flow; counts consecutive failures.
     Closed {
-        /// Failures since the last success.
+        /// Failures since the last healthy call.
         consecutive_failures: u32,
     },
     /// Calls are refused; a probe is due at `next_probe_ms`.
@@ -55,37 +101,33 @@ pub enum CircuitState {
         /// When the next probe may go.
         next_probe_ms: u64,
     },
-    /// Probes have succeeded since `since_ms`; closes once they have for long enough.
-    Recovering {
-        /// Start of the healthy streak.
-        since_ms: u64,
-        /// When the next probe may go.
-        next_probe_ms: u64,
-        /// Latencies of the streak's probes (bounded).
-        latencies_ms: Vec<u64>,
+    /// A probe succeeded: calls flow again; closes after enough healthy ones.
+    HalfOpen {
+        /// Healthy calls since the probe that opened it, the probe included.
+        healthy_calls: u32,
     },
 }
 
 /// Whether a ledger call may go now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Permit {
-    /// The circuit is closed: call.
+    /// The circuit is closed or half-open: call.
     Call,
-    /// The circuit is open or recovering and a probe is due: call, as a probe.
+    /// The circuit is open and a probe is due: call, as a probe.
     Probe,
     /// Do not call; serve without the ledger.
     Refuse,
 }
 
-/// What a ledger call came to.
+/// What a ledger call came to, as the breaker judges it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CallOutcome {
-    /// Answered within the timeout after this many ms.
+    /// Answered within its deadline after this many ms.
     Answered {
         /// Call latency.
         latency_ms: u64,
     },
-    /// Failed or timed out.
+    /// Failed, or still unanswered at its deadline.
     Failed,
 }
 
@@ -94,100 +136,124 @@ pub enum CallOutcome {
 pub struct CircuitBreaker {
     settings: BreakerSettings,
     state: CircuitState,
+    latency: LatencyTracker,
 }
 
 impl CircuitBreaker {
     /// A closed breaker.
     pub fn new(settings: BreakerSettings) -> Self {
-        Self { settings, state: CircuitState::Closed { consecutive_failures: 0 } }
+        Self {
+            settings,
+            state: CircuitState::Closed { consecutive_failures: 0 },
+            latency: LatencyTracker::default(),
+        }
     }
 
     /// The current state.
-    pub fn state(&self) -> &CircuitState {
-        &self.state
+    pub fn state(&self) -> CircuitState {
+        self.state
     }
 
-    /// True while calls flow normally.
+    /// True while the circuit is open: only probes reach the ledger.
+    pub fn is_open(&self) -> bool {
+        matches!(self.state, CircuitState::Open { .. })
+    }
+
+    /// True once enough healthy calls closed it.
     pub fn is_closed(&self) -> bool {
         matches!(self.state, CircuitState::Closed { .. })
+    }
+
+    /// The deadline a call started now is judged against, in ms.
+    pub fn deadline_ms(&self) -> u64 {
+        let settings = &self.settings;
+        if let Some(fixed_ms) = settings.fixed_deadline_ms {
+            return fixed_ms;
+        }
+        match self.latency.p99_ms() {
+            None => settings.deadline_initial_ms,
+            Some(p99_ms) => p99_ms
+                .saturating_mul(settings.latency_multiplier)
+                .clamp(settings.deadline_floor_ms, settings.deadline_ceiling_ms),
+        }
+    }
+
+    /// The p99 latency of recent answered calls, in ms.
+    pub fn latency_p99_ms(&self) -> Option<u64> {
+        self.latency.p99_ms()
     }
 
     /// Whether a call may go at `now_ms`. A `Probe` permit moves the next probe time, so
     /// concurrent callers get one probe per interval.
     pub fn permit(&mut self, now_ms: u64) -> Permit {
-        let interval_ms = self.settings.probe_interval_ms;
         match &mut self.state {
-            CircuitState::Closed { .. } => Permit::Call,
-            CircuitState::Open { next_probe_ms }
-            | CircuitState::Recovering { next_probe_ms, .. } => {
+            CircuitState::Closed { .. } | CircuitState::HalfOpen { .. } => Permit::Call,
+            CircuitState::Open { next_probe_ms } => {
                 if now_ms < *next_probe_ms {
                     return Permit::Refuse;
                 }
-                *next_probe_ms = now_ms.saturating_add(interval_ms);
+                *next_probe_ms = now_ms.saturating_add(self.settings.probe_interval_ms);
                 Permit::Probe
             }
         }
     }
 
-    /// Records the outcome of a call that a permit allowed.
+    /// Records a latency measured on an answered call, whether or not it was judged in
+    /// time: a slow but answering ledger raises the deadline it is judged by.
+    pub fn observe_latency(&mut self, latency_ms: u64) {
+        self.latency.record(latency_ms);
+    }
+
+    /// Records the judgement of a call that a permit allowed, made when it answered or when
+    /// its deadline passed, whichever came first.
     pub fn record(&mut self, now_ms: u64, permit: Permit, outcome: CallOutcome) {
         let settings = self.settings;
-        let healthy = matches!(outcome, CallOutcome::Answered { latency_ms } if latency_ms < settings.call_timeout_ms);
+        let healthy = matches!(outcome, CallOutcome::Answered { .. });
         let open_now =
             CircuitState::Open { next_probe_ms: now_ms.saturating_add(settings.probe_interval_ms) };
-        match (&mut self.state, permit) {
+        self.state = match (self.state, permit) {
+            (CircuitState::Closed { .. }, Permit::Call) if healthy => {
+                CircuitState::Closed { consecutive_failures: 0 }
+            }
             (CircuitState::Closed { consecutive_failures }, Permit::Call) => {
-                if healthy {
-                    *consecutive_failures = 0;
+                let failures = consecutive_failures.saturating_add(1);
+                if failures >= settings.failures_to_open {
+                    open_now
                 } else {
-                    *consecutive_failures = consecutive_failures.saturating_add(1);
-                    if *consecutive_failures >= settings.failures_to_open {
-                        self.state = open_now;
-                    }
+                    CircuitState::Closed { consecutive_failures: failures }
                 }
             }
-            (CircuitState::Open { next_probe_ms }, Permit::Probe) => {
-                if let (true, CallOutcome::Answered { latency_ms }) = (healthy, outcome) {
-                    let next_probe_ms = *next_probe_ms;
-                    self.state = CircuitState::Recovering {
-                        since_ms: now_ms,
-                        next_probe_ms,
-                        latencies_ms: vec![latency_ms],
-                    };
-                }
+            (CircuitState::Open { .. }, Permit::Probe) if healthy => {
+                close_or_half_open(1, settings.close_after_calls)
             }
-            (CircuitState::Recovering { since_ms, latencies_ms, next_probe_ms }, Permit::Probe) => {
-                // Reopened, the probes keep their cadence: the next one is due an interval
-                // after this probe's permit (when the caller's probe timer was set), not an
-                // interval after its failure came back, which would skip a timer tick and
-                // double the gap between probes.
-                let reopened = CircuitState::Open { next_probe_ms: *next_probe_ms };
-                let CallOutcome::Answered { latency_ms } = outcome else {
-                    self.state = reopened;
-                    return;
-                };
-                if latencies_ms.len() < PROBE_SAMPLES_MAX {
-                    latencies_ms.push(latency_ms);
-                }
-                if p99_ms(latencies_ms) >= settings.healthy_p99_ms {
-                    self.state = reopened;
-                } else if now_ms.saturating_sub(*since_ms) >= settings.healthy_probing_ms {
-                    self.state = CircuitState::Closed { consecutive_failures: 0 };
-                }
+            // A failed probe keeps the probe cadence: the next is due an interval after this
+            // probe's permit (already set), not after its failure came back.
+            (state @ CircuitState::Open { .. }, Permit::Probe) => state,
+            (CircuitState::HalfOpen { healthy_calls }, Permit::Call) if healthy => {
+                close_or_half_open(healthy_calls.saturating_add(1), settings.close_after_calls)
             }
+            (CircuitState::HalfOpen { .. }, Permit::Call) => open_now,
             // A call permitted in another state (the state moved meanwhile) says nothing
             // about the current one.
-            _ => {}
-        }
+            (state, _) => state,
+        };
     }
 }
 
-/// The 99th percentile (nearest rank) of a non-empty sample.
+fn close_or_half_open(healthy_calls: u32, close_after_calls: u32) -> CircuitState {
+    if healthy_calls >= close_after_calls {
+        CircuitState::Closed { consecutive_failures: 0 }
+    } else {
+        CircuitState::HalfOpen { healthy_calls }
+    }
+}
+
+/// The 99th percentile (nearest rank) of a sample; 0 for none.
 fn p99_ms(latencies_ms: &[u64]) -> u64 {
     let mut sorted = latencies_ms.to_vec();
     sorted.sort_unstable();
     let rank = (sorted.len() * 99).div_ceil(100).max(1);
-    sorted[rank - 1]
+    sorted.get(rank - 1).copied().unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -197,7 +263,16 @@ mod tests {
 
     const OK: CallOutcome = CallOutcome::Answered { latency_ms: 1 };
 
-    /// Three consecutive failures open the circuit; a success in between resets the count.
+    fn opened() -> CircuitBreaker {
+        let mut breaker = CircuitBreaker::new(BreakerSettings::default());
+        for _ in 0..3 {
+            breaker.record(0, Permit::Call, CallOutcome::Failed);
+        }
+        breaker
+    }
+
+    /// Three consecutive failures open the circuit; a healthy call in between resets the
+    /// count.
     #[test]
     fn three_failures_open() {
         let mut breaker = CircuitBreaker::new(BreakerSettings::default());
@@ -208,68 +283,64 @@ mod tests {
             breaker.record(0, Permit::Call, outcome);
         }
         assert!(breaker.is_closed());
-        breaker.record(10, Permit::Call, CallOutcome::Answered { latency_ms: 5 });
-        assert_eq!(
-            breaker.state(),
-            &CircuitState::Open { next_probe_ms: 1_010 },
-            "5 ms is a timeout"
-        );
+        breaker.record(10, Permit::Call, CallOutcome::Failed);
+        assert_eq!(breaker.state(), CircuitState::Open { next_probe_ms: 1_010 });
     }
 
-    /// While open, one probe per second; 30 s of fast probes close it again; a slow or
-    /// failed probe reopens it.
+    /// The first healthy probe resumes leasing (half-open: every call goes); five healthy
+    /// calls close the circuit, so recovery takes one probe interval, not 30 s.
     #[test]
-    fn probes_close_after_thirty_healthy_seconds() {
-        let mut breaker = CircuitBreaker::new(BreakerSettings::default());
-        for _ in 0..3 {
-            breaker.record(0, Permit::Call, CallOutcome::Failed);
-        }
+    fn first_healthy_probe_resumes_leasing() {
+        let mut breaker = opened();
         assert_eq!(breaker.permit(999), Permit::Refuse);
         assert_eq!(breaker.permit(1_000), Permit::Probe);
         assert_eq!(breaker.permit(1_000), Permit::Refuse, "one probe per interval");
-        breaker.record(1_001, Permit::Probe, OK);
-        let mut now_ms = 1_001;
-        while !breaker.is_closed() {
-            now_ms += 1_000;
-            assert!(now_ms <= 32_001, "closed after 30 s of probes");
-            assert_eq!(breaker.permit(now_ms), Permit::Probe);
-            breaker.record(now_ms, Permit::Probe, OK);
-        }
-        assert_eq!(now_ms, 31_001);
-
+        breaker.record(1_003, Permit::Probe, OK);
+        assert_eq!(breaker.state(), CircuitState::HalfOpen { healthy_calls: 1 });
+        assert_eq!(breaker.permit(1_004), Permit::Call, "half-open lets every call through");
         for _ in 0..3 {
-            breaker.record(now_ms, Permit::Call, CallOutcome::Failed);
+            breaker.record(1_005, Permit::Call, OK);
         }
-        now_ms += 1_000;
-        assert_eq!(breaker.permit(now_ms), Permit::Probe);
-        breaker.record(now_ms, Permit::Probe, OK);
-        now_ms += 1_000;
-        assert_eq!(breaker.permit(now_ms), Permit::Probe);
-        breaker.record(now_ms, Permit::Probe, CallOutcome::Answered { latency_ms: 9 });
-        assert!(matches!(breaker.state(), CircuitState::Open { .. }), "a slow probe reopens");
+        assert!(!breaker.is_closed());
+        breaker.record(1_006, Permit::Call, OK);
+        assert!(breaker.is_closed(), "five healthy calls close it");
     }
 
-    /// A probe that fails or is slow while recovering reopens the circuit without delaying
-    /// the next probe: it is due one interval after the failed probe's permit (when the lease
-    /// broker set its probe timer), not one interval after the failure came back.
+    /// A failure while half-open opens the circuit again; a failed probe keeps the probe
+    /// cadence.
     #[test]
-    fn a_failed_probe_keeps_the_probe_cadence() {
-        let mut breaker = CircuitBreaker::new(BreakerSettings::default());
-        for _ in 0..3 {
-            breaker.record(0, Permit::Call, CallOutcome::Failed);
-        }
+    fn half_open_failure_reopens() {
+        let mut breaker = opened();
         assert_eq!(breaker.permit(1_000), Permit::Probe);
-        breaker.record(1_001, Permit::Probe, OK);
-        assert_eq!(breaker.permit(2_000), Permit::Probe);
-        breaker.record(2_005, Permit::Probe, CallOutcome::Failed);
-        assert!(matches!(breaker.state(), CircuitState::Open { .. }));
-        assert_eq!(breaker.permit(3_000), Permit::Probe, "the next timer tick may probe");
-        breaker.record(3_001, Permit::Probe, OK);
-        assert_eq!(breaker.permit(4_000), Permit::Probe);
-        breaker.record(4_009, Permit::Probe, CallOutcome::Answered { latency_ms: 9 });
-        assert!(matches!(breaker.state(), CircuitState::Open { .. }), "a slow probe reopens");
-        assert_eq!(breaker.permit(4_999), Permit::Refuse, "still one probe per interval");
-        assert_eq!(breaker.permit(5_000), Permit::Probe);
+        breaker.record(1_500, Permit::Probe, CallOutcome::Failed);
+        assert_eq!(breaker.permit(1_999), Permit::Refuse);
+        assert_eq!(breaker.permit(2_000), Permit::Probe, "the next timer tick may probe");
+        breaker.record(2_001, Permit::Probe, OK);
+        breaker.record(2_002, Permit::Call, CallOutcome::Failed);
+        assert_eq!(breaker.state(), CircuitState::Open { next_probe_ms: 3_002 });
+    }
+
+    /// The deadline follows the measured p99 within its floor and ceiling; before any
+    /// answer it is the ceiling; a fixed deadline overrides it.
+    #[test]
+    fn deadline_follows_measured_latency() {
+        let mut breaker = CircuitBreaker::new(BreakerSettings::default());
+        assert_eq!(breaker.deadline_ms(), 1_000, "patient before the first answer");
+        breaker.observe_latency(3);
+        assert_eq!(breaker.deadline_ms(), 100, "the floor");
+        for _ in 0..200 {
+            breaker.observe_latency(80);
+        }
+        assert_eq!(breaker.deadline_ms(), 320, "4 x a slow but steady p99");
+        for _ in 0..200 {
+            breaker.observe_latency(9_000);
+        }
+        assert_eq!(breaker.deadline_ms(), 5_000, "the ceiling");
+        let fixed = CircuitBreaker::new(BreakerSettings {
+            fixed_deadline_ms: Some(5),
+            ..BreakerSettings::default()
+        });
+        assert_eq!(fixed.deadline_ms(), 5);
     }
 
     /// The p99 uses the nearest rank.
@@ -283,21 +354,23 @@ mod tests {
     }
 
     proptest! {
-        /// Whatever the outcomes, a closed circuit never refuses, an open one allows at
-        /// most one probe per interval, and it closes only after a healthy streak as long as
-        /// the setting.
+        /// Whatever the outcomes: a closed or half-open circuit never refuses; an open one
+        /// allows at most one probe per interval; it opens only after `failures_to_open`
+        /// failures in a row (closed) or one (half-open); it closes only after
+        /// `close_after_calls` healthy calls in a row since it was open.
         #[test]
-        fn breaker_invariants(steps in proptest::collection::vec((0..700u64, any::<bool>(), 0..8u64), 1..400)) {
+        fn breaker_invariants(steps in proptest::collection::vec((0..700u64, any::<bool>()), 1..400)) {
             let settings = BreakerSettings::default();
             let mut breaker = CircuitBreaker::new(settings);
             let mut now_ms = 0_u64;
             let mut last_probe_ms: Option<u64> = None;
-            let mut streak_start_ms: Option<u64> = None;
-            for (advance_ms, fails, latency_ms) in steps {
+            let mut failures_in_row = 0_u32;
+            let mut healthy_in_row = 0_u32;
+            for (advance_ms, fails) in steps {
                 now_ms += advance_ms;
-                let was_closed = breaker.is_closed();
+                let before = breaker.state();
                 let permit = breaker.permit(now_ms);
-                prop_assert_eq!(was_closed, permit == Permit::Call);
+                prop_assert_eq!(matches!(before, CircuitState::Open { .. }), permit != Permit::Call);
                 if permit == Permit::Refuse {
                     continue;
                 }
@@ -307,17 +380,20 @@ mod tests {
                     }
                     last_probe_ms = Some(now_ms);
                 }
-                let outcome = if fails { CallOutcome::Failed } else { CallOutcome::Answered { latency_ms } };
+                let outcome = if fails { CallOutcome::Failed } else { OK };
                 breaker.record(now_ms, permit, outcome);
-                match breaker.state() {
-                    CircuitState::Recovering { since_ms, .. } => streak_start_ms = Some(*since_ms),
-                    CircuitState::Closed { .. } if !was_closed => {
-                        let start = streak_start_ms.take().expect("closing follows a streak");
-                        prop_assert!(now_ms - start >= settings.healthy_probing_ms);
+                if fails { failures_in_row += 1; healthy_in_row = 0 } else { healthy_in_row += 1; failures_in_row = 0 }
+                match (before, breaker.state()) {
+                    (CircuitState::Closed { .. }, CircuitState::Open { .. }) => {
+                        prop_assert!(failures_in_row >= settings.failures_to_open);
+                    }
+                    (CircuitState::HalfOpen { .. }, CircuitState::Closed { .. }) => {
+                        prop_assert!(healthy_in_row >= settings.close_after_calls);
                         last_probe_ms = None;
                     }
-                    CircuitState::Open { .. } => streak_start_ms = None,
-                    CircuitState::Closed { .. } => {}
+                    (CircuitState::Open { .. }, CircuitState::HalfOpen { .. }) => prop_assert!(!fails),
+                    (CircuitState::HalfOpen { .. }, CircuitState::Open { .. }) => prop_assert!(fails),
+                    _ => {}
                 }
             }
         }

@@ -15,8 +15,14 @@
 //! back to `min_lease_tokens`; the surplus above the new B goes back to the ledger.
 //!
 //! Expiry is conservative: a lease counts from when the node SENT its request (on the
-//! node's clock), minus a margin, so a ledger whose clock runs ahead cannot re-grant
-//! tokens this node may still spend.
+//! node's clock), minus a margin, so the node stops spending before the ledger stops
+//! counting the lease as live.
+//!
+//! Every admission is charged to the ledger: paid from a lease, or spent on credit (a cold
+//! key's first hits, the gap while a refill is on the way, the fallback while the ledger is
+//! out of reach) and then charged by the next report, which carries the key's totals
+//! (`crate::core::ledger` settles them). So no wait and no timeout decides a count: they
+//! only decide how long a request waits.
 //!
 //! The shard and lease-broker actors (`crate::actors`) hold these states and perform the
 //! requests; nothing here does IO or reads a clock.
@@ -134,17 +140,40 @@ impl LeaseTuning {
         u64::try_from(share).unwrap_or(u64::MAX).max(1)
     }
 
-    /// Most tokens one node can hold for one key: a refill is asked only below the
-    /// watermark, so at most `watermark - 1` remain when a full lease arrives.
-    pub fn held_tokens_max(&self) -> u64 {
-        let watermark = self.low_watermark_tokens(self.max_lease_tokens);
-        self.max_lease_tokens.saturating_add(watermark.saturating_sub(1))
+    /// Most tokens one node can hold for a key of `capacity_tokens` in a region of `nodes`:
+    /// a refill is asked only below the watermark, so at most `watermark - 1` remain when a
+    /// full lease arrives; a key's lease is capped by its small-key cap.
+    pub fn held_tokens_max(&self, capacity_tokens: u64, nodes: u64) -> u64 {
+        let size = self.max_lease_tokens.min(size_cap_tokens(capacity_tokens, nodes));
+        let watermark = self.low_watermark_tokens(size);
+        size.saturating_add(watermark.saturating_sub(1))
     }
 
-    /// The drift bound of DESIGN section 3 for `nodes` nodes: tokens outside the ledger
-    /// for one key, `N * (1 + watermark) * max_lease` (computed exactly as `N * held`).
-    pub fn drift_bound_tokens(&self, nodes: u64) -> u64 {
-        nodes.saturating_mul(self.held_tokens_max())
+    /// The drift bound of DESIGN section 3 for one key of `capacity_tokens` in a region of
+    /// `nodes`: the tokens outside the ledger, each node holding at most
+    /// [`LeaseTuning::held_tokens_max`] plus its credit (fail-open rules), and, while the
+    /// circuit is not closed, the fallback allowance `fallback_permille / 1000 x capacity`
+    /// (every node's bucket starts at most at its share; over a window W of outage the
+    /// fallback refills add `multiplier x rate x W` more).
+    pub fn drift_bound_tokens(
+        &self,
+        capacity_tokens: u64,
+        nodes: u64,
+        fail_open: bool,
+        fallback_permille: Option<u64>,
+    ) -> u64 {
+        let credit = if fail_open {
+            Credit::fail_open(self, size_cap_tokens(capacity_tokens, nodes)).tokens_max
+        } else {
+            0
+        };
+        let leases = nodes
+            .saturating_mul(self.held_tokens_max(capacity_tokens, nodes).saturating_add(credit));
+        let fallback = fallback_permille.map_or(0, |permille| {
+            let allowance = u128::from(capacity_tokens) * u128::from(permille) / 1000;
+            u64::try_from(allowance).unwrap_or(u64::MAX)
+        });
+        leases.saturating_add(if fail_open { fallback } else { 0 })
     }
 
     /// The tuning a policy rule asks for: its lease sizes and lookahead, with the TTL that
@@ -228,96 +257,247 @@ impl RateEstimate {
     }
 }
 
+/// How much a key may lean on the ledger without waiting for it; set per decision from the
+/// rule and the region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Credit {
+    /// Most tokens this node may admit beyond its leases before a report covers them
+    /// (optimistic first hits, and the gap while a refill is on the way); 0 for fail-closed
+    /// rules, which never admit what the ledger has not granted.
+    pub tokens_max: u64,
+}
+
+impl Credit {
+    /// No credit: every admission waits for leased tokens.
+    pub const NONE: Self = Self { tokens_max: 0 };
+
+    /// The credit of a fail-open rule: at most a minimum lease, and at most the key's
+    /// small-key cap (`capacity / (2 x nodes)`), so that the credit of all nodes together
+    /// stays within half the key's capacity.
+    pub fn fail_open(tuning: &LeaseTuning, size_cap_tokens: u64) -> Self {
+        Self { tokens_max: tuning.min_lease_tokens.min(size_cap_tokens) }
+    }
+}
+
+/// The lease size cap of a key whose limit is small against the region: a node leases at
+/// most `capacity / (2 x nodes)` (at least 1), so that all nodes' leases together never hold
+/// more than half of it. A key whose cap is below `min_lease_tokens` is a small key: it
+/// leases only what a hit needs and never prefetches.
+pub fn size_cap_tokens(capacity_tokens: u64, nodes_in_region: u64) -> u64 {
+    (capacity_tokens / nodes_in_region.max(1).saturating_mul(2)).max(1)
+}
+
 /// What spending from a key's lease decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Spend {
     /// Paid from the leased balance.
     Admitted,
-    /// The ledger has no token for this key until then: reject without asking again.
+    /// Paid on credit: the next report charges it to the ledger.
+    AdmittedOnCredit,
+    /// The ledger has nothing for this node until then (its bucket is empty, the key owes
+    /// debt, or the node has used its fair share): reject without asking again.
     Blocked {
-        /// Milliseconds until the ledger expects a token.
+        /// Milliseconds until the ledger expects to grant again.
         retry_after_ms: u64,
     },
-    /// The balance does not cover the hits: the key needs a lease first (a cold key, or a
-    /// refill that has not arrived).
+    /// The balance and the credit do not cover the hits: the key needs a lease first (a
+    /// fail-closed key, or a refill that is late).
     Short,
 }
 
-/// A lease request to send for a key.
+/// A report to send for a key, and what the node must remember of it until its answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LeaseWant {
-    /// Tokens to ask for.
-    pub tokens: u64,
-    /// Node time the request is sent; its lease expires relative to this.
+pub struct ReportDraft {
+    /// The report's sequence number within the key's epoch.
+    pub seq: u64,
+    /// Tokens admitted in the epoch, in total.
+    pub spent_tokens: u64,
+    /// Leased tokens held when sent.
+    pub held_tokens: u64,
+    /// Debt (admissions beyond leases) when sent: the report charges it to the ledger.
+    pub debt_tokens: u64,
+    /// Tokens wanted; 0 settles only.
+    pub tokens_wanted: u64,
+    /// The node's offered traffic on the key, milli-hits per second.
+    pub demand_milli_per_second: u64,
+    /// Node time the report is sent; a grant expires relative to this.
     pub sent_at_ms: u64,
 }
 
-/// A node's lease on one key.
+/// What the ledger answered to a report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReportAnswer {
+    /// Settled, then granted `granted_tokens` (maybe 0).
+    Settled {
+        /// Tokens leased to this node.
+        granted_tokens: u64,
+        /// When short of the want: ms until the ledger expects to grant again.
+        retry_after_ms: u64,
+        /// Whole tokens left in the ledger's bucket after the grant.
+        remaining_tokens: u64,
+    },
+    /// Not applied (the ledger had a newer report, or the call failed, or its outcome is
+    /// unknown): the next report settles whatever happened, since its counts are totals.
+    NotApplied,
+}
+
+/// A node's lease on one key (DESIGN section 3), with its settlement counts.
+///
+/// ```text
+///   spend: balance first, then credit (debt), else Blocked / Short
+///   report: spent (total), held = balance, want        answer: debt at send is covered,
+///   grant pays the debt run up since, the rest is balance
+/// ```
+///
+/// The node's own count of what is its (`spent + balance`) differs from the ledger's
+/// (`settled_tokens`, known from the last answer) when it spent on credit, let a balance
+/// expire or returned one: then a settle report is due.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct KeyLease {
     balance_tokens: u64,
+    debt_tokens: u64,
     expires_at_ms: u64,
+    spent_tokens: u64,
+    settled_tokens: u64,
+    seq: u64,
+    retry_at_ms: u64,
+    ledger_remaining_tokens: u64,
+    /// Node time of the last answer that said how much the ledger had left.
+    answered_at_ms: u64,
+    /// What the report in flight wants (0 when none flies): the ledger may give it away.
+    in_flight_want_tokens: u64,
+    /// The small-key cap on the lease size (see [`size_cap_tokens`]).
+    size_cap_tokens: u64,
     in_flight: bool,
-    blocked_until_ms: u64,
+    /// No answer has come yet: the key has never heard from the ledger.
+    answered: bool,
     rate: RateEstimate,
 }
 
 impl KeyLease {
-    /// Tokens this node may still spend.
+    /// A fresh key: nothing leased; `capacity_tokens` shown as the ledger's remaining count
+    /// until the first answer.
+    pub fn new(capacity_tokens: u64, size_cap_tokens: u64) -> Self {
+        Self { ledger_remaining_tokens: capacity_tokens, size_cap_tokens, ..Self::default() }
+    }
+
+    /// Tokens this node may still spend from its leases.
     pub fn balance_tokens(&self, now_ms: u64) -> u64 {
         if now_ms >= self.expires_at_ms { 0 } else { self.balance_tokens }
     }
 
-    /// Whether a lease request is in flight.
+    /// Tokens admitted beyond leases and not yet charged to the ledger.
+    pub fn debt_tokens(&self) -> u64 {
+        self.debt_tokens
+    }
+
+    /// Whole tokens the ledger's bucket had left at its last answer.
+    pub fn ledger_remaining_tokens(&self) -> u64 {
+        self.ledger_remaining_tokens
+    }
+
+    /// Whether a report is in flight.
     pub fn in_flight(&self) -> bool {
         self.in_flight
     }
 
-    /// Spends `hits` (>= 1) at `now_ms`, counting them in the traffic estimate.
-    pub fn spend(&mut self, tuning: &LeaseTuning, now_ms: u64, hits: u64) -> Spend {
+    /// Spends `hits` (>= 1) at `now_ms`, counting them in the traffic estimate whatever the
+    /// outcome (the estimate is the key's demand).
+    pub fn spend(&mut self, tuning: &LeaseTuning, credit: Credit, now_ms: u64, hits: u64) -> Spend {
         self.rate.observe(now_ms, hits, tuning.rate_half_life_ms);
         self.expire(now_ms);
         if hits <= self.balance_tokens {
             self.balance_tokens -= hits;
+            self.spent_tokens = self.spent_tokens.saturating_add(hits);
             return Spend::Admitted;
         }
-        if now_ms < self.blocked_until_ms {
-            return Spend::Blocked { retry_after_ms: self.blocked_until_ms - now_ms };
+        if now_ms < self.retry_at_ms {
+            return Spend::Blocked { retry_after_ms: self.retry_at_ms - now_ms };
+        }
+        // Credit only while the ledger can still pay it, as far as this node knows: what it
+        // had left at the last answer covers the debt, the report in flight and these hits.
+        let lacking = hits - self.balance_tokens;
+        let owed = self.debt_tokens.saturating_add(lacking);
+        let ledger_may_pay = !self.answered
+            || owed.saturating_add(self.in_flight_want_tokens) <= self.ledger_remaining_tokens;
+        if ledger_may_pay && owed <= credit.tokens_max {
+            self.pay_beyond_lease(hits);
+            return Spend::AdmittedOnCredit;
         }
         Spend::Short
     }
 
-    /// The refill to request now, if any: only below the low watermark, never while one is
-    /// in flight or while the ledger said the key is empty. Marks the request in flight.
-    pub fn poll_refill(&mut self, tuning: &LeaseTuning, now_ms: u64) -> Option<LeaseWant> {
-        self.poll_lease_for(tuning, now_ms, 0)
+    /// Admits `hits` that no lease pays (the fallback bucket decided): the balance pays what
+    /// it can and the rest is debt, charged by the next report.
+    pub fn pay_beyond_lease(&mut self, hits: u64) {
+        let from_balance = hits.min(self.balance_tokens);
+        self.balance_tokens -= from_balance;
+        self.debt_tokens = self.debt_tokens.saturating_add(hits - from_balance);
+        self.spent_tokens = self.spent_tokens.saturating_add(hits);
     }
 
-    /// As [`KeyLease::poll_refill`], for a request of `hits` the balance does not cover: the
-    /// lease asked is at least what those hits lack, so a request larger than the lease
-    /// size can still be paid once granted.
+    /// True when the ledger's last answer left its bucket empty and this node's lease is
+    /// still live: the key is at its limit, so a short request is rejected as the ledger
+    /// would, not waited for.
+    pub fn at_limit(&self, now_ms: u64) -> bool {
+        self.answered && self.ledger_remaining_tokens == 0 && now_ms < self.expires_at_ms
+    }
+
+    /// The report to send now to lease for `hits` the balance does not cover (0: a refill at
+    /// the low watermark), if any: never while one is in flight or before the ledger's
+    /// `retry_after`, and a small key never prefetches. Marks the report in flight.
     pub fn poll_lease_for(
         &mut self,
         tuning: &LeaseTuning,
         now_ms: u64,
         hits: u64,
-    ) -> Option<LeaseWant> {
+    ) -> Option<ReportDraft> {
         self.expire(now_ms);
-        if self.in_flight || now_ms < self.blocked_until_ms {
+        if self.in_flight || now_ms < self.retry_at_ms {
             return None;
         }
         let size = self.lease_size_tokens(tuning, now_ms);
         let lacking = hits.saturating_sub(self.balance_tokens);
-        if self.balance_tokens >= tuning.low_watermark_tokens(size) && lacking == 0 {
+        let small = self.size_cap_tokens < tuning.min_lease_tokens;
+        let below_watermark = self.balance_tokens < tuning.low_watermark_tokens(size);
+        if lacking == 0 && (small || !below_watermark) {
             return None;
         }
-        self.in_flight = true;
-        Some(LeaseWant { tokens: size.max(lacking).min(LEASE_TOKENS_MAX), sent_at_ms: now_ms })
+        let want = if small { lacking.max(1) } else { size.max(lacking) };
+        Some(self.draft(tuning, want.min(LEASE_TOKENS_MAX), now_ms))
     }
 
-    /// True while the latest grant's lease has not expired on the node.
-    pub fn grant_live(&self, now_ms: u64) -> bool {
-        now_ms < self.expires_at_ms
+    /// The refill to request now, if any (see [`KeyLease::poll_lease_for`]).
+    pub fn poll_refill(&mut self, tuning: &LeaseTuning, now_ms: u64) -> Option<ReportDraft> {
+        self.poll_lease_for(tuning, now_ms, 0)
+    }
+
+    /// A settle-only report, when the ledger's count of this key differs from the node's (it
+    /// spent on credit, let a balance expire, or returned one) and none is in flight.
+    pub fn poll_settle(&mut self, tuning: &LeaseTuning, now_ms: u64) -> Option<ReportDraft> {
+        self.expire(now_ms);
+        let own = self.spent_tokens.saturating_add(self.balance_tokens);
+        if self.in_flight || own == self.settled_tokens {
+            return None;
+        }
+        Some(self.draft(tuning, 0, now_ms))
+    }
+
+    fn draft(&mut self, tuning: &LeaseTuning, tokens_wanted: u64, now_ms: u64) -> ReportDraft {
+        self.in_flight = true;
+        self.in_flight_want_tokens = tokens_wanted;
+        self.seq += 1;
+        ReportDraft {
+            seq: self.seq,
+            spent_tokens: self.spent_tokens,
+            held_tokens: self.balance_tokens,
+            debt_tokens: self.debt_tokens,
+            tokens_wanted,
+            demand_milli_per_second: self
+                .rate
+                .rate_milli_per_second(now_ms, tuning.rate_half_life_ms),
+            sent_at_ms: now_ms,
+        }
     }
 
     /// Node time of the last hit counted (0 for none).
@@ -325,44 +505,61 @@ impl KeyLease {
         self.rate.updated_ms
     }
 
-    /// True when the key holds nothing a fresh key would not: no balance, no request in
-    /// flight, no block still running. Such a key may be forgotten once idle.
-    pub fn is_settled(&self, now_ms: u64) -> bool {
-        self.balance_tokens(now_ms) == 0 && !self.in_flight && now_ms >= self.blocked_until_ms
+    /// True when the key holds nothing the ledger does not know of and nothing is in flight:
+    /// no balance, no uncharged spending, no wait still running, and the ledger's bucket for
+    /// `spec` has refilled since its last answer. Such a key may be forgotten once idle: a
+    /// slot made for it anew starts on credit, which is safe only where the bucket is full.
+    pub fn is_settled(&self, spec: &LimitSpec, now_ms: u64) -> bool {
+        let balance_tokens = self.balance_tokens(now_ms);
+        let refilled_at_ms = self.answered_at_ms.saturating_add(
+            spec.reset_ms_estimate(self.ledger_remaining_tokens, self.answered_at_ms),
+        );
+        balance_tokens == 0
+            && !self.in_flight
+            && self.spent_tokens.saturating_add(balance_tokens) == self.settled_tokens
+            && now_ms >= self.retry_at_ms
+            && (!self.answered || now_ms >= refilled_at_ms)
     }
 
-    /// Applies the ledger's answer to the request sent at `want.sent_at_ms`.
-    pub fn apply_grant(
+    /// Applies the ledger's answer to the report `sent`.
+    pub fn apply_answer(
         &mut self,
         tuning: &LeaseTuning,
-        want: LeaseWant,
-        granted_tokens: u64,
-        retry_after_ms: u64,
+        sent: &ReportDraft,
+        answer: ReportAnswer,
         now_ms: u64,
     ) {
         self.in_flight = false;
+        self.in_flight_want_tokens = 0;
         self.expire(now_ms);
-        if granted_tokens == 0 {
-            self.blocked_until_ms = now_ms.saturating_add(retry_after_ms);
+        let ReportAnswer::Settled { granted_tokens, retry_after_ms, remaining_tokens } = answer
+        else {
             return;
+        };
+        self.answered = true;
+        self.ledger_remaining_tokens = remaining_tokens;
+        self.answered_at_ms = now_ms;
+        // The report charged the debt it carried; a grant pays the debt run up since.
+        self.debt_tokens = self.debt_tokens.saturating_sub(sent.debt_tokens);
+        let paid_debt = granted_tokens.min(self.debt_tokens);
+        self.debt_tokens -= paid_debt;
+        self.balance_tokens = self.balance_tokens.saturating_add(granted_tokens - paid_debt);
+        self.settled_tokens =
+            sent.spent_tokens.saturating_add(sent.held_tokens).saturating_add(granted_tokens);
+        self.retry_at_ms =
+            if retry_after_ms > 0 { sent.sent_at_ms.saturating_add(retry_after_ms) } else { 0 };
+        if granted_tokens > 0 {
+            // The ledger extends every outstanding token of this node and key to the newest
+            // grant's expiry, so the node may do the same, counted from when it sent.
+            self.expires_at_ms = sent
+                .sent_at_ms
+                .saturating_add(tuning.lease_ttl_ms)
+                .saturating_sub(tuning.expiry_margin_ms);
         }
-        self.blocked_until_ms = 0;
-        self.balance_tokens = self.balance_tokens.saturating_add(granted_tokens);
-        // The ledger extends every outstanding token of this node and key to the newest
-        // grant's expiry, so the node may do the same, counted from when it sent.
-        self.expires_at_ms = want
-            .sent_at_ms
-            .saturating_add(tuning.lease_ttl_ms)
-            .saturating_sub(tuning.expiry_margin_ms);
     }
 
-    /// The request failed or timed out: nothing was granted that the node knows of.
-    pub fn apply_failure(&mut self) {
-        self.in_flight = false;
-    }
-
-    /// Takes the balance above the current lease size, to return to the ledger (the lease
-    /// size shrinks as traffic falls). Returns the tokens taken.
+    /// Takes the balance above the current lease size, to settle back to the ledger (the
+    /// lease size shrinks as traffic falls). Returns the tokens taken.
     pub fn take_surplus(&mut self, tuning: &LeaseTuning, now_ms: u64) -> u64 {
         self.expire(now_ms);
         let size = self.lease_size_tokens(tuning, now_ms);
@@ -371,15 +568,17 @@ impl KeyLease {
         surplus
     }
 
-    /// Takes the whole balance (eviction or shutdown), to return to the ledger.
+    /// Takes the whole balance (idle key, eviction, shutdown), to settle back to the ledger.
     pub fn take_all(&mut self, now_ms: u64) -> u64 {
         self.expire(now_ms);
         std::mem::take(&mut self.balance_tokens)
     }
 
-    /// The lease size this key's traffic calls for now.
+    /// The lease size this key's traffic calls for now, within its small-key cap.
     pub fn lease_size_tokens(&self, tuning: &LeaseTuning, now_ms: u64) -> u64 {
-        tuning.lease_size_tokens(self.rate.rate_milli_per_second(now_ms, tuning.rate_half_life_ms))
+        let size = tuning
+            .lease_size_tokens(self.rate.rate_milli_per_second(now_ms, tuning.rate_half_life_ms));
+        if self.size_cap_tokens == 0 { size } else { size.min(self.size_cap_tokens) }
     }
 
     fn expire(&mut self, now_ms: u64) {

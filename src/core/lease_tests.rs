@@ -59,8 +59,15 @@ fn lease_size_is_traffic_proportional() {
     assert_eq!(tuning.lease_size_tokens(10_000 * 1_000), 500, "capped");
     assert_eq!(tuning.low_watermark_tokens(250), 50);
     assert_eq!(tuning.low_watermark_tokens(3), 1, "at least 1");
-    assert_eq!(tuning.held_tokens_max(), 599);
-    assert_eq!(tuning.drift_bound_tokens(3), 1_797);
+    assert_eq!(tuning.held_tokens_max(1_000_000, 3), 599);
+    assert_eq!(tuning.drift_bound_tokens(1_000_000, 3, false, None), 1_797);
+    assert_eq!(tuning.drift_bound_tokens(1_000_000, 3, true, None), 1_812, "3 x 5 of credit");
+    assert_eq!(
+        tuning.drift_bound_tokens(1_000_000, 3, true, Some(1_000)),
+        1_001_812,
+        "the fallback allowance while the circuit is not closed"
+    );
+    assert_eq!(tuning.held_tokens_max(20, 2), 5, "a key of 20 over 2 nodes: 5 + watermark 1 - 1");
 }
 
 /// A steady rate is estimated within 5 % once the estimate has settled (10 half-lives).
@@ -80,10 +87,10 @@ fn steady_rates_are_estimated() {
 #[test]
 fn lease_size_decays_when_traffic_stops() {
     let tuning = LeaseTuning::default();
-    let mut lease = KeyLease::default();
+    let mut lease = KeyLease::new(1_000_000, 1_000_000);
     let mut now_ms = 1_000;
     for _ in 0..5_000 {
-        lease.spend(&tuning, now_ms, 1);
+        lease.spend(&tuning, Credit::NONE, now_ms, 1);
         now_ms += 1;
     }
     let mut size = lease.lease_size_tokens(&tuning, now_ms);
@@ -97,135 +104,256 @@ fn lease_size_decays_when_traffic_stops() {
     assert_eq!(size, 5);
 }
 
-/// A cold key is short until its first lease arrives; then it spends from the balance and
-/// asks for a refill only below the watermark, one request at a time.
-#[test]
-fn cold_key_leases_then_spends_locally() {
-    let tuning = LeaseTuning::default();
-    let mut lease = KeyLease::default();
-    assert_eq!(lease.spend(&tuning, 1_000, 1), Spend::Short);
-    let want = lease.poll_refill(&tuning, 1_000).expect("a first lease");
-    assert_eq!(want, LeaseWant { tokens: 5, sent_at_ms: 1_000 });
-    assert_eq!(lease.poll_refill(&tuning, 1_001), None, "one request in flight at most");
-    lease.apply_grant(&tuning, want, 5, 0, 1_002);
-    assert_eq!(lease.spend(&tuning, 1_003, 1), Spend::Admitted);
-    assert_eq!(lease.balance_tokens(1_003), 4);
-    assert_eq!(lease.poll_refill(&tuning, 1_003), None, "4 is above the watermark of 1");
-    for now_ms in 1_004..1_007 {
-        assert_eq!(lease.spend(&tuning, now_ms, 1), Spend::Admitted);
-    }
-    assert_eq!(lease.balance_tokens(1_007), 1);
-    assert_eq!(lease.spend(&tuning, 1_007, 1), Spend::Admitted);
-    assert!(lease.poll_refill(&tuning, 1_007).is_some(), "below the watermark");
+fn settled(granted_tokens: u64, retry_after_ms: u64, remaining_tokens: u64) -> ReportAnswer {
+    ReportAnswer::Settled { granted_tokens, retry_after_ms, remaining_tokens }
 }
 
-/// A lease expires a margin before TTL after its request was SENT, not when it arrived.
+/// A cold fail-open key admits its first hits on credit without waiting; its first report
+/// carries them as spent and as debt, and the grant that answers it is a clean balance.
 #[test]
-fn lease_expires_from_its_send_time() {
+fn cold_key_is_admitted_on_credit_then_leases() {
     let tuning = LeaseTuning::default();
-    let mut lease = KeyLease::default();
-    let want = lease.poll_refill(&tuning, 10_000).expect("a lease");
-    lease.apply_grant(&tuning, want, 5, 0, 10_300);
+    let credit = Credit::fail_open(&tuning, 1_000);
+    assert_eq!(credit.tokens_max, 5);
+    let mut lease = KeyLease::new(1_000, 1_000);
+    assert_eq!(lease.spend(&tuning, credit, 1_000, 2), Spend::AdmittedOnCredit);
+    let draft = lease.poll_lease_for(&tuning, 1_000, 0).expect("the first report");
+    assert_eq!(
+        (draft.seq, draft.spent_tokens, draft.held_tokens, draft.debt_tokens, draft.tokens_wanted),
+        (1, 2, 0, 2, 5)
+    );
+    assert_eq!(lease.poll_refill(&tuning, 1_001), None, "one report in flight at most");
+    // While it flies, three more hits on credit: 5 of credit in all, the maximum.
+    assert_eq!(lease.spend(&tuning, credit, 1_001, 3), Spend::AdmittedOnCredit);
+    assert_eq!(lease.spend(&tuning, credit, 1_001, 1), Spend::Short, "credit used up");
+    lease.apply_answer(&tuning, &draft, settled(5, 0, 993), 1_002);
+    // The report charged its 2; the grant of 5 pays the 3 spent since, so 2 are left.
+    assert_eq!((lease.debt_tokens(), lease.balance_tokens(1_002)), (0, 2));
+    assert_eq!(lease.poll_settle(&tuning, 1_002), None, "the ledger counts 2 + 0 + 5 = 5 + 2");
+    assert_eq!(lease.spend(&tuning, credit, 1_003, 2), Spend::Admitted);
+}
+
+/// A fail-closed key has no credit: its first hit waits for a lease.
+#[test]
+fn fail_closed_key_waits_for_its_lease() {
+    let tuning = LeaseTuning::default();
+    let mut lease = KeyLease::new(100, 100);
+    assert_eq!(lease.spend(&tuning, Credit::NONE, 1_000, 1), Spend::Short);
+    let draft = lease.poll_lease_for(&tuning, 1_000, 1).expect("a lease");
+    assert_eq!((draft.spent_tokens, draft.debt_tokens, draft.tokens_wanted), (0, 0, 5));
+    lease.apply_answer(&tuning, &draft, settled(5, 0, 95), 1_001);
+    assert_eq!(lease.spend(&tuning, Credit::NONE, 1_001, 1), Spend::Admitted);
+}
+
+/// A lease expires a margin before TTL after its report was SENT, not when it arrived; the
+/// expired balance is then settled back (a report with nothing held).
+#[test]
+fn lease_expires_from_its_send_time_and_is_settled_back() {
+    let tuning = LeaseTuning::default();
+    let mut lease = KeyLease::new(100, 100);
+    let draft = lease.poll_lease_for(&tuning, 10_000, 1).expect("a lease");
+    lease.apply_answer(&tuning, &draft, settled(5, 0, 95), 10_300);
     assert_eq!(lease.balance_tokens(10_449), 5);
+    assert_eq!(lease.poll_settle(&tuning, 10_449), None);
     assert_eq!(lease.balance_tokens(10_450), 0, "10,000 + 500 - 50");
-    assert_eq!(lease.spend(&tuning, 10_450, 1), Spend::Short);
+    assert_eq!(lease.spend(&tuning, Credit::NONE, 10_450, 1), Spend::Short);
+    let settle = lease.poll_settle(&tuning, 10_450).expect("the expired 5 go back");
+    assert_eq!((settle.held_tokens, settle.spent_tokens, settle.tokens_wanted), (0, 0, 0));
+    lease.apply_answer(&tuning, &settle, settled(0, 0, 100), 10_451);
+    assert_eq!(lease.poll_settle(&tuning, 10_452), None);
+    let spec = LimitSpec::new(crate::core::rate::Algorithm::TokenBucket, 100, 1_000, None)
+        .expect("a valid limit");
+    assert!(lease.is_settled(&spec, 10_452), "the bucket was full at the answer");
 }
 
 /// When the ledger grants nothing, the key is rejected locally until `retry_after_ms`
-/// without another request; then it asks again.
+/// (counted from the send) without another report, and gets no credit past an empty
+/// answer; then it asks again.
 #[test]
 fn empty_ledger_blocks_until_retry_after() {
     let tuning = LeaseTuning::default();
-    let mut lease = KeyLease::default();
-    let want = lease.poll_refill(&tuning, 1_000).expect("a lease");
-    lease.apply_grant(&tuning, want, 0, 300, 1_002);
-    assert_eq!(lease.spend(&tuning, 1_100, 1), Spend::Blocked { retry_after_ms: 202 });
-    assert_eq!(lease.poll_refill(&tuning, 1_301), None, "no request before 1,302");
-    assert_eq!(lease.spend(&tuning, 1_302, 1), Spend::Short);
-    assert!(lease.poll_refill(&tuning, 1_302).is_some());
+    let credit = Credit::fail_open(&tuning, 100);
+    let mut lease = KeyLease::new(100, 100);
+    let draft = lease.poll_lease_for(&tuning, 1_000, 1).expect("a lease");
+    lease.apply_answer(&tuning, &draft, settled(0, 300, 0), 1_002);
+    assert_eq!(lease.spend(&tuning, credit, 1_100, 1), Spend::Blocked { retry_after_ms: 200 });
+    assert_eq!(lease.poll_refill(&tuning, 1_299), None, "no report before 1,300");
+    assert_eq!(
+        lease.spend(&tuning, credit, 1_300, 1),
+        Spend::Short,
+        "no credit past an empty bucket"
+    );
+    assert!(lease.poll_lease_for(&tuning, 1_300, 1).is_some());
+}
+
+/// A partial grant short of the want (a contended key at its share) is spent, then the key
+/// rejects locally until the ledger's retry time: one report per retry period.
+#[test]
+fn partial_grant_defers_the_next_report() {
+    let tuning = LeaseTuning::default();
+    let mut lease = KeyLease::new(1_000, 1_000);
+    let draft = lease.poll_lease_for(&tuning, 1_000, 1).expect("a lease");
+    lease.apply_answer(&tuning, &draft, settled(2, 250, 400), 1_003);
+    assert_eq!(lease.spend(&tuning, Credit::NONE, 1_010, 2), Spend::Admitted);
+    assert_eq!(lease.poll_refill(&tuning, 1_010), None, "not before 1,250");
+    assert_eq!(
+        lease.spend(&tuning, Credit::NONE, 1_100, 1),
+        Spend::Blocked { retry_after_ms: 150 }
+    );
+    assert!(lease.poll_lease_for(&tuning, 1_250, 1).is_some());
+}
+
+/// A report that was not applied (failed, timed out, stale) changes nothing but the request
+/// in flight: the next report carries the same totals plus what came since.
+#[test]
+fn unanswered_reports_are_carried_by_the_next() {
+    let tuning = LeaseTuning::default();
+    let credit = Credit::fail_open(&tuning, 1_000);
+    let mut lease = KeyLease::new(1_000, 1_000);
+    assert_eq!(lease.spend(&tuning, credit, 1_000, 1), Spend::AdmittedOnCredit);
+    let first = lease.poll_lease_for(&tuning, 1_000, 0).expect("a report");
+    lease.apply_answer(&tuning, &first, ReportAnswer::NotApplied, 1_010);
+    assert!(!lease.in_flight());
+    assert_eq!(lease.debt_tokens(), 1, "still owed");
+    assert_eq!(lease.spend(&tuning, credit, 1_011, 1), Spend::AdmittedOnCredit);
+    let second = lease.poll_lease_for(&tuning, 1_011, 0).expect("the next report");
+    assert_eq!((second.seq, second.spent_tokens, second.debt_tokens), (2, 2, 2));
+}
+
+/// A small key (its cap below the minimum lease) leases only what a hit needs and never
+/// prefetches, so a key of 2 per hour hit once from each of two nodes admits both.
+#[test]
+fn small_keys_lease_only_what_a_hit_needs() {
+    let tuning = LeaseTuning::default();
+    let cap = size_cap_tokens(2, 2);
+    assert_eq!(cap, 1);
+    assert_eq!(Credit::fail_open(&tuning, cap).tokens_max, 1);
+    let mut lease = KeyLease::new(2, cap);
+    let draft = lease.poll_lease_for(&tuning, 1_000, 1).expect("a lease for the hit");
+    assert_eq!(draft.tokens_wanted, 1);
+    lease.apply_answer(&tuning, &draft, settled(1, 0, 1), 1_001);
+    assert_eq!(lease.spend(&tuning, Credit::NONE, 1_001, 1), Spend::Admitted);
+    assert_eq!(lease.poll_refill(&tuning, 1_002), None, "no prefetch below the watermark");
 }
 
 /// The surplus above a shrunken lease size is taken for return; the rest stays.
 #[test]
 fn surplus_is_returned_as_traffic_falls() {
     let tuning = LeaseTuning::default();
-    let mut lease = KeyLease::default();
-    let want = lease.poll_refill(&tuning, 1_000).expect("a lease");
-    lease.apply_grant(&tuning, LeaseWant { tokens: 400, ..want }, 400, 0, 1_001);
+    let mut lease = KeyLease::new(1_000, 1_000);
+    let draft = lease.poll_lease_for(&tuning, 1_000, 400).expect("a lease");
+    lease.apply_answer(&tuning, &draft, settled(400, 0, 600), 1_001);
     assert_eq!(lease.take_surplus(&tuning, 1_002), 395, "idle key: lease size 5");
     assert_eq!(lease.balance_tokens(1_002), 5);
     assert_eq!(lease.take_all(1_002), 5);
-    assert_eq!(lease.balance_tokens(1_002), 0);
+    let settle = lease.poll_settle(&tuning, 1_002).expect("400 went back");
+    assert_eq!(settle.held_tokens, 0);
 }
 
 /// One step of a random lease life.
 #[derive(Debug, Clone)]
 enum Step {
     Spend { after_ms: u64, hits: u64 },
+    Fallback { hits: u64 },
     Refill { after_ms: u64 },
     Answer { after_ms: u64, grant_percent: u64, retry_after_ms: u64 },
     Fail,
     Surplus,
+    Settle,
 }
 
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
         (0..20u64, 1..5u64).prop_map(|(after_ms, hits)| Step::Spend { after_ms, hits }),
+        (1..3u64).prop_map(|hits| Step::Fallback { hits }),
         (0..50u64).prop_map(|after_ms| Step::Refill { after_ms }),
         (0..50u64, 0..=100u64, 0..500u64).prop_map(|(after_ms, grant_percent, retry_after_ms)| {
             Step::Answer { after_ms, grant_percent, retry_after_ms }
         }),
         Just(Step::Fail),
         Just(Step::Surplus),
+        Just(Step::Settle),
     ]
 }
 
 proptest! {
-    /// Against a ledger that grants at most what was asked: the node never holds more than
-    /// `held_tokens_max`, never has two requests in flight, and never spends more than it
-    /// was granted.
+    /// Against a ledger model that grants at most what was asked and settles every report:
+    /// one report in flight at most; the balance never exceeds `held_tokens_max`; credit
+    /// stays within its maximum (fallback admissions aside); every admission is counted as
+    /// spent; and once every report has been answered and the key settled, the ledger's count
+    /// of the key equals what the node spent plus what it holds.
     #[test]
     fn lease_life_respects_its_bounds(steps in proptest::collection::vec(step(), 1..300)) {
         let tuning = LeaseTuning::default();
-        let mut lease = KeyLease::default();
+        let credit = Credit::fail_open(&tuning, 1_000_000);
+        let mut lease = KeyLease::new(1_000_000, 1_000_000);
         let mut now_ms = 1_000_u64;
-        let mut outstanding: Option<LeaseWant> = None;
-        let (mut granted, mut spent, mut returned) = (0_u64, 0_u64, 0_u64);
+        let mut flying: Option<ReportDraft> = None;
+        let mut admitted = 0_u64;
+        let mut fallback = 0_u64;
+        // The ledger model's count of the key: attributed = spent + held as last reported,
+        // plus grants.
+        let mut attributed = 0_u64;
         for step in steps {
             match step {
                 Step::Spend { after_ms, hits } => {
                     now_ms += after_ms;
-                    if lease.spend(&tuning, now_ms, hits) == Spend::Admitted {
-                        spent += hits;
+                    if matches!(lease.spend(&tuning, credit, now_ms, hits), Spend::Admitted | Spend::AdmittedOnCredit) {
+                        admitted += hits;
                     }
+                }
+                Step::Fallback { hits } => {
+                    lease.pay_beyond_lease(hits);
+                    admitted += hits;
+                    fallback += hits;
                 }
                 Step::Refill { after_ms } => {
                     now_ms += after_ms;
-                    if let Some(want) = lease.poll_refill(&tuning, now_ms) {
-                        prop_assert!(outstanding.is_none(), "two requests in flight");
-                        prop_assert!(want.tokens <= tuning.max_lease_tokens);
-                        outstanding = Some(want);
+                    if let Some(draft) = lease.poll_refill(&tuning, now_ms) {
+                        prop_assert!(flying.is_none(), "two reports in flight");
+                        prop_assert!(draft.tokens_wanted <= tuning.max_lease_tokens);
+                        flying = Some(draft);
+                    }
+                }
+                Step::Settle => {
+                    if let Some(draft) = lease.poll_settle(&tuning, now_ms) {
+                        prop_assert!(flying.is_none(), "two reports in flight");
+                        flying = Some(draft);
                     }
                 }
                 Step::Answer { after_ms, grant_percent, retry_after_ms } => {
-                    if let Some(want) = outstanding.take() {
+                    if let Some(draft) = flying.take() {
                         now_ms += after_ms;
-                        let tokens = want.tokens * grant_percent / 100;
-                        lease.apply_grant(&tuning, want, tokens, retry_after_ms, now_ms);
-                        granted += tokens;
+                        let granted = draft.tokens_wanted * grant_percent / 100;
+                        attributed = draft.spent_tokens + draft.held_tokens + granted;
+                        lease.apply_answer(&tuning, &draft, settled(granted, retry_after_ms, 1_000), now_ms);
                     }
                 }
                 Step::Fail => {
-                    if outstanding.take().is_some() {
-                        lease.apply_failure();
+                    if let Some(draft) = flying.take() {
+                        lease.apply_answer(&tuning, &draft, ReportAnswer::NotApplied, now_ms);
                     }
                 }
-                Step::Surplus => returned += lease.take_surplus(&tuning, now_ms),
+                Step::Surplus => {
+                    if !lease.in_flight() {
+                        lease.take_surplus(&tuning, now_ms);
+                    }
+                }
             }
-            prop_assert_eq!(lease.in_flight(), outstanding.is_some());
-            prop_assert!(lease.balance_tokens(now_ms) <= tuning.held_tokens_max());
-            prop_assert!(spent + returned <= granted);
+            prop_assert_eq!(lease.in_flight(), flying.is_some());
+            prop_assert!(lease.balance_tokens(now_ms) <= tuning.held_tokens_max(1_000_000, 1));
+            prop_assert!(lease.debt_tokens() <= credit.tokens_max + fallback);
         }
+        // Drain: answer what flies, then settle until the ledger model agrees.
+        for _ in 0..3 {
+            if let Some(draft) = flying.take().or_else(|| lease.poll_settle(&tuning, now_ms)) {
+                attributed = draft.spent_tokens + draft.held_tokens;
+                lease.apply_answer(&tuning, &draft, settled(0, 0, 1_000), now_ms);
+            }
+        }
+        prop_assert_eq!(lease.poll_settle(&tuning, now_ms), None);
+        prop_assert_eq!(attributed, admitted + lease.balance_tokens(now_ms));
+        prop_assert_eq!(lease.debt_tokens(), 0, "every debt charged");
     }
 
     /// Without new hits the estimate never grows: not when asked at a later time (it only
@@ -269,25 +397,28 @@ proptest! {
 }
 
 /// A request larger than the lease size asks for what it lacks; a settled key holds
-/// nothing; the last hit's time is remembered.
+/// nothing, owes nothing and waits for nothing; the last hit's time is remembered.
 #[test]
 fn large_requests_and_settling() {
     let tuning = LeaseTuning::default();
-    let mut lease = KeyLease::default();
-    assert!(lease.is_settled(1_000));
-    assert_eq!(lease.spend(&tuning, 1_000, 40), Spend::Short);
+    let mut lease = KeyLease::new(1_000, 1_000);
+    // Refills a token a microsecond: "refilled since the answer" is never what waits here.
+    let spec = LimitSpec::new(crate::core::rate::Algorithm::TokenBucket, 1_000, 1, None)
+        .expect("a valid limit");
+    assert!(lease.is_settled(&spec, 1_000));
+    assert_eq!(lease.spend(&tuning, Credit::NONE, 1_000, 40), Spend::Short);
     assert_eq!(lease.last_hit_ms(), 1_000);
-    let want = lease.poll_lease_for(&tuning, 1_000, 40).expect("a lease");
-    assert_eq!(want.tokens, 40, "more than the minimum lease of 5");
-    assert!(!lease.is_settled(1_001), "in flight");
-    lease.apply_grant(&tuning, want, 40, 0, 1_002);
-    assert!(!lease.is_settled(1_003), "holds tokens");
-    assert_eq!(lease.spend(&tuning, 1_003, 40), Spend::Admitted);
-    assert!(lease.is_settled(1_003));
-    let want = lease.poll_refill(&tuning, 1_004).expect("below the watermark");
-    lease.apply_grant(&tuning, want, 0, 300, 1_005);
-    assert!(!lease.is_settled(1_200), "blocked until 1,305");
-    assert!(lease.is_settled(1_305));
+    let draft = lease.poll_lease_for(&tuning, 1_000, 40).expect("a lease");
+    assert_eq!(draft.tokens_wanted, 40, "more than the minimum lease of 5");
+    assert!(!lease.is_settled(&spec, 1_001), "in flight");
+    lease.apply_answer(&tuning, &draft, settled(40, 0, 960), 1_002);
+    assert!(!lease.is_settled(&spec, 1_003), "holds tokens");
+    assert_eq!(lease.spend(&tuning, Credit::NONE, 1_003, 40), Spend::Admitted);
+    assert!(lease.is_settled(&spec, 1_003), "the ledger counts the 40 as this node's already");
+    let draft = lease.poll_refill(&tuning, 1_004).expect("below the watermark");
+    lease.apply_answer(&tuning, &draft, settled(0, 300, 0), 1_005);
+    assert!(!lease.is_settled(&spec, 1_200), "blocked until 1,304");
+    assert!(lease.is_settled(&spec, 1_304));
 }
 
 /// The fallback bucket is the node's share of the limit times the multiplier, never below
@@ -363,4 +494,38 @@ fn with_sizes_derives_ttl_and_margin() {
     );
     // A lookahead of 0 gives a TTL of 0, which no margin fits under.
     assert_eq!(LeaseTuning::with_sizes(5, 500, 0), Err(LeaseTuningError::Ttl));
+}
+
+/// Credit never claims what the ledger said it no longer has: once the bucket's remainder is
+/// promised to the report in flight, a short key waits instead of running up debt; and a key
+/// the ledger last saw short of full is kept until its bucket has refilled.
+#[test]
+fn credit_stops_at_what_the_ledger_has_left() {
+    use crate::core::rate::Algorithm;
+    let tuning = LeaseTuning::default();
+    let credit = Credit::fail_open(&tuning, 10);
+    let spec = LimitSpec::new(Algorithm::TokenBucket, 20, 1_000, None).expect("a valid limit");
+    let mut lease = KeyLease::new(20, 10);
+    let draft = lease.poll_lease_for(&tuning, 1_000, 1).expect("a lease");
+    lease.apply_answer(&tuning, &draft, settled(5, 0, 3), 1_001);
+    for _ in 0..5 {
+        assert_eq!(lease.spend(&tuning, credit, 1_002, 1), Spend::Admitted);
+    }
+    let refill = lease.poll_refill(&tuning, 1_002).expect("below the watermark");
+    assert_eq!(refill.tokens_wanted, 5);
+    assert_eq!(
+        lease.spend(&tuning, credit, 1_003, 1),
+        Spend::Short,
+        "3 left, all of them promised to the refill in flight"
+    );
+    lease.apply_answer(&tuning, &refill, settled(3, 0, 0), 1_004);
+    assert!(lease.at_limit(1_004));
+    for _ in 0..3 {
+        assert_eq!(lease.spend(&tuning, credit, 1_005, 1), Spend::Admitted);
+    }
+    assert!(lease.at_limit(1_005), "no credit past an empty answer");
+    let settle = lease.poll_settle(&tuning, 1_005);
+    assert_eq!(settle, None, "spent what was granted: nothing to settle");
+    assert!(!lease.is_settled(&spec, 1_500), "the bucket is still empty");
+    assert!(lease.is_settled(&spec, 2_004), "20 refilled a second after the empty answer");
 }

@@ -8,23 +8,48 @@
 //! order reaches the same state ([`QuotaLedger::digest`] compares them). The bucket math is
 //! `rate.rs`'s; replication, storage and the encoding of records are `src/ledger/`'s.
 //!
-//! # Leases
+//! # Leases and settlement
 //! A grant takes tokens out of the key's bucket at once and records them as outstanding for
-//! the node until `now_ms + lease_ttl_ms`. Expiry only ends the accounting: the node may have
-//! spent the tokens, so they never flow back; unspent tokens come back only through
-//! [`QuotaCommand::ReturnLease`], credited at most up to what the node still holds on the key
-//! (so a repeated return cannot mint tokens) and never above the bucket's capacity. A node's
-//! leases on one key are kept as one aggregate whose expiry is the latest of its grants: a
-//! node refills a key at its low watermark with one request in flight, so its leases on a key
-//! overlap anyway, and the aggregate only ever holds accounting longer, never shorter.
+//! the node until `now_ms + lease_ttl_ms`. Nodes then settle what they did with them
+//! ([`QuotaCommand::SettleLeases`]): each [`LeaseReport`] says how many tokens the node has
+//! spent on the key in total (cumulative over the key's life on the node, its
+//! [`LeaseEpoch`]) and how many it still holds. The ledger compares that with what it counts
+//! as the node's (reported spending, plus outstanding tokens, plus tokens written off when a
+//! lease expired unreported):
+//!
+//! ```text
+//!   before = spent (last report) + written off + outstanding      after = spent + held
+//!   after > before: the node spent beyond its leases (fallback, optimistic first hits):
+//!                   debt, charged to the bucket before any new grant
+//!   after < before: tokens the node neither spent nor holds (an expired lease's unspent
+//!                   part, a return, a grant whose answer was lost): credited back, capped
+//!                   as one central bucket caps them
+//! ```
+//!
+//! So every token of a key is in exactly one place: the bucket, a node's live lease, or
+//! spent; nothing is minted and nothing is lost. Reports are idempotent: the counts are
+//! cumulative, and a report whose `(epoch, seq)` is not newer than the last applied one is
+//! stale and changes nothing. Expiry only moves outstanding tokens to "written off" (counted
+//! as spent: a dead node may have spent them); the node's next report settles them exactly.
+//! A node's leases on one key are kept as one aggregate whose expiry is the latest of its
+//! grants: a node refills a key at its low watermark with one request in flight, so its
+//! leases on a key overlap anyway.
+//!
+//! # Fair shares
+//! When the nodes' reported demand for a key exceeds its rate, each node's grants are capped
+//! by its max-min fair share of the rate, accrued in ledger time (`crate::core::fair_share`),
+//! plus whatever the bucket holds beyond every node's near-term share; a node short of its
+//! want is told to ask again in one lookahead, so a key at its limit costs each node a
+//! bounded number of writes per second, whatever its offered load.
 //!
 //! # Sweep
 //! Each key has a wake-up time: its earliest lease expiry, or the time it may be reclaimed
 //! (2 x its window after its last use). Every command first sweeps up to
 //! [`SWEEP_KEYS_PER_COMMAND_MAX`] keys whose wake-up time has come, in (time, key) order:
-//! expired leases are dropped, and a key with no lease whose bucket is back to its initial
-//! state is forgotten (a bucket not yet refilled is looked at again one window later, since
-//! forgetting it would hand out a fresh bucket).
+//! expired leases are written off, and a key with no live lease and no debt whose bucket is
+//! back to its initial state is forgotten with its settlement records (a bucket not yet
+//! refilled is looked at again one window later, since forgetting it would hand out a fresh
+//! bucket).
 //!
 //! # Bad input
 //! Each lease request is checked on its own: a bad one gets an error value and changes
@@ -37,7 +62,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::core::digest::Fnv1a;
 
-use crate::core::rate::{Algorithm, LimitSpec, LimitState};
+use crate::core::fair_share::{Entitlement, max_min_fair, rate_milli_per_second};
+use crate::core::rate::{Algorithm, LimitSpec, LimitState, MICRO_TOKENS_PER_TOKEN};
 
 /// Longest key, in bytes (`rl:{domain}:{descriptor path}`).
 pub const KEY_BYTES_MAX: usize = 512;
@@ -51,6 +77,11 @@ pub const LEASE_REQUESTS_PER_COMMAND_MAX: usize = 4096;
 pub const LEASE_TOKENS_MAX: u64 = 1_000_000;
 /// Longest lease (the design caps lease TTLs at 1 s by default; this is the hard bound).
 pub const LEASE_TTL_MS_MAX: u64 = 60_000;
+/// Most tokens a report may count as spent in one epoch (room for years at the largest
+/// limit, far from overflowing the sums of a settlement).
+pub const SPENT_TOKENS_MAX: u64 = 1 << 60;
+/// Longest lookahead a report may name (a fair share is accrued over two of them).
+pub const LOOKAHEAD_MS_MAX: u64 = 3_600_000;
 /// Most keys the ledger holds at once; a grant for a new key beyond it is refused.
 pub const KEYS_MAX: usize = 1_000_000;
 /// Most keys looked at by the sweep in one command, so one apply does bounded work.
@@ -102,6 +133,48 @@ pub struct LeaseRequest {
     pub lease_ttl_ms: u64,
 }
 
+/// Which life of a key on a node a report speaks for. A node starts a new epoch for a key
+/// whenever it creates the key's slot (first hit, or again after an eviction or a restart),
+/// and its counts start from zero; epochs only grow (`incarnation` is the node process's
+/// start time in microseconds, `serial` counts slots within it), so a report from an older
+/// life that arrives late is stale.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize,
+)]
+pub struct LeaseEpoch {
+    /// The node process's start, in microseconds of its clock.
+    pub incarnation: u64,
+    /// The slot's number within the process.
+    pub serial: u64,
+}
+
+/// A node's account of one key (see the module docs on settlement), and what it wants next.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseReport {
+    /// `rl:{domain}:{descriptor path}`.
+    pub key: String,
+    /// The limit of the rule the key falls under.
+    pub limit: LimitSpec,
+    /// The key's life on the node.
+    pub epoch: LeaseEpoch,
+    /// Increases with every report of the epoch; a report not newer than the last applied
+    /// one is stale.
+    pub seq: u64,
+    /// Tokens the node admitted on the key in this epoch, in total (leased or not).
+    pub spent_tokens: u64,
+    /// Leased tokens the node still holds and may spend.
+    pub held_tokens: u64,
+    /// Tokens wanted now; 0 settles only.
+    pub tokens_wanted: u64,
+    /// The node's offered traffic on the key (admitted or not), milli-hits per second: its
+    /// demand when the key is contended.
+    pub demand_milli_per_second: u64,
+    /// How much traffic one lease should cover; a node short of its share asks again after it.
+    pub lookahead_ms: u64,
+    /// How long the ledger counts a grant as outstanding.
+    pub lease_ttl_ms: u64,
+}
+
 /// A command of the quota group's log.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum QuotaCommand {
@@ -114,17 +187,6 @@ pub enum QuotaCommand {
         /// At most [`LEASE_REQUESTS_PER_COMMAND_MAX`].
         requests: Vec<LeaseRequest>,
     },
-    /// Unspent tokens of a node's lease on a key, given back.
-    ReturnLease {
-        /// Ledger time, stamped by the leader that proposed it (`ledger_time.rs`).
-        now_ms: u64,
-        /// The node giving the tokens back.
-        node_id: NodeId,
-        /// The key the lease is on.
-        key: String,
-        /// Tokens given back.
-        tokens: u64,
-    },
     /// A new version of the policy set (files of YAML by name), stored for every node.
     PutPolicySet {
         /// Ledger time, stamped by the leader that proposed it (`ledger_time.rs`).
@@ -134,16 +196,15 @@ pub enum QuotaCommand {
         /// `(file name, YAML text)` pairs.
         policy_yaml: Vec<(String, String)>,
     },
-    /// Unspent tokens of one node on several keys, given back in one entry (the lease
-    /// broker's batch of surplus and idle balances); each return is credited as
-    /// [`QuotaCommand::ReturnLease`] would.
-    ReturnLeases {
+    /// One node's reports on its keys (the lease broker's batch): each settles what the node
+    /// spent and holds, then grants what it wants, answered item by item.
+    SettleLeases {
         /// Ledger time, stamped by the leader that proposed it (`ledger_time.rs`).
         now_ms: u64,
-        /// The node giving the tokens back.
+        /// The node reporting.
         node_id: NodeId,
-        /// `(key, tokens)`, at most [`LEASE_REQUESTS_PER_COMMAND_MAX`].
-        returns: Vec<(String, u64)>,
+        /// At most [`LEASE_REQUESTS_PER_COMMAND_MAX`].
+        reports: Vec<LeaseReport>,
     },
 }
 
@@ -179,6 +240,24 @@ pub enum LeaseRequestError {
     /// The ledger holds [`KEYS_MAX`] keys and this one is new.
     #[error("the ledger holds the maximum of {KEYS_MAX} keys")]
     LedgerFull,
+    /// A report's held tokens are above [`LEASE_TOKENS_MAX`], or its spent tokens above
+    /// [`SPENT_TOKENS_MAX`].
+    #[error(
+        "a report's held tokens must be at most {LEASE_TOKENS_MAX} and spent at most {SPENT_TOKENS_MAX}"
+    )]
+    ReportTokens,
+    /// A report's lookahead is 0 or above [`LOOKAHEAD_MS_MAX`].
+    #[error("lookahead must be between 1 and {LOOKAHEAD_MS_MAX} ms, got {0} ms")]
+    Lookahead(u64),
+    /// A report of the same epoch counts fewer spent tokens than an earlier one: spending is
+    /// cumulative, so the report is broken.
+    #[error("spent tokens went down from {applied} to {reported} within one epoch")]
+    SpentDecreased {
+        /// Spent tokens of the last applied report.
+        applied: u64,
+        /// Spent tokens of this report.
+        reported: u64,
+    },
 }
 
 /// What is wrong with a key.
@@ -195,24 +274,28 @@ pub enum KeyError {
     Prefix,
 }
 
-/// What a return credited back to the bucket.
+/// What a report settled and was granted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ReturnOutcome {
-    /// Tokens credited: at most what was returned, at most what the node still held on the
-    /// key (0 for a key or lease the ledger no longer knows), and for windows only tokens
-    /// granted in the current window.
+pub struct Settlement {
+    /// The grant that followed the settlement (0 tokens when nothing was wanted or none
+    /// could be had).
+    pub grant: LeaseGrant,
+    /// Tokens the node spent beyond its leases that the bucket paid now; what it could not
+    /// pay stays owed by the key, paid before any new grant.
+    pub charged_tokens: u64,
+    /// Tokens credited back to the bucket (or to the key's debt).
     pub credited_tokens: u64,
+    /// True when the key's demand exceeds its rate and grants follow fair shares.
+    pub contended: bool,
 }
 
-/// Why a return was refused; it changed nothing.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
-pub enum ReturnError {
-    /// The key is malformed.
-    #[error("invalid key: {0}")]
-    Key(KeyError),
-    /// `tokens` was 0 or above [`LEASE_TOKENS_MAX`].
-    #[error("returned tokens must be between 1 and {LEASE_TOKENS_MAX}, got {0}")]
-    Tokens(u64),
+/// What became of a report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ReportOutcome {
+    /// Settled, and granted what could be had.
+    Settled(Settlement),
+    /// Not newer than the last report applied for the node and key: changed nothing.
+    Stale,
 }
 
 /// Why a policy set was refused; it changed nothing.
@@ -255,28 +338,56 @@ pub enum QuotaResponse {
     NoCommand,
     /// One result per lease request, in order.
     Leases(Vec<Result<LeaseGrant, LeaseRequestError>>),
-    /// The result of a return.
-    Returned(Result<ReturnOutcome, ReturnError>),
-    /// One result per return of a [`QuotaCommand::ReturnLeases`], in order.
-    ReturnedMany(Vec<Result<ReturnOutcome, ReturnError>>),
+    /// One result per report of a [`QuotaCommand::SettleLeases`], in order.
+    Settled(Vec<Result<ReportOutcome, LeaseRequestError>>),
     /// The result of a policy set.
     PolicySet(Result<(), PolicySetError>),
     /// The command was refused as a whole.
     Rejected(CommandError),
 }
 
-/// A node's outstanding lease on one key.
+/// A node's lease on one key, and its settlement record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Lease {
-    /// Tokens granted and neither returned nor expired.
+    /// Tokens granted and neither settled nor expired: the node's live lease.
     pub tokens: u64,
-    /// When the ledger stops counting them (the latest expiry of the grants).
+    /// When the ledger stops counting them as live (the latest expiry of the grants).
     pub expires_at_ms: u64,
     /// For window limits: the aligned window (`now_ms / window_ms`) of the latest grant.
     pub window_index: u64,
-    /// For window limits: tokens granted in that window, the only ones a return may
+    /// For window limits: tokens granted in that window, the only ones a credit may
     /// un-count (rate.rs `give_back`).
     pub tokens_in_window: u64,
+    /// The life of the key on the node that the record follows.
+    pub epoch: LeaseEpoch,
+    /// The last report applied in that epoch.
+    pub seq: u64,
+    /// Spent tokens as last reported.
+    pub spent_tokens: u64,
+    /// Tokens of leases that expired before the node settled them: counted as spent until a
+    /// report says otherwise.
+    pub written_off_tokens: u64,
+    /// The node's last reported demand, milli-hits per second.
+    pub demand_milli_per_second: u64,
+    /// Ledger time of the node's last report (its demand counts while it is recent).
+    pub reported_at_ms: u64,
+    /// The node's lookahead from its last report.
+    pub lookahead_ms: u64,
+    /// The node's accrued fair share while the key is contended.
+    pub entitlement: Entitlement,
+}
+
+impl Lease {
+    /// Tokens the ledger counts as the node's: spent, written off, or live.
+    fn attributed_tokens(&self) -> u64 {
+        self.spent_tokens.saturating_add(self.written_off_tokens).saturating_add(self.tokens)
+    }
+
+    /// True while the node's demand is recent enough to count for fair shares: within four
+    /// lookaheads (a node at its share asks once per lookahead) and at least a second.
+    fn demand_is_recent(&self, now_ms: u64) -> bool {
+        now_ms.saturating_sub(self.reported_at_ms) <= self.lookahead_ms.saturating_mul(4).max(1_000)
+    }
 }
 
 /// One key's bucket and the leases drawn from it.
@@ -290,8 +401,14 @@ pub struct KeyEntry {
     pub last_used_ms: u64,
     /// When the sweep looks at this key next.
     pub wake_at_ms: u64,
-    /// Outstanding leases by node.
+    /// Leases and settlement records by node.
     pub leases: BTreeMap<NodeId, Lease>,
+    /// Tokens nodes spent beyond their leases that the bucket could not pay yet; paid from
+    /// refill before any new grant.
+    pub debt_tokens: u64,
+    /// Ledger time the key's current contention began (0: not contended at its last grant):
+    /// fair shares accrue from then, so no node brings an entitlement from before.
+    pub contended_since_ms: u64,
 }
 
 impl KeyEntry {
@@ -309,7 +426,11 @@ impl KeyEntry {
         } else {
             now_ms.saturating_add(self.limit.window_ms.max(1))
         };
-        self.leases.values().map(|lease| lease.expires_at_ms).fold(reclaim_ms, u64::min)
+        self.leases
+            .values()
+            .filter(|lease| lease.tokens > 0)
+            .map(|lease| lease.expires_at_ms)
+            .fold(reclaim_ms, u64::min)
     }
 }
 
@@ -412,6 +533,92 @@ pub fn check_lease_request(request: &LeaseRequest) -> Result<(), LeaseRequestErr
     check_limit(&request.limit)
 }
 
+/// Checks one report as apply does before touching anything.
+///
+/// # Errors
+/// The [`LeaseRequestError`] apply would answer (all but the state-dependent
+/// [`LeaseRequestError::LedgerFull`] and [`LeaseRequestError::SpentDecreased`]).
+pub fn check_report(report: &LeaseReport) -> Result<(), LeaseRequestError> {
+    check_key(&report.key).map_err(LeaseRequestError::Key)?;
+    if report.tokens_wanted > LEASE_TOKENS_MAX {
+        return Err(LeaseRequestError::TokensWanted(report.tokens_wanted));
+    }
+    if report.held_tokens > LEASE_TOKENS_MAX || report.spent_tokens > SPENT_TOKENS_MAX {
+        return Err(LeaseRequestError::ReportTokens);
+    }
+    if report.lease_ttl_ms == 0 || report.lease_ttl_ms > LEASE_TTL_MS_MAX {
+        return Err(LeaseRequestError::LeaseTtl(report.lease_ttl_ms));
+    }
+    if report.lookahead_ms == 0 || report.lookahead_ms > LOOKAHEAD_MS_MAX {
+        return Err(LeaseRequestError::Lookahead(report.lookahead_ms));
+    }
+    check_limit(&report.limit)
+}
+
+/// A contended key's cap on one node's grant.
+#[derive(Debug, Clone, Copy)]
+struct FairCap {
+    /// Most tokens the node may be granted now.
+    cap_tokens: u64,
+    /// The node's fair share of the rate, milli-tokens per second.
+    share_milli: u64,
+}
+
+/// The fair-share cap for `node_id` (whose `lease` is out of `entry.leases`), or `None`
+/// while the recent demand of all nodes fits the key's rate. The cap is the node's accrued
+/// entitlement plus what the bucket holds beyond every node's near-term share (a burst left
+/// in the bucket is anyone's).
+fn fair_cap(
+    entry: &mut KeyEntry,
+    node_id: NodeId,
+    lease: &mut Lease,
+    available_tokens: u64,
+    lookahead_ms: u64,
+    now_ms: u64,
+) -> Option<FairCap> {
+    let rate_milli = rate_milli_per_second(&entry.limit);
+    let mut demands: Vec<(u64, u64)> = entry
+        .leases
+        .iter()
+        .filter(|(other, other_lease)| {
+            **other != node_id
+                && other_lease.demand_milli_per_second > 0
+                && other_lease.demand_is_recent(now_ms)
+        })
+        .map(|(_, other_lease)| (other_lease.demand_milli_per_second, other_lease.lookahead_ms))
+        .collect();
+    demands.push((lease.demand_milli_per_second, lookahead_ms));
+    let total_milli: u128 = demands.iter().map(|(demand, _)| u128::from(*demand)).sum();
+    if total_milli <= u128::from(rate_milli) {
+        return None;
+    }
+    let shares =
+        max_min_fair(rate_milli, &demands.iter().map(|(demand, _)| *demand).collect::<Vec<_>>());
+    let share_milli = *shares.last().expect("this node's demand was pushed");
+    let horizon_ms = lookahead_ms.saturating_mul(2);
+    if entry.contended_since_ms == 0 {
+        entry.contended_since_ms = now_ms.max(1);
+    }
+    if lease.entitlement.updated_ms < entry.contended_since_ms {
+        lease.entitlement = Entitlement { micro_tokens: 0, updated_ms: entry.contended_since_ms };
+    }
+    lease.entitlement.accrue(share_milli, horizon_ms, now_ms);
+    let reserve_micro: u128 = shares
+        .iter()
+        .zip(&demands)
+        .map(|(share, (_, lookahead_ms))| {
+            u128::from(*share) * u128::from(lookahead_ms.saturating_mul(2))
+        })
+        .sum();
+    let reserve_tokens =
+        u64::try_from(reserve_micro / u128::from(MICRO_TOKENS_PER_TOKEN)).unwrap_or(u64::MAX);
+    let free_tokens = available_tokens.saturating_sub(reserve_tokens);
+    Some(FairCap {
+        cap_tokens: lease.entitlement.whole_tokens().saturating_add(free_tokens),
+        share_milli,
+    })
+}
+
 impl QuotaLedger {
     /// An empty ledger.
     pub fn new() -> Self {
@@ -455,20 +662,13 @@ impl QuotaLedger {
                         .collect(),
                 )
             }
-            QuotaCommand::ReturnLease { now_ms, node_id, key, tokens } => {
-                let now_ms = self.advance(*now_ms);
-                QuotaResponse::Returned(self.give_back(*node_id, key, *tokens, now_ms))
-            }
-            QuotaCommand::ReturnLeases { now_ms, node_id, returns } => {
-                if returns.len() > LEASE_REQUESTS_PER_COMMAND_MAX {
-                    return QuotaResponse::Rejected(CommandError::BatchTooLarge(returns.len()));
+            QuotaCommand::SettleLeases { now_ms, node_id, reports } => {
+                if reports.len() > LEASE_REQUESTS_PER_COMMAND_MAX {
+                    return QuotaResponse::Rejected(CommandError::BatchTooLarge(reports.len()));
                 }
                 let now_ms = self.advance(*now_ms);
-                QuotaResponse::ReturnedMany(
-                    returns
-                        .iter()
-                        .map(|(key, tokens)| self.give_back(*node_id, key, *tokens, now_ms))
-                        .collect(),
+                QuotaResponse::Settled(
+                    reports.iter().map(|report| self.settle(*node_id, report, now_ms)).collect(),
                 )
             }
             QuotaCommand::PutPolicySet { now_ms, version, policy_yaml } => {
@@ -504,10 +704,13 @@ impl QuotaLedger {
                 self.keys.remove(&key).expect("the wake queue names only keys in the map");
             self.expire_leases(&mut entry, now_ms);
             self.changed_keys.insert(key.clone());
-            let forgettable = entry.leases.is_empty()
+            let forgettable = entry.leases.values().all(|lease| lease.tokens == 0)
+                && entry.debt_tokens == 0
                 && now_ms >= entry.reclaim_at_ms()
                 && entry.limit.is_pristine(&entry.state, now_ms);
-            if !forgettable {
+            if forgettable {
+                // Its records go with it; a live lease would have kept it.
+            } else {
                 entry.wake_at_ms = entry.next_wake_ms(now_ms);
                 self.wake_queue.insert((entry.wake_at_ms, key.clone()));
                 self.keys.insert(key, entry);
@@ -515,16 +718,16 @@ impl QuotaLedger {
         }
     }
 
-    /// Drops the leases of `entry` that expired at `now_ms`.
+    /// Writes off the leases of `entry` that expired at `now_ms`: their tokens count as spent
+    /// until the node settles them.
     fn expire_leases(&mut self, entry: &mut KeyEntry, now_ms: u64) {
-        let outstanding_by_node = &mut self.outstanding_by_node;
-        entry.leases.retain(|node_id, lease| {
-            let keep = lease.expires_at_ms > now_ms;
-            if !keep {
-                subtract_outstanding(outstanding_by_node, *node_id, lease.tokens);
+        for (node_id, lease) in &mut entry.leases {
+            if lease.tokens > 0 && lease.expires_at_ms <= now_ms {
+                subtract_outstanding(&mut self.outstanding_by_node, *node_id, lease.tokens);
+                lease.written_off_tokens = lease.written_off_tokens.saturating_add(lease.tokens);
+                lease.tokens = 0;
             }
-            keep
-        });
+        }
     }
 
     /// Takes `key`'s entry out of the map and the wake queue, for a change.
@@ -543,15 +746,15 @@ impl QuotaLedger {
         self.changed_keys.insert(key.to_owned());
     }
 
-    fn acquire(
+    /// Takes `key`'s entry for a change, or a fresh one under `limit`; a changed limit starts
+    /// the bucket over (a new policy), keeping the leases drawn under the old one.
+    fn entry_for(
         &mut self,
-        node_id: NodeId,
-        request: &LeaseRequest,
+        key: &str,
+        limit: LimitSpec,
         now_ms: u64,
-    ) -> Result<LeaseGrant, LeaseRequestError> {
-        check_lease_request(request)?;
-        let limit = request.limit;
-        let mut entry = match self.take_entry(&request.key) {
+    ) -> Result<KeyEntry, LeaseRequestError> {
+        let mut entry = match self.take_entry(key) {
             Some(entry) => entry,
             None if self.keys.len() >= KEYS_MAX => return Err(LeaseRequestError::LedgerFull),
             None => KeyEntry {
@@ -560,89 +763,215 @@ impl QuotaLedger {
                 last_used_ms: now_ms,
                 wake_at_ms: now_ms,
                 leases: BTreeMap::new(),
+                debt_tokens: 0,
+                contended_since_ms: 0,
             },
         };
         if entry.limit != limit {
-            // The rule changed (a new policy): start the key over under the new limit. The
-            // outstanding leases stay counted; they were drawn under the old limit.
             entry.limit = limit;
             entry.state = limit.initial_state(now_ms);
+            entry.debt_tokens = 0;
         }
         self.expire_leases(&mut entry, now_ms);
-        let grant = limit.acquire_up_to(&entry.state, now_ms, request.tokens_wanted);
-        entry.state = grant.next;
         entry.last_used_ms = now_ms;
-        let lease_expires_at_ms = if grant.granted > 0 {
-            let expires_at_ms = now_ms.saturating_add(request.lease_ttl_ms);
-            let window_index = now_ms / limit.window_ms.max(1);
-            let lease = entry.leases.entry(node_id).or_default();
-            lease.tokens = lease.tokens.saturating_add(grant.granted);
-            lease.expires_at_ms = lease.expires_at_ms.max(expires_at_ms);
-            if lease.window_index == window_index {
-                lease.tokens_in_window = lease.tokens_in_window.saturating_add(grant.granted);
-            } else {
-                lease.window_index = window_index;
-                lease.tokens_in_window = grant.granted;
-            }
-            let total = self.outstanding_by_node.entry(node_id).or_default();
-            *total = total.saturating_add(grant.granted);
-            Some(expires_at_ms)
-        } else {
-            None
-        };
-        self.put_entry(&request.key, entry, now_ms);
-        Ok(LeaseGrant {
-            granted_tokens: grant.granted,
-            retry_after_ms: grant.retry_after_ms,
-            remaining_tokens: grant.remaining,
-            lease_expires_at_ms,
-        })
+        Ok(entry)
     }
 
-    fn give_back(
+    /// An operator's or a benchmark's grant by hand: tokens for the node, outside any
+    /// settlement epoch (the node's next report settles them like any other).
+    fn acquire(
         &mut self,
         node_id: NodeId,
-        key: &str,
-        tokens: u64,
+        request: &LeaseRequest,
         now_ms: u64,
-    ) -> Result<ReturnOutcome, ReturnError> {
-        check_key(key).map_err(ReturnError::Key)?;
-        if tokens == 0 || tokens > LEASE_TOKENS_MAX {
-            return Err(ReturnError::Tokens(tokens));
+    ) -> Result<LeaseGrant, LeaseRequestError> {
+        check_lease_request(request)?;
+        let mut entry = self.entry_for(&request.key, request.limit, now_ms)?;
+        let mut lease = entry.leases.remove(&node_id).unwrap_or_default();
+        let grant = self.grant(
+            &mut entry,
+            node_id,
+            &mut lease,
+            request.tokens_wanted,
+            request.lease_ttl_ms,
+            None,
+            now_ms,
+        );
+        entry.leases.insert(node_id, lease);
+        self.put_entry(&request.key, entry, now_ms);
+        Ok(grant.0)
+    }
+
+    /// Settles one report (module docs), then grants what it wants.
+    fn settle(
+        &mut self,
+        node_id: NodeId,
+        report: &LeaseReport,
+        now_ms: u64,
+    ) -> Result<ReportOutcome, LeaseRequestError> {
+        check_report(report)?;
+        let mut entry = self.entry_for(&report.key, report.limit, now_ms)?;
+        let mut lease = entry
+            .leases
+            .remove(&node_id)
+            .unwrap_or(Lease { epoch: report.epoch, ..Lease::default() });
+        if report.epoch > lease.epoch {
+            // The key's slot on the node began a new life: whatever the old life held stays
+            // counted as spent (its tokens may have been), and the counts start over.
+            subtract_outstanding(&mut self.outstanding_by_node, node_id, lease.tokens);
+            lease =
+                Lease { epoch: report.epoch, entitlement: lease.entitlement, ..Lease::default() };
         }
-        let Some(mut entry) = self.take_entry(key) else {
-            // Forgotten by the sweep: the lease expired long ago, nothing to credit.
-            return Ok(ReturnOutcome { credited_tokens: 0 });
-        };
-        self.expire_leases(&mut entry, now_ms);
+        let stale = report.epoch < lease.epoch || report.seq <= lease.seq;
+        if !stale && report.spent_tokens < lease.spent_tokens {
+            let error = LeaseRequestError::SpentDecreased {
+                applied: lease.spent_tokens,
+                reported: report.spent_tokens,
+            };
+            entry.leases.insert(node_id, lease);
+            self.put_entry(&report.key, entry, now_ms);
+            return Err(error);
+        }
+        if stale {
+            entry.leases.insert(node_id, lease);
+            self.put_entry(&report.key, entry, now_ms);
+            return Ok(ReportOutcome::Stale);
+        }
         let limit = entry.limit;
-        let credited_tokens = match entry.leases.get_mut(&node_id) {
-            None => 0,
-            Some(lease) => {
-                let returnable = match limit.algorithm {
-                    Algorithm::TokenBucket => lease.tokens,
-                    // rate.rs: windows may only un-count hits of the current window.
-                    Algorithm::SlidingWindow | Algorithm::FixedWindow => {
-                        if lease.window_index == now_ms / limit.window_ms.max(1) {
-                            lease.tokens_in_window.min(lease.tokens)
-                        } else {
-                            0
-                        }
+        let before = lease.attributed_tokens();
+        let after = report.spent_tokens.saturating_add(report.held_tokens);
+        let mut credited_tokens = 0;
+        if after > before {
+            entry.debt_tokens = entry.debt_tokens.saturating_add(after - before);
+        } else if before > after {
+            let surplus = before - after;
+            let paid_debt = surplus.min(entry.debt_tokens);
+            entry.debt_tokens -= paid_debt;
+            let creditable = match limit.algorithm {
+                Algorithm::TokenBucket => surplus - paid_debt,
+                // rate.rs: windows may only un-count hits of the current window.
+                Algorithm::SlidingWindow | Algorithm::FixedWindow => {
+                    if lease.window_index == now_ms / limit.window_ms.max(1) {
+                        (surplus - paid_debt).min(lease.tokens_in_window)
+                    } else {
+                        0
                     }
-                };
-                let credited = tokens.min(returnable);
-                lease.tokens -= credited;
-                lease.tokens_in_window = lease.tokens_in_window.saturating_sub(credited);
-                credited
-            }
-        };
-        if credited_tokens > 0 {
-            entry.state = limit.give_back(&entry.state, now_ms, credited_tokens);
-            subtract_outstanding(&mut self.outstanding_by_node, node_id, credited_tokens);
-            entry.leases.retain(|_, lease| lease.tokens > 0);
+                }
+            };
+            lease.tokens_in_window = lease.tokens_in_window.saturating_sub(creditable);
+            entry.state = limit.give_back(&entry.state, now_ms, creditable);
+            credited_tokens = paid_debt.saturating_add(creditable);
         }
-        self.put_entry(key, entry, now_ms);
-        Ok(ReturnOutcome { credited_tokens })
+        // Debt comes first: what the bucket holds pays it before anything is granted.
+        let charged_tokens = if entry.debt_tokens > 0 {
+            let paid = limit.acquire_up_to(&entry.state, now_ms, entry.debt_tokens);
+            entry.state = paid.next;
+            entry.debt_tokens -= paid.granted;
+            paid.granted
+        } else {
+            0
+        };
+        let outstanding = self.outstanding_by_node.entry(node_id).or_default();
+        *outstanding = outstanding.saturating_sub(lease.tokens).saturating_add(report.held_tokens);
+        if *outstanding == 0 {
+            self.outstanding_by_node.remove(&node_id);
+        }
+        lease.tokens = report.held_tokens;
+        lease.spent_tokens = report.spent_tokens;
+        lease.written_off_tokens = 0;
+        lease.seq = report.seq;
+        lease.demand_milli_per_second = report.demand_milli_per_second;
+        lease.reported_at_ms = now_ms;
+        lease.lookahead_ms = report.lookahead_ms;
+        let (grant, contended) = self.grant(
+            &mut entry,
+            node_id,
+            &mut lease,
+            report.tokens_wanted,
+            report.lease_ttl_ms,
+            Some(report.lookahead_ms),
+            now_ms,
+        );
+        entry.leases.insert(node_id, lease);
+        self.put_entry(&report.key, entry, now_ms);
+        Ok(ReportOutcome::Settled(Settlement { grant, charged_tokens, credited_tokens, contended }))
+    }
+
+    /// Grants up to `wanted` tokens to `node_id`'s `lease` (taken out of `entry.leases`): none
+    /// while the key owes debt; with `lookahead_ms` (a node's report), capped by the node's
+    /// fair share while the key is contended. Returns the grant and whether it was contended.
+    #[allow(clippy::too_many_arguments)]
+    fn grant(
+        &mut self,
+        entry: &mut KeyEntry,
+        node_id: NodeId,
+        lease: &mut Lease,
+        wanted: u64,
+        lease_ttl_ms: u64,
+        lookahead_ms: Option<u64>,
+        now_ms: u64,
+    ) -> (LeaseGrant, bool) {
+        let limit = entry.limit;
+        let nothing = |retry_after_ms, remaining_tokens| LeaseGrant {
+            granted_tokens: 0,
+            retry_after_ms,
+            remaining_tokens,
+            lease_expires_at_ms: None,
+        };
+        let available = limit.acquire_up_to(&entry.state, now_ms, 0);
+        if entry.debt_tokens > 0 {
+            // Exact wait until the debt and one more token have refilled.
+            let owed = entry.debt_tokens.saturating_add(1).min(limit.capacity_tokens().max(1));
+            let wait_ms = limit.evaluate(&entry.state, now_ms, owed).retry_after_ms.max(1);
+            return (nothing(wait_ms, 0), false);
+        }
+        if wanted == 0 {
+            return (nothing(0, available.remaining), false);
+        }
+        let fair = lookahead_ms.and_then(|lookahead_ms| {
+            fair_cap(entry, node_id, lease, available.remaining, lookahead_ms, now_ms)
+        });
+        if fair.is_none() {
+            entry.contended_since_ms = 0;
+        }
+        let cap = fair.map_or(wanted, |fair| wanted.min(fair.cap_tokens));
+        let taken = limit.acquire_up_to(&entry.state, now_ms, cap);
+        entry.state = taken.next;
+        let mut retry_after_ms = taken.retry_after_ms;
+        if let (Some(fair), Some(lookahead_ms)) = (fair, lookahead_ms) {
+            lease.entitlement.take(taken.granted);
+            if taken.granted < wanted {
+                // Short of its want at the limit: come back in one lookahead, or when one
+                // token of share has accrued if that is later.
+                let until_share_ms = lease.entitlement.ms_until_one_token(fair.share_milli);
+                retry_after_ms =
+                    retry_after_ms.max(lookahead_ms).max(until_share_ms.min(LEASE_TTL_MS_MAX));
+            }
+        }
+        if taken.granted == 0 {
+            return (nothing(retry_after_ms.max(1), taken.remaining), fair.is_some());
+        }
+        let expires_at_ms = now_ms.saturating_add(lease_ttl_ms);
+        let window_index = now_ms / limit.window_ms.max(1);
+        // A live lease takes the later expiry; a settled or expired one starts over.
+        lease.expires_at_ms =
+            if lease.tokens == 0 { expires_at_ms } else { lease.expires_at_ms.max(expires_at_ms) };
+        lease.tokens = lease.tokens.saturating_add(taken.granted);
+        if lease.window_index == window_index {
+            lease.tokens_in_window = lease.tokens_in_window.saturating_add(taken.granted);
+        } else {
+            lease.window_index = window_index;
+            lease.tokens_in_window = taken.granted;
+        }
+        let total = self.outstanding_by_node.entry(node_id).or_default();
+        *total = total.saturating_add(taken.granted);
+        let grant = LeaseGrant {
+            granted_tokens: taken.granted,
+            retry_after_ms: if taken.granted < wanted { retry_after_ms } else { 0 },
+            remaining_tokens: taken.remaining,
+            lease_expires_at_ms: Some(expires_at_ms),
+        };
+        (grant, fair.is_some())
     }
 
     fn put_policy_set(

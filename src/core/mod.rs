@@ -15,10 +15,12 @@
 //! - [`ledger`]: the regional quota ledger's deterministic state machine.
 //! - [`ledger_time`]: how a group's leader stamps command time; clock offsets.
 //! - [`readiness`]: whether a node should take traffic (`/readyz`).
+//! - [`fair_share`]: max-min fair division of a contended key's rate between nodes.
 
 pub mod billing;
 pub mod circuit;
 pub mod digest;
+pub mod fair_share;
 pub mod headers;
 pub mod lease;
 pub mod lease_key;

@@ -138,8 +138,7 @@ impl GroupMachine for QuotaLedger {
     fn stamp(command: &mut QuotaCommand, stamp_ms: u64) {
         match command {
             QuotaCommand::AcquireLeases { now_ms, .. }
-            | QuotaCommand::ReturnLease { now_ms, .. }
-            | QuotaCommand::ReturnLeases { now_ms, .. }
+            | QuotaCommand::SettleLeases { now_ms, .. }
             | QuotaCommand::PutPolicySet { now_ms, .. } => *now_ms = stamp_ms,
         }
     }
