@@ -21,7 +21,8 @@ use common::cluster::{Cluster, ClusterNode, ClusterOptions, admin_client, wanted
 use parking_lot::Mutex;
 use quotamesh::api::proto::quotamesh::admin::v1 as admin;
 
-/// Node N runs as this plus N.
+/// Node N of the first test runs as this plus N, of the second as this plus 100 plus N:
+/// the tests run at once, and a rule on one node's user id must not cut off the other's.
 const UID_BASE: u32 = 47_000;
 /// The bound of the issue: a healed node serves again within this.
 const HEALED_WITHIN: Duration = Duration::from_secs(2);
@@ -43,7 +44,7 @@ struct Partition {
 impl Partition {
     fn cut(node: &ClusterNode) -> anyhow::Result<Self> {
         let uid = node.uid.context("the node runs under its own user id")?;
-        let table = format!("quotamesh_test_{}_{}", std::process::id(), node.id);
+        let table = format!("quotamesh_test_{}_{uid}", std::process::id());
         let ports = [node.raft_addr, node.admin_addr, node.rls_addr, node.metrics_addr]
             .iter()
             .map(|address| address.port().to_string())
@@ -113,8 +114,8 @@ async fn applied_index(cluster: &Cluster, id: u64) -> Option<u64> {
     status.applied_index
 }
 
-fn partitioned_cluster_options() -> ClusterOptions {
-    ClusterOptions { uid_base: Some(UID_BASE), ..ClusterOptions::default() }
+fn partitioned_cluster_options(test: u32) -> ClusterOptions {
+    ClusterOptions { uid_base: Some(UID_BASE + 100 * test), ..ClusterOptions::default() }
 }
 
 /// Cut off a follower while the leader keeps committing, heal, and time how long until the
@@ -123,7 +124,7 @@ fn partitioned_cluster_options() -> ClusterOptions {
 async fn a_healed_node_serves_again_within_two_seconds() -> anyhow::Result<()> {
     let rounds = env_number("PARTITION_ROUNDS", 2);
     let partition = Duration::from_millis(env_number("PARTITION_MS", 8_000));
-    let cluster = Cluster::start(3, partitioned_cluster_options()).await?;
+    let cluster = Cluster::start(3, partitioned_cluster_options(0)).await?;
     let leader = cluster.leader().await?;
     let follower = [1, 2, 3].into_iter().find(|id| *id != leader).context("a follower")?;
     let mut healed_after = Vec::new();
@@ -185,7 +186,7 @@ async fn a_healed_node_serves_again_within_two_seconds() -> anyhow::Result<()> {
 /// node never cut off find a commit again within an election at every moment.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_partitions_three_seconds_apart_cost_at_most_an_election() -> anyhow::Result<()> {
-    let cluster = Arc::new(Cluster::start(3, partitioned_cluster_options()).await?);
+    let cluster = Arc::new(Cluster::start(3, partitioned_cluster_options(1)).await?);
     let leader = cluster.leader().await?;
     let followers: Vec<u64> = [1, 2, 3].into_iter().filter(|id| *id != leader).collect();
     // A writer through the node never cut off, recording when each write committed.
