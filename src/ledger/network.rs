@@ -12,9 +12,11 @@
 //! groups, so several groups to the same peer reuse one connection. A connection that goes
 //! silent (a partition that drops packets rather than refusing them) must not outlive the
 //! partition by the kernel's retransmission timers (13 to 19 s measured): HTTP/2 PINGs close
-//! it within [`KEEPALIVE_INTERVAL`] + [`KEEPALIVE_TIMEOUT`], and [`TIMEOUTS_BEFORE_RESET`]
-//! calls in a row past their deadline drop the channel, so the next call connects afresh
-//! (each connect bounded by [`CONNECT_TIMEOUT`]).
+//! it within [`KEEPALIVE_INTERVAL`] + [`KEEPALIVE_TIMEOUT`], and a channel whose calls all
+//! ran past their deadline for [`SILENCE_BEFORE_RESET`] ([`TIMEOUTS_BEFORE_RESET`] of them at
+//! least) is dropped, so the next call connects afresh (each connect bounded by
+//! [`CONNECT_TIMEOUT`]). A few slow calls (a follower's slow fsync against openraft's 50 ms
+//! append deadline) never reset a channel: reconnecting would only add a handshake.
 
 use std::collections::HashMap;
 use std::marker::PhantomData;
@@ -52,9 +54,12 @@ pub const KEEPALIVE_INTERVAL: Duration = Duration::from_millis(500);
 /// How long a PING may go unanswered before the connection is closed (and reopened by the
 /// next call): a peer's loaded machine answers a PING within milliseconds.
 pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(1);
-/// Calls to one address in a row that ran past their deadline, after which its channel is
-/// dropped: a connection whose PINGs still pass but whose calls hang is not reused.
+/// Calls to one address in a row that ran past their deadline, at least, before its channel
+/// is dropped: a connection whose PINGs still pass but whose calls hang is not reused.
 pub const TIMEOUTS_BEFORE_RESET: u32 = 2;
+/// How long a channel's calls must all have timed out before it is dropped: longer than the
+/// PINGs take to close a dead connection, so this only catches what they cannot.
+pub const SILENCE_BEFORE_RESET: Duration = Duration::from_secs(2);
 /// How long replication waits before calling an unreachable peer again (openraft's default
 /// is 500 ms). Each call costs at most a connect attempt, so a short wait is cheap and a
 /// healed peer is reached again within it plus [`CONNECT_TIMEOUT`].
@@ -131,10 +136,11 @@ pub struct PeerChannels {
     channels: Arc<Mutex<HashMap<String, CachedChannel>>>,
 }
 
-/// One peer's channel and how many calls on it timed out in a row.
+/// One peer's channel, how many calls on it timed out in a row, and when one last did not.
 struct CachedChannel {
     channel: Channel,
     timeouts_in_a_row: u32,
+    last_answer: std::time::Instant,
 }
 
 impl PeerChannels {
@@ -162,8 +168,11 @@ impl PeerChannels {
                         .keep_alive_while_idle(true)
                         .connect_lazy();
                     if channels.len() < PEER_CHANNELS_MAX {
-                        let cached =
-                            CachedChannel { channel: channel.clone(), timeouts_in_a_row: 0 };
+                        let cached = CachedChannel {
+                            channel: channel.clone(),
+                            timeouts_in_a_row: 0,
+                            last_answer: std::time::Instant::now(),
+                        };
                         channels.insert(address.to_owned(), cached);
                     }
                     channel
@@ -210,17 +219,20 @@ impl PeerChannels {
     }
 
     /// Counts a timed-out call to `address` (or clears the count), and drops the channel
-    /// after [`TIMEOUTS_BEFORE_RESET`] in a row: calls in flight on it finish or time out
-    /// on their own; the next call opens a new connection.
+    /// after [`TIMEOUTS_BEFORE_RESET`] in a row spanning [`SILENCE_BEFORE_RESET`]: calls in
+    /// flight on it finish or time out on their own; the next call opens a new connection.
     fn count_timeout(&self, address: &str, timed_out: bool) {
         let mut channels = self.channels.lock();
         let Some(cached) = channels.get_mut(address) else { return };
         if !timed_out {
             cached.timeouts_in_a_row = 0;
+            cached.last_answer = std::time::Instant::now();
             return;
         }
         cached.timeouts_in_a_row = cached.timeouts_in_a_row.saturating_add(1);
-        if cached.timeouts_in_a_row >= TIMEOUTS_BEFORE_RESET {
+        if cached.timeouts_in_a_row >= TIMEOUTS_BEFORE_RESET
+            && cached.last_answer.elapsed() >= SILENCE_BEFORE_RESET
+        {
             channels.remove(address);
             tracing::debug!(%address, "peer channel reset after calls timed out in a row");
         }
