@@ -39,7 +39,7 @@
 //! retry_after = true               # Retry-After when over the limit
 //!
 //! [leasing]                        # the lease broker, its circuit breaker, the fallback
-//! # ledger_timeout_ms = 5          # a fixed deadline per ledger call; unset: 4 x measured p99
+//! # ledger_timeout_ms = 5          # a fixed deadline per ledger call; unset: 4 x measured p90
 //! wait_budget_ms = 15              # longest a request waits for a lease (Envoy allows 20)
 //! batch_window_ms = 1              # lease requests gathered into one ledger command
 //! fallback_multiplier = 1.0        # fallback bucket: multiplier x limit / nodes_in_region
@@ -168,7 +168,7 @@ pub struct NodeConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct LeasingConfig {
     /// A fixed deadline by which a ledger call is judged slow; unset (the default), calls
-    /// are judged against the ledger's measured latency (4 x its recent p99, between 100 ms
+    /// are judged against the ledger's measured latency (4 x its recent p90, between 100 ms
     /// and 5 s). A slow call is still awaited and its answer applied.
     pub ledger_timeout_ms: Option<u64>,
     /// Longest a request waits for a key's lease before deciding from the fallback (fail-open

@@ -5,7 +5,7 @@
 mod common;
 
 use anyhow::Result;
-use common::cluster::{Cluster, ClusterOptions, call, ledger_key, wanted};
+use common::cluster::{Cluster, ClusterOptions, call, ledger_key, ledger_key_at, wanted};
 use quotamesh::api::proto::quotamesh::admin::v1 as admin;
 
 // Proves that three node processes elect one leader, that a batch of lease grants sent to a
@@ -56,7 +56,7 @@ async fn three_processes_elect_a_leader_and_apply_a_batch_identically() -> Resul
         assert!(result.error.is_empty(), "{result:?}");
     }
     assert_eq!(reply.results[0].key, ledger_key("api_key", "t10-0"));
-    assert_eq!(reply.results[65].key, format!("{}#1", ledger_key("two_limits", "t10")));
+    assert_eq!(reply.results[65].key, ledger_key_at("two_limits", "t10", 1));
 
     let statuses = cluster.converged(&[1, 2, 3]).await?;
     for status in &statuses {

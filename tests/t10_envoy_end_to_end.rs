@@ -44,7 +44,15 @@ fn envoy_binary() -> String {
 
 /// Starts Envoy on `cluster/envoy.yaml` with every port replaced by a free one.
 fn start_envoy(rls: SocketAddr, directory: &std::path::Path) -> anyhow::Result<EnvoyProcess> {
-    let template = include_str!("../cluster/envoy.yaml");
+    start_envoy_on(include_str!("../cluster/envoy.yaml"), rls, directory)
+}
+
+/// Starts Envoy on `template` with every port replaced by a free one.
+fn start_envoy_on(
+    template: &str,
+    rls: SocketAddr,
+    directory: &std::path::Path,
+) -> anyhow::Result<EnvoyProcess> {
     let (listener_port, upstream_port, admin_port) = (free_port(), free_port(), free_port());
     let config = template
         .replace("port_value: 10000", &format!("port_value: {listener_port}"))
@@ -129,5 +137,70 @@ fn envoy_enforces_quotamesh_decisions() -> anyhow::Result<()> {
     std::thread::sleep(Duration::from_secs(retry_after));
     let again = http_request(envoy.listener, "/", &alice)?;
     assert_eq!(again.status, 200, "after Retry-After: {again:?}");
+    Ok(())
+}
+
+/// A policy of 5 requests per minute per API key, for exact counts.
+const FIVE_PER_MINUTE: &str = r#"
+domain: quotamesh-example
+descriptors:
+  - key: api_key
+    rate_limit: {unit: minute, requests_per_unit: 5}
+"#;
+
+/// Two threads that spin until dropped: both cores busy, as on a shared CI machine.
+struct CpuHog {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl CpuHog {
+    fn start(threads: usize) -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let threads = (0..threads)
+            .map(|_| {
+                let stop = std::sync::Arc::clone(&stop);
+                std::thread::spawn(move || {
+                    let mut spin = 0_u64;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        spin = std::hint::black_box(spin.wrapping_mul(6_364_136_223_846_793_005));
+                    }
+                })
+            })
+            .collect();
+        Self { stop, threads }
+    }
+}
+
+impl Drop for CpuHog {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Through a real Envoy with its ratelimit filter's default timeout (20 ms) and a node on
+/// the shipped defaults (no config file), with both cores kept busy: a fresh API key under
+/// a limit of 5 per minute gets exactly 5 answers of 200, then 429, in 20 repetitions.
+#[test]
+fn the_defaults_count_exactly_on_a_busy_machine() -> anyhow::Result<()> {
+    let directory = tempfile::tempdir()?;
+    let policy = write_file(directory.path(), "policy.yaml", FIVE_PER_MINUTE);
+    let node = NodeProcess::start_with(&policy, &directory.path().join("data"), &[])?;
+    let template = include_str!("../cluster/envoy.yaml");
+    anyhow::ensure!(template.contains("timeout: 0.5s"), "the example sets the filter's timeout");
+    let default_timeout = template.replace("timeout: 0.5s", "");
+    let envoy = start_envoy_on(&default_timeout, node.rls_addr, directory.path())?;
+    let _hog = CpuHog::start(2);
+    for repetition in 0..20 {
+        let key = format!("busy-{repetition}");
+        let statuses: Vec<u16> = (0..8)
+            .map(|_| http_request(envoy.listener, "/", &[("x-api-key", key.as_str())]))
+            .map(|response| response.map(|response| response.status))
+            .collect::<anyhow::Result<_>>()?;
+        assert_eq!(statuses, [200, 200, 200, 200, 200, 429, 429, 429], "repetition {repetition}");
+    }
     Ok(())
 }

@@ -276,7 +276,15 @@ async fn a_steady_key_costs_few_ledger_calls_and_an_idle_key_strands_little() ->
             .sum();
         anyhow::Ok(tokens)
     };
-    let leased = outstanding().await?;
+    // The hit was admitted on credit; its report leases a commit later.
+    let found_by = Instant::now() + Duration::from_secs(5);
+    let leased = loop {
+        match outstanding().await {
+            Ok(leased) if leased > 0 => break leased,
+            result if Instant::now() > found_by => break result?,
+            _ => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    };
     eprintln!("idle key: the ledger counts {leased} tokens leased to node {gateway} after one hit");
     assert!(
         (1..=tuning.min_lease_tokens).contains(&leased),

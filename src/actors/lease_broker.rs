@@ -389,16 +389,16 @@ impl BrokerState {
         let before = self.circuit.swap(value, Ordering::Relaxed);
         self.metrics.ledger_circuit_state.set(i64::from(value));
         if before != value {
-            let p99_ms = self.breaker.latency_p99_ms();
+            let p90_ms = self.breaker.latency_p90_ms();
             match state {
                 CircuitState::Open { .. } => tracing::warn!(
-                    ledger_p99_ms = ?p99_ms,
+                    ledger_p90_ms = ?p90_ms,
                     deadline_ms = self.breaker.deadline_ms(),
                     "ledger circuit open: lease calls failed or were slow; fail-open rules \
                      admit from the fallback (charged later), fail-closed rules deny"
                 ),
                 _ => {
-                    tracing::info!(state = ?state, ledger_p99_ms = ?p99_ms, "ledger circuit changed")
+                    tracing::info!(state = ?state, ledger_p90_ms = ?p90_ms, "ledger circuit changed")
                 }
             }
         }

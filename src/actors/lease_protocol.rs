@@ -61,6 +61,7 @@ impl LeaseAsk {
             seq: self.draft.seq,
             spent_tokens: self.draft.spent_tokens,
             held_tokens: self.draft.held_tokens,
+            settled_tokens: self.draft.settled_tokens,
             tokens_wanted: self.draft.tokens_wanted,
             demand_milli_per_second: self.draft.demand_milli_per_second,
             lookahead_ms: self.tuning.lookahead_ms,

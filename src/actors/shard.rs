@@ -49,7 +49,7 @@ use crate::actors::lease_broker::LeaseBroker;
 use crate::actors::lease_protocol::{CounterKey, LeaseAnswers, LeaseAsk};
 use crate::core::lease::{
     Credit, KeyLease, LeaseTuning, ReportAnswer, ReportDraft, Spend, fallback_limit,
-    size_cap_tokens,
+    fallback_start, size_cap_tokens,
 };
 use crate::core::lease_key::LeaseKey;
 use crate::core::ledger::LeaseEpoch;
@@ -1250,24 +1250,6 @@ async fn sweep_forever(
             metrics.lease_drift_bound_tokens.with_label_values(&labels).set(gauge_value(bound));
         }
     }
-}
-
-/// A fallback bucket's first state: the node's share of what the ledger said the key had
-/// left (never a full bucket, which would admit a whole limit per node on top of what the
-/// key already spent).
-fn fallback_start(
-    fallback_spec: &LimitSpec,
-    ledger_remaining_tokens: u64,
-    multiplier_permille: u64,
-    nodes: u64,
-    now_ms: u64,
-) -> LimitState {
-    let share = u128::from(ledger_remaining_tokens) * u128::from(multiplier_permille)
-        / (u128::from(nodes.max(1)) * 1000);
-    let share = u64::try_from(share).unwrap_or(u64::MAX);
-    let full = fallback_spec.initial_state(now_ms);
-    let surplus = fallback_spec.capacity_tokens().saturating_sub(share);
-    fallback_spec.acquire_up_to(&full, now_ms, surplus).next
 }
 
 fn gauge_value(tokens: u64) -> i64 {

@@ -28,8 +28,9 @@ use tonic::{Request, Response, Status};
 use crate::api::proto::quotamesh::admin::v1 as proto;
 use crate::api::proto::quotamesh::admin::v1::admin_server::{Admin, AdminServer};
 use crate::config::Role;
+use crate::core::lease_key::LeaseKey;
 use crate::core::ledger::{
-    KEY_BYTES_MAX, KEY_PREFIX, LEASE_REQUESTS_PER_COMMAND_MAX, LEASE_TOKENS_MAX, LEASE_TTL_MS_MAX,
+    KEY_BYTES_MAX, LEASE_REQUESTS_PER_COMMAND_MAX, LEASE_TOKENS_MAX, LEASE_TTL_MS_MAX,
     LeaseRequest, QuotaCommand, QuotaLedger, QuotaResponse, check_lease_request,
 };
 use crate::core::policy::{DESCRIPTOR_DEPTH_MAX, Entry, Match, PolicySet};
@@ -221,7 +222,11 @@ impl AdminService {
                 Match::Rule(rule) => rule,
             };
             for (limit_index, limit) in rule.limits.iter().enumerate() {
-                let key = ledger_key(&wanted.domain, &wanted.entries, limit_index);
+                // The key the RLS path leases under, so a grant by hand lands on the same bucket.
+                let pairs =
+                    wanted.entries.iter().map(|entry| (entry.key.as_str(), entry.value.as_str()));
+                let key =
+                    LeaseKey::of(&wanted.domain, pairs, limit_index, &limit.spec).ledger_key();
                 let lease = LeaseRequest {
                     key,
                     limit: limit.spec,
@@ -283,41 +288,6 @@ fn descriptor_path(entries: &[proto::DescriptorEntry]) -> String {
         .join("/")
 }
 
-/// The ledger key of limit `limit_index` of a descriptor: `rl:{domain}:{key=value/...}`, with
-/// `#n` for the n-th limit (n >= 1) of a rule with several. `%`, `/`, `=`, `#` and `:` in
-/// the domain, keys and values are percent-escaped, so two descriptors never share a key.
-pub fn ledger_key(domain: &str, entries: &[proto::DescriptorEntry], limit_index: usize) -> String {
-    let mut key = String::from(KEY_PREFIX);
-    escape_into(&mut key, domain);
-    key.push(':');
-    for (position, entry) in entries.iter().enumerate() {
-        if position > 0 {
-            key.push('/');
-        }
-        escape_into(&mut key, &entry.key);
-        key.push('=');
-        escape_into(&mut key, &entry.value);
-    }
-    if limit_index > 0 {
-        key.push('#');
-        key.push_str(&limit_index.to_string());
-    }
-    key
-}
-
-fn escape_into(key: &mut String, text: &str) {
-    for character in text.chars() {
-        match character {
-            '%' => key.push_str("%25"),
-            '/' => key.push_str("%2F"),
-            '=' => key.push_str("%3D"),
-            '#' => key.push_str("%23"),
-            ':' => key.push_str("%3A"),
-            other => key.push(other),
-        }
-    }
-}
-
 /// The caller's deadline from its `grpc-timeout` header, capped; the default when absent.
 fn deadline<T>(request: &Request<T>) -> Duration {
     let sent = request
@@ -354,8 +324,13 @@ fn work_budget(deadline: Duration) -> Duration {
 
 fn outstanding_by_node(ledger: &QuotaLedger) -> Vec<proto::NodeTokens> {
     let mut totals: BTreeMap<NodeId, u64> = BTreeMap::new();
+    let now_ms = ledger.last_seen_ms();
     for (_, entry) in ledger.keys() {
-        for (node_id, lease) in &entry.leases {
+        // Live leases only: an expired one is written off, whether or not the sweep has
+        // reached its key yet.
+        for (node_id, lease) in
+            entry.leases.iter().filter(|(_, lease)| lease.expires_at_ms > now_ms)
+        {
             let total = totals.entry(*node_id).or_default();
             *total = total.saturating_add(lease.tokens);
         }
@@ -658,21 +633,6 @@ impl Admin for AdminService {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn entry(key: &str, value: &str) -> proto::DescriptorEntry {
-        proto::DescriptorEntry { key: key.to_owned(), value: value.to_owned() }
-    }
-
-    /// Separators inside values are escaped, so different descriptors get different keys.
-    #[test]
-    fn ledger_keys_are_unambiguous() {
-        let plain = ledger_key("d", &[entry("a", "b"), entry("c", "d")], 0);
-        assert_eq!(plain, "rl:d:a=b/c=d");
-        let tricky = ledger_key("d", &[entry("a", "b/c=d")], 0);
-        assert_eq!(tricky, "rl:d:a=b%2Fc%3Dd");
-        assert_ne!(plain, tricky);
-        assert_eq!(ledger_key("d", &[entry("a", "")], 2), "rl:d:a=#2");
-    }
 
     /// gRPC timeouts parse in every unit; junk is ignored.
     #[test]

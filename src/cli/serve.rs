@@ -58,7 +58,7 @@ pub struct ServeArgs {
     #[arg(long, env = "QUOTAMESH_PEERS", value_delimiter = ',', value_parser = parse_peer)]
     pub peers: Vec<PeerConfig>,
     /// A fixed deadline by which a ledger call is judged slow [default: 4 x the ledger's
-    /// measured p99, or the file's `leasing.ledger_timeout_ms`].
+    /// measured p90, or the file's `leasing.ledger_timeout_ms`].
     #[arg(long, env = "QUOTAMESH_LEDGER_TIMEOUT_MS")]
     pub ledger_timeout_ms: Option<u64>,
 }

@@ -10,13 +10,18 @@
 //!                                  (leasing resumes: every call goes)
 //! ```
 //!
-//! A call is judged against the ledger's own measured latency, not a fixed number: it is
-//! slow when it takes longer than `latency_multiplier x` the p99 of recent calls, kept
-//! between a floor and a ceiling ([`LatencyTracker`]; a second before anything is measured). A ledger whose fsync'd commit is
-//! slow but steady is healthy; one that stalls is not. A fixed deadline stays available as a
-//! setting. Judging a call slow never abandons it: its answer is applied whenever it comes
-//! (the lease broker's business), so the breaker decides only whether the node waits for the
-//! ledger or decides from its fallback, never what a count is.
+//! A call is judged against the ledger's own measured latency, not a fixed number: while the
+//! circuit is closed it is slow when it takes longer than `latency_multiplier x` the p90 of
+//! recent answered calls, kept between a floor and a ceiling ([`LatencyTracker`]; a second
+//! before anything is measured). The p90 rather than the p99: the few calls that waited out
+//! a leader election must not raise the deadline so far that the next outage goes unnoticed
+//! for seconds, while a ledger that became slow for good moves the p90 within a few dozen
+//! calls. Open or half-open, calls are judged against the ceiling, so a ledger that answers,
+//! however slowly, closes the circuit again and its latency is learnt. A fixed deadline
+//! stays available as a setting. Judging a call slow never abandons it: its answer is
+//! applied whenever it comes (the lease broker's business), so the breaker decides only
+//! whether the node waits for the ledger or decides from its fallback, never what a count
+//! is.
 //!
 //! While the circuit is open the node serves from its fallback (fail-open rules) or denies
 //! (fail-closed rules) instead of waiting on the ledger; only probes reach it. Half-open, the
@@ -30,7 +35,7 @@ pub const LATENCY_SAMPLES_MAX: usize = 128;
 pub struct BreakerSettings {
     /// A fixed deadline for every call, in ms; `None` judges calls by measured latency.
     pub fixed_deadline_ms: Option<u64>,
-    /// The measured deadline is this multiple of the recent p99.
+    /// The measured deadline is this multiple of the recent p90.
     pub latency_multiplier: u64,
     /// The measured deadline is never below this.
     pub deadline_floor_ms: u64,
@@ -67,7 +72,7 @@ pub struct LatencyTracker {
     samples_ms: Vec<u64>,
     /// Where the next sample goes once the ring is full.
     next: usize,
-    p99_ms: u64,
+    p90_ms: u64,
 }
 
 impl LatencyTracker {
@@ -79,12 +84,12 @@ impl LatencyTracker {
             self.samples_ms[self.next] = latency_ms;
             self.next = (self.next + 1) % LATENCY_SAMPLES_MAX;
         }
-        self.p99_ms = p99_ms(&self.samples_ms);
+        self.p90_ms = percentile_ms(&self.samples_ms, 90);
     }
 
-    /// The p99 of the recent samples (nearest rank); `None` before any.
-    pub fn p99_ms(&self) -> Option<u64> {
-        (!self.samples_ms.is_empty()).then_some(self.p99_ms)
+    /// The p90 of the recent samples (nearest rank); `None` before any.
+    pub fn p90_ms(&self) -> Option<u64> {
+        (!self.samples_ms.is_empty()).then_some(self.p90_ms)
     }
 }
 
@@ -170,17 +175,20 @@ impl CircuitBreaker {
         if let Some(fixed_ms) = settings.fixed_deadline_ms {
             return fixed_ms;
         }
-        match self.latency.p99_ms() {
+        if !self.is_closed() {
+            return settings.deadline_ceiling_ms;
+        }
+        match self.latency.p90_ms() {
             None => settings.deadline_initial_ms,
-            Some(p99_ms) => p99_ms
+            Some(p90_ms) => p90_ms
                 .saturating_mul(settings.latency_multiplier)
                 .clamp(settings.deadline_floor_ms, settings.deadline_ceiling_ms),
         }
     }
 
-    /// The p99 latency of recent answered calls, in ms.
-    pub fn latency_p99_ms(&self) -> Option<u64> {
-        self.latency.p99_ms()
+    /// The p90 latency of recent answered calls, in ms.
+    pub fn latency_p90_ms(&self) -> Option<u64> {
+        self.latency.p90_ms()
     }
 
     /// Whether a call may go at `now_ms`. A `Probe` permit moves the next probe time, so
@@ -248,11 +256,11 @@ fn close_or_half_open(healthy_calls: u32, close_after_calls: u32) -> CircuitStat
     }
 }
 
-/// The 99th percentile (nearest rank) of a sample; 0 for none.
-fn p99_ms(latencies_ms: &[u64]) -> u64 {
+/// The `percent`-th percentile (nearest rank) of a sample; 0 for none.
+fn percentile_ms(latencies_ms: &[u64], percent: usize) -> u64 {
     let mut sorted = latencies_ms.to_vec();
     sorted.sort_unstable();
-    let rank = (sorted.len() * 99).div_ceil(100).max(1);
+    let rank = (sorted.len() * percent).div_ceil(100).max(1);
     sorted.get(rank - 1).copied().unwrap_or(0)
 }
 
@@ -320,8 +328,9 @@ mod tests {
         assert_eq!(breaker.state(), CircuitState::Open { next_probe_ms: 3_002 });
     }
 
-    /// The deadline follows the measured p99 within its floor and ceiling; before any
-    /// answer it is the ceiling; a fixed deadline overrides it.
+    /// Closed, the deadline follows the measured p90 within its floor and ceiling, and a few
+    /// slow calls (an election) do not move it; before any answer it is a second; open or
+    /// half-open it is the ceiling; a fixed deadline overrides it.
     #[test]
     fn deadline_follows_measured_latency() {
         let mut breaker = CircuitBreaker::new(BreakerSettings::default());
@@ -331,11 +340,22 @@ mod tests {
         for _ in 0..200 {
             breaker.observe_latency(80);
         }
-        assert_eq!(breaker.deadline_ms(), 320, "4 x a slow but steady p99");
+        assert_eq!(breaker.deadline_ms(), 320, "4 x a slow but steady p90");
+        for _ in 0..8 {
+            breaker.observe_latency(2_500);
+        }
+        assert_eq!(breaker.deadline_ms(), 320, "an election's few slow calls");
         for _ in 0..200 {
             breaker.observe_latency(9_000);
         }
         assert_eq!(breaker.deadline_ms(), 5_000, "the ceiling");
+        for _ in 0..200 {
+            breaker.observe_latency(3);
+        }
+        for _ in 0..3 {
+            breaker.record(0, Permit::Call, CallOutcome::Failed);
+        }
+        assert_eq!(breaker.deadline_ms(), 5_000, "open: judged by the ceiling");
         let fixed = CircuitBreaker::new(BreakerSettings {
             fixed_deadline_ms: Some(5),
             ..BreakerSettings::default()
@@ -343,14 +363,16 @@ mod tests {
         assert_eq!(fixed.deadline_ms(), 5);
     }
 
-    /// The p99 uses the nearest rank.
+    /// Percentiles use the nearest rank.
     #[test]
-    fn p99_is_nearest_rank() {
-        assert_eq!(p99_ms(&[3]), 3);
+    fn percentiles_are_nearest_rank() {
+        assert_eq!(percentile_ms(&[3], 90), 3);
         let mut sample: Vec<u64> = (1..=100).collect();
-        assert_eq!(p99_ms(&sample), 99);
+        assert_eq!(percentile_ms(&sample, 99), 99);
+        assert_eq!(percentile_ms(&sample, 90), 90);
         sample.push(1_000);
-        assert_eq!(p99_ms(&sample), 100);
+        assert_eq!(percentile_ms(&sample, 99), 100);
+        assert_eq!(percentile_ms(&[], 90), 0);
     }
 
     proptest! {

@@ -27,7 +27,7 @@
 //! The shard and lease-broker actors (`crate::actors`) hold these states and perform the
 //! requests; nothing here does IO or reads a clock.
 
-use crate::core::rate::{LIMIT_TOKENS_MAX, LimitSpec};
+use crate::core::rate::{LIMIT_TOKENS_MAX, LimitSpec, LimitState};
 
 /// Fixed-point scale of [`RateEstimate`]: values are kept in milli-hits.
 const MILLI: u64 = 1000;
@@ -316,6 +316,8 @@ pub struct ReportDraft {
     pub held_tokens: u64,
     /// Debt (admissions beyond leases) when sent: the report charges it to the ledger.
     pub debt_tokens: u64,
+    /// What the node last heard the ledger counts as its (see `LeaseReport::settled_tokens`).
+    pub settled_tokens: u64,
     /// Tokens wanted; 0 settles only.
     pub tokens_wanted: u64,
     /// The node's offered traffic on the key, milli-hits per second.
@@ -371,6 +373,9 @@ pub struct KeyLease {
     in_flight: bool,
     /// No answer has come yet: the key has never heard from the ledger.
     answered: bool,
+    /// A report's outcome is unknown (no answer): the ledger may count a grant this node
+    /// never saw, so a settle report is due until an answer says what it counts.
+    unconfirmed: bool,
     rate: RateEstimate,
 }
 
@@ -389,6 +394,16 @@ impl KeyLease {
     /// Tokens admitted beyond leases and not yet charged to the ledger.
     pub fn debt_tokens(&self) -> u64 {
         self.debt_tokens
+    }
+
+    /// Tokens admitted on the key in this epoch, in total (what reports count as spent).
+    pub fn spent_tokens(&self) -> u64 {
+        self.spent_tokens
+    }
+
+    /// What the ledger counted as this node's on the key at its last answer.
+    pub fn settled_tokens(&self) -> u64 {
+        self.settled_tokens
     }
 
     /// Whole tokens the ledger's bucket had left at its last answer.
@@ -473,11 +488,12 @@ impl KeyLease {
     }
 
     /// A settle-only report, when the ledger's count of this key differs from the node's (it
-    /// spent on credit, let a balance expire, or returned one) and none is in flight.
+    /// spent on credit, let a balance expire, or returned one) or is unknown (a report went
+    /// unanswered), and none is in flight.
     pub fn poll_settle(&mut self, tuning: &LeaseTuning, now_ms: u64) -> Option<ReportDraft> {
         self.expire(now_ms);
         let own = self.spent_tokens.saturating_add(self.balance_tokens);
-        if self.in_flight || own == self.settled_tokens {
+        if self.in_flight || (own == self.settled_tokens && !self.unconfirmed) {
             return None;
         }
         Some(self.draft(tuning, 0, now_ms))
@@ -492,6 +508,7 @@ impl KeyLease {
             spent_tokens: self.spent_tokens,
             held_tokens: self.balance_tokens,
             debt_tokens: self.debt_tokens,
+            settled_tokens: self.settled_tokens,
             tokens_wanted,
             demand_milli_per_second: self
                 .rate
@@ -517,6 +534,7 @@ impl KeyLease {
         balance_tokens == 0
             && !self.in_flight
             && self.spent_tokens.saturating_add(balance_tokens) == self.settled_tokens
+            && !self.unconfirmed
             && now_ms >= self.retry_at_ms
             && (!self.answered || now_ms >= refilled_at_ms)
     }
@@ -534,9 +552,11 @@ impl KeyLease {
         self.expire(now_ms);
         let ReportAnswer::Settled { granted_tokens, retry_after_ms, remaining_tokens } = answer
         else {
+            self.unconfirmed = true;
             return;
         };
         self.answered = true;
+        self.unconfirmed = false;
         self.ledger_remaining_tokens = remaining_tokens;
         self.answered_at_ms = now_ms;
         // The report charged the debt it carried; a grant pays the debt run up since.
@@ -606,6 +626,24 @@ pub fn fallback_limit(spec: &LimitSpec, multiplier_permille: u64, nodes: u64) ->
         burst_tokens: scale(spec.burst_tokens),
         ..*spec
     }
+}
+
+/// A fallback bucket's first state: the node's share of what it last knew the ledger had left
+/// for the key (`ledger_remaining_tokens`, less the node's uncharged debt), never a full
+/// bucket, which would admit a whole limit per node on top of what the key already spent.
+pub fn fallback_start(
+    fallback_spec: &LimitSpec,
+    ledger_remaining_tokens: u64,
+    multiplier_permille: u64,
+    nodes: u64,
+    now_ms: u64,
+) -> LimitState {
+    let share = u128::from(ledger_remaining_tokens) * u128::from(multiplier_permille)
+        / (u128::from(nodes.max(1)) * 1000);
+    let share = u64::try_from(share).unwrap_or(u64::MAX);
+    let full = fallback_spec.initial_state(now_ms);
+    let surplus = fallback_spec.capacity_tokens().saturating_sub(share);
+    fallback_spec.acquire_up_to(&full, now_ms, surplus).next
 }
 
 #[cfg(test)]

@@ -164,6 +164,11 @@ pub struct LeaseReport {
     pub spent_tokens: u64,
     /// Leased tokens the node still holds and may spend.
     pub held_tokens: u64,
+    /// What the node last heard the ledger counts as its in this epoch (0 before any answer).
+    /// Read only when the ledger has no record of the node on the key (it forgot an idle key
+    /// with its records): the report is then settled against it, so spending the ledger
+    /// already counted is not charged twice; it never credits anything.
+    pub settled_tokens: u64,
     /// Tokens wanted now; 0 settles only.
     pub tokens_wanted: u64,
     /// The node's offered traffic on the key (admitted or not), milli-hits per second: its
@@ -543,7 +548,10 @@ pub fn check_report(report: &LeaseReport) -> Result<(), LeaseRequestError> {
     if report.tokens_wanted > LEASE_TOKENS_MAX {
         return Err(LeaseRequestError::TokensWanted(report.tokens_wanted));
     }
-    if report.held_tokens > LEASE_TOKENS_MAX || report.spent_tokens > SPENT_TOKENS_MAX {
+    if report.held_tokens > LEASE_TOKENS_MAX
+        || report.spent_tokens > SPENT_TOKENS_MAX
+        || report.settled_tokens > SPENT_TOKENS_MAX
+    {
         return Err(LeaseRequestError::ReportTokens);
     }
     if report.lease_ttl_ms == 0 || report.lease_ttl_ms > LEASE_TTL_MS_MAX {
@@ -811,16 +819,21 @@ impl QuotaLedger {
     ) -> Result<ReportOutcome, LeaseRequestError> {
         check_report(report)?;
         let mut entry = self.entry_for(&report.key, report.limit, now_ms)?;
-        let mut lease = entry
-            .leases
-            .remove(&node_id)
-            .unwrap_or(Lease { epoch: report.epoch, ..Lease::default() });
+        // Without a record (a new key, or one the sweep forgot with its records) the report's
+        // own account of what was counted is the baseline, never above what it reports now.
+        let baseline = || Lease {
+            epoch: report.epoch,
+            written_off_tokens: report
+                .settled_tokens
+                .min(report.spent_tokens.saturating_add(report.held_tokens)),
+            ..Lease::default()
+        };
+        let mut lease = entry.leases.remove(&node_id).unwrap_or_else(baseline);
         if report.epoch > lease.epoch {
             // The key's slot on the node began a new life: whatever the old life held stays
             // counted as spent (its tokens may have been), and the counts start over.
             subtract_outstanding(&mut self.outstanding_by_node, node_id, lease.tokens);
-            lease =
-                Lease { epoch: report.epoch, entitlement: lease.entitlement, ..Lease::default() };
+            lease = Lease { entitlement: lease.entitlement, ..baseline() };
         }
         let stale = report.epoch < lease.epoch || report.seq <= lease.seq;
         if !stale && report.spent_tokens < lease.spent_tokens {

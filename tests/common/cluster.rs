@@ -18,6 +18,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use quotamesh::api::proto::quotamesh::admin::v1 as admin;
 use quotamesh::api::proto::quotamesh::admin::v1::admin_client::AdminClient;
+use quotamesh::core::lease_key::LeaseKey;
+use quotamesh::core::rate::{Algorithm, LimitSpec};
 use tonic::transport::Channel;
 
 use super::{NodeProcess, free_port_on, write_file};
@@ -455,9 +457,25 @@ pub fn wanted(key: &str, value: &str, tokens: u64) -> admin::LeaseWanted {
     }
 }
 
-/// The ledger key the node builds for `key=value` of the test domain (single-limit rules).
+/// The ledger key the node builds for `key=value` of the test domain (single-limit rules),
+/// the same the RLS path leases under.
 pub fn ledger_key(key: &str, value: &str) -> String {
-    format!("rl:{DOMAIN}:{key}={value}")
+    ledger_key_at(key, value, 0)
+}
+
+/// The ledger key of the `limit_index`-th limit of `key=value`'s rule in [`CLUSTER_POLICY`].
+pub fn ledger_key_at(key: &str, value: &str, limit_index: usize) -> String {
+    const DAY_MS: u64 = 86_400_000;
+    let (requests, window_ms) = match (key, limit_index) {
+        ("api_key", 0) => (1_000_000, DAY_MS),
+        ("small", 0) => (10, DAY_MS),
+        ("two_limits", 0) => (1_000, 3_600_000),
+        ("two_limits", 1) => (100_000, DAY_MS),
+        other => panic!("no limit {other:?} in the cluster policy"),
+    };
+    let spec = LimitSpec::new(Algorithm::TokenBucket, requests, window_ms, None)
+        .expect("the policy's limits are valid");
+    LeaseKey::of(DOMAIN, [(key, value)].into_iter(), limit_index, &spec).ledger_key()
 }
 
 /// How a client operation ended, in the fault-testing vocabulary.

@@ -1,0 +1,524 @@
+//! A deterministic, seeded simulation of the mesh's leasing: N nodes running the node-side
+//! lease machine (`core::lease::KeyLease`) against the ledger's state machine
+//! (`core::ledger::QuotaLedger`), with random message latencies, reports lost before the
+//! ledger applied them, answers lost after it did, late answers, lease expiries, node
+//! restarts, ledger outages and node clocks offset from the ledger's.
+//!
+//! Every simulated millisecond it checks, against one central bucket of the same limit:
+//!
+//! - no token is created: what the ledger counts as the nodes' (spent, held, written off) plus
+//!   what its bucket holds, less the debt it is owed, never exceeds capacity plus refill;
+//! - admissions in every 1 s window stay within the documented bound: capacity, plus the
+//!   refill over the window, plus the drift bound (every node's lease and credit), plus what
+//!   the fallback admitted in the window and what nodes that died before settling had
+//!   admitted on credit;
+//!
+//! and once the faults stop and every node has settled, that no token is lost: for every
+//! node the ledger counts exactly what the node spent and holds, and no node owes anything.
+//!
+//! A seed that fails becomes a named regression test below (`regression_*`).
+//!
+//! ```text
+//!  node i (clock + offset_i) ──report (latency, maybe lost)──▶ ledger (ledger time)
+//!        ▲                                                        │
+//!        └────────────── answer (latency, maybe lost) ◀───────────┘
+//! ```
+
+use std::collections::BTreeMap;
+
+use quotamesh::core::lease::{
+    Credit, KeyLease, LeaseTuning, ReportAnswer, ReportDraft, Spend, fallback_limit,
+    fallback_start, size_cap_tokens,
+};
+use quotamesh::core::ledger::{
+    LeaseEpoch, LeaseReport, NodeId, QuotaCommand, QuotaLedger, QuotaResponse, ReportOutcome,
+};
+use quotamesh::core::rate::{Algorithm, LimitSpec, LimitState};
+
+const KEY: &str = "rl:sim:key";
+/// How long a node waits for an answer before taking the report as not applied.
+const ANSWER_TIMEOUT_MS: u64 = 200;
+/// The sweep interval, as the node's default.
+const SWEEP_MS: u64 = 250;
+/// Consecutive unanswered reports after which a node decides from its fallback.
+const FAILURES_TO_OPEN: u32 = 3;
+/// Fallback multiplier, per mille (the default, 1.0).
+const FALLBACK_PERMILLE: u64 = 1_000;
+
+/// SplitMix64: small, fast, and the same sequence for the same seed everywhere.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, bound: u64) -> u64 {
+        self.next() % bound.max(1)
+    }
+
+    fn chance(&mut self, per_million: u64) -> bool {
+        self.below(1_000_000) < per_million
+    }
+}
+
+/// What becomes of a report on its way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fate {
+    /// Applied, and its answer arrives.
+    Answered,
+    /// Lost before the ledger saw it.
+    LostBefore,
+    /// Applied, but its answer is lost.
+    LostAfter,
+}
+
+#[derive(Debug)]
+struct Message {
+    node: usize,
+    epoch: LeaseEpoch,
+    draft: ReportDraft,
+    /// Ledger time it reaches the ledger.
+    arrives_at_ms: u64,
+    /// Extra time its answer takes back.
+    answer_latency_ms: u64,
+    fate: Fate,
+}
+
+#[derive(Debug)]
+struct Answer {
+    node: usize,
+    epoch: LeaseEpoch,
+    draft: ReportDraft,
+    at_ms: u64,
+    answer: ReportAnswer,
+}
+
+struct SimNode {
+    id: NodeId,
+    offset_ms: i64,
+    lease: KeyLease,
+    epoch: LeaseEpoch,
+    /// Offered hits per million per ms.
+    offered_per_million: u64,
+    fallback: Option<LimitState>,
+    failures_in_row: u32,
+    next_sweep_ms: u64,
+    down_until_ms: u64,
+}
+
+impl SimNode {
+    fn clock(&self, now_ms: u64) -> u64 {
+        now_ms.saturating_add_signed(self.offset_ms)
+    }
+}
+
+struct World {
+    rng: Rng,
+    limit: LimitSpec,
+    tuning: LeaseTuning,
+    ledger: QuotaLedger,
+    nodes: Vec<SimNode>,
+    in_air: Vec<Message>,
+    answers: Vec<Answer>,
+    outage_until_ms: u64,
+    incarnations: u64,
+    /// Per 1 s window: hits admitted, of them from the fallback, and what dead nodes left
+    /// uncharged.
+    windows: BTreeMap<u64, (u64, u64, u64)>,
+}
+
+/// The faults a run injects, per million per simulated ms.
+#[derive(Debug, Clone, Copy)]
+struct Faults {
+    lost_report: u64,
+    lost_answer: u64,
+    outage_start: u64,
+    restart: u64,
+}
+
+const FAULTS: Faults =
+    Faults { lost_report: 50_000, lost_answer: 50_000, outage_start: 150, restart: 100 };
+const NO_FAULTS: Faults = Faults { lost_report: 0, lost_answer: 0, outage_start: 0, restart: 0 };
+
+impl World {
+    fn new(seed: u64) -> Self {
+        let mut rng = Rng(seed);
+        let node_count = 2 + rng.below(4) as usize;
+        let rate = [20, 100, 1_000][rng.below(3) as usize];
+        let limit =
+            LimitSpec::new(Algorithm::TokenBucket, rate, 1_000, Some(rate)).expect("a valid limit");
+        let nodes = (0..node_count)
+            .map(|index| {
+                let offset_ms = rng.below(201) as i64 - 100;
+                // Offered load from a tenth of the limit to three times it, split unevenly.
+                let offered = rate * (1 + rng.below(30)) / 10;
+                SimNode {
+                    id: NodeId(index as u64 + 1),
+                    offset_ms,
+                    lease: KeyLease::new(rate, size_cap_tokens(rate, node_count as u64)),
+                    epoch: LeaseEpoch { incarnation: 1, serial: index as u64 },
+                    offered_per_million: offered * 1_000 / node_count as u64,
+                    fallback: None,
+                    failures_in_row: 0,
+                    next_sweep_ms: 0,
+                    down_until_ms: 0,
+                }
+            })
+            .collect();
+        Self {
+            rng,
+            limit,
+            tuning: LeaseTuning::default(),
+            ledger: QuotaLedger::new(),
+            nodes,
+            in_air: Vec::new(),
+            answers: Vec::new(),
+            outage_until_ms: 0,
+            incarnations: 1,
+            windows: BTreeMap::new(),
+        }
+    }
+
+    fn node_count(&self) -> u64 {
+        self.nodes.len() as u64
+    }
+
+    fn send(&mut self, node: usize, draft: ReportDraft, now_ms: u64, faults: Faults) {
+        let fate = if self.rng.chance(faults.lost_report) {
+            Fate::LostBefore
+        } else if self.rng.chance(faults.lost_answer) {
+            Fate::LostAfter
+        } else {
+            Fate::Answered
+        };
+        let message = Message {
+            node,
+            epoch: self.nodes[node].epoch,
+            draft,
+            arrives_at_ms: now_ms + 1 + self.rng.below(30),
+            answer_latency_ms: 1 + self.rng.below(30),
+            fate,
+        };
+        self.in_air.push(message);
+    }
+
+    fn deliver(&mut self, now_ms: u64) {
+        let (due, waiting): (Vec<Message>, Vec<Message>) =
+            std::mem::take(&mut self.in_air).into_iter().partition(|m| m.arrives_at_ms <= now_ms);
+        self.in_air = waiting;
+        for message in due {
+            let lost = message.fate == Fate::LostBefore || now_ms < self.outage_until_ms;
+            let mut answer = ReportAnswer::NotApplied;
+            if !lost {
+                let report = LeaseReport {
+                    key: KEY.to_owned(),
+                    limit: self.limit,
+                    epoch: message.epoch,
+                    seq: message.draft.seq,
+                    spent_tokens: message.draft.spent_tokens,
+                    held_tokens: message.draft.held_tokens,
+                    settled_tokens: message.draft.settled_tokens,
+                    tokens_wanted: message.draft.tokens_wanted,
+                    demand_milli_per_second: message.draft.demand_milli_per_second,
+                    lookahead_ms: self.tuning.lookahead_ms,
+                    lease_ttl_ms: self.tuning.lease_ttl_ms,
+                };
+                let command = QuotaCommand::SettleLeases {
+                    now_ms,
+                    node_id: self.nodes[message.node].id,
+                    reports: vec![report],
+                };
+                let QuotaResponse::Settled(mut outcomes) = self.ledger.apply(&command) else {
+                    panic!("a settlement answer");
+                };
+                match outcomes.remove(0).expect("a valid report") {
+                    ReportOutcome::Settled(settlement) => {
+                        answer = ReportAnswer::Settled {
+                            granted_tokens: settlement.grant.granted_tokens,
+                            retry_after_ms: settlement.grant.retry_after_ms,
+                            remaining_tokens: settlement.grant.remaining_tokens,
+                        }
+                    }
+                    ReportOutcome::Stale => {}
+                }
+            }
+            let at_ms = match (lost, message.fate) {
+                (false, Fate::Answered) => now_ms + message.answer_latency_ms,
+                // The node hears nothing and gives up after its timeout.
+                _ => {
+                    answer = ReportAnswer::NotApplied;
+                    message.arrives_at_ms + ANSWER_TIMEOUT_MS
+                }
+            };
+            self.answers.push(Answer {
+                node: message.node,
+                epoch: message.epoch,
+                draft: message.draft,
+                at_ms,
+                answer,
+            });
+        }
+        let (due, waiting): (Vec<Answer>, Vec<Answer>) =
+            std::mem::take(&mut self.answers).into_iter().partition(|a| a.at_ms <= now_ms);
+        self.answers = waiting;
+        for answer in due {
+            let node = &mut self.nodes[answer.node];
+            if node.epoch != answer.epoch {
+                continue; // For a life that ended: nothing to apply it to.
+            }
+            let node_ms = node.clock(now_ms);
+            node.lease.apply_answer(&self.tuning, &answer.draft, answer.answer, node_ms);
+            match answer.answer {
+                ReportAnswer::Settled { .. } => {
+                    node.failures_in_row = 0;
+                    node.fallback = None;
+                }
+                ReportAnswer::NotApplied => node.failures_in_row += 1,
+            }
+        }
+    }
+
+    /// One node's traffic in one ms.
+    fn traffic(&mut self, index: usize, now_ms: u64, faults: Faults, offered: bool) {
+        let node_count = self.node_count();
+        let window = now_ms / 1_000;
+        let node = &mut self.nodes[index];
+        if now_ms < node.down_until_ms {
+            return;
+        }
+        let node_ms = node.clock(now_ms);
+        let hits = u64::from(offered && self.rng.chance(node.offered_per_million));
+        if hits > 0 {
+            let circuit_open = node.failures_in_row >= FAILURES_TO_OPEN;
+            let credit = if circuit_open {
+                Credit::NONE
+            } else {
+                Credit::fail_open(
+                    &self.tuning,
+                    size_cap_tokens(self.limit.capacity_tokens(), node_count),
+                )
+            };
+            let admitted_from = match node.lease.spend(&self.tuning, credit, node_ms, hits) {
+                Spend::Admitted | Spend::AdmittedOnCredit => Some(false),
+                Spend::Blocked { .. } => None,
+                Spend::Short if node.lease.at_limit(node_ms) => None,
+                // A request that waited out its budget (half of them here) or finds the
+                // circuit open decides from the fallback.
+                Spend::Short if circuit_open || self.rng.chance(500_000) => {
+                    let spec = fallback_limit(&self.limit, FALLBACK_PERMILLE, node_count);
+                    let state = node.fallback.unwrap_or_else(|| {
+                        fallback_start(
+                            &spec,
+                            node.lease
+                                .ledger_remaining_tokens()
+                                .saturating_sub(node.lease.debt_tokens()),
+                            FALLBACK_PERMILLE,
+                            node_count,
+                            node_ms,
+                        )
+                    });
+                    let evaluation = spec.evaluate(&state, node_ms, hits);
+                    node.fallback = Some(evaluation.next);
+                    evaluation.admitted.then(|| {
+                        node.lease.pay_beyond_lease(hits);
+                        true
+                    })
+                }
+                Spend::Short => None,
+            };
+            if let Some(from_fallback) = admitted_from {
+                let entry = self.windows.entry(window).or_default();
+                entry.0 += hits;
+                entry.1 += if from_fallback { hits } else { 0 };
+            }
+            let draft = if admitted_from.is_some() {
+                node.lease.poll_refill(&self.tuning, node_ms)
+            } else {
+                node.lease.poll_lease_for(&self.tuning, node_ms, hits)
+            };
+            if let Some(draft) = draft {
+                self.send(index, draft, now_ms, faults);
+            }
+        }
+        let node = &mut self.nodes[index];
+        if node_ms >= node.next_sweep_ms {
+            node.next_sweep_ms = node_ms + SWEEP_MS;
+            if !node.lease.in_flight() {
+                let idle =
+                    node_ms.saturating_sub(node.lease.last_hit_ms()) >= self.tuning.lookahead_ms;
+                if idle {
+                    node.lease.take_all(node_ms);
+                } else {
+                    node.lease.take_surplus(&self.tuning, node_ms);
+                }
+            }
+            if let Some(draft) = node.lease.poll_settle(&self.tuning, node_ms) {
+                self.send(index, draft, now_ms, faults);
+            }
+        }
+    }
+
+    fn faults(&mut self, now_ms: u64, faults: Faults) {
+        if now_ms >= self.outage_until_ms && self.rng.chance(faults.outage_start) {
+            self.outage_until_ms = now_ms + 500 + self.rng.below(3_000);
+        }
+        for index in 0..self.nodes.len() {
+            if self.rng.chance(faults.restart) {
+                self.incarnations += 1;
+                let rate = self.limit.capacity_tokens();
+                let size_cap = size_cap_tokens(rate, self.node_count());
+                let window = now_ms / 1_000;
+                let node = &mut self.nodes[index];
+                // What it admitted on credit and never charged dies with it.
+                self.windows.entry(window).or_default().2 += node.lease.debt_tokens();
+                node.lease = KeyLease::new(rate, size_cap);
+                node.epoch = LeaseEpoch { incarnation: self.incarnations, serial: 0 };
+                node.fallback = None;
+                node.failures_in_row = 0;
+                node.down_until_ms = now_ms + 100 + self.rng.below(1_000);
+            }
+        }
+    }
+
+    /// Tokens the ledger counts as the nodes', in its bucket, and owed to it.
+    fn ledger_counts(&self, now_ms: u64) -> (u64, u64, u64) {
+        let Some(entry) = self.ledger.key(KEY) else {
+            return (0, self.limit.capacity_tokens(), 0);
+        };
+        let attributed = entry
+            .leases
+            .values()
+            .map(|lease| lease.spent_tokens + lease.written_off_tokens + lease.tokens)
+            .sum();
+        let bucket = entry.limit.evaluate(&entry.state, now_ms, 0).remaining;
+        (attributed, bucket, entry.debt_tokens)
+    }
+
+    fn check_conservation(&self, seed: u64, now_ms: u64) {
+        let (attributed, bucket, debt) = self.ledger_counts(now_ms);
+        let refill = self.limit.requests_per_window * now_ms / self.limit.window_ms;
+        assert!(
+            attributed + bucket <= self.limit.capacity_tokens() + refill + debt + 1,
+            "seed {seed} at {now_ms} ms: tokens created: attributed {attributed} + bucket {bucket} \
+             > capacity {} + refill {refill} + debt {debt}",
+            self.limit.capacity_tokens()
+        );
+    }
+
+    fn check_windows(&self, seed: u64) {
+        let node_count = self.node_count();
+        let drift =
+            self.tuning.drift_bound_tokens(self.limit.capacity_tokens(), node_count, true, None);
+        let per_window = self.limit.capacity_tokens() + self.limit.requests_per_window + drift;
+        for (window, (admitted, fallback, uncharged)) in &self.windows {
+            assert!(
+                *admitted <= per_window + fallback + uncharged,
+                "seed {seed}: window {window} s admitted {admitted} > capacity + rate + drift \
+                 {per_window} + fallback {fallback} + uncharged {uncharged}"
+            );
+        }
+    }
+
+    fn run(&mut self, seed: u64, duration_ms: u64, faults: Faults) {
+        for now_ms in 0..duration_ms {
+            self.faults(now_ms, faults);
+            self.deliver(now_ms);
+            for index in 0..self.nodes.len() {
+                self.traffic(index, now_ms, faults, true);
+            }
+            self.check_conservation(seed, now_ms);
+        }
+        self.check_windows(seed);
+        // Quiesce: no traffic and no faults; every node settles what it holds and owes.
+        self.outage_until_ms = 0;
+        let end_ms = duration_ms + 5_000;
+        for now_ms in duration_ms..end_ms {
+            self.deliver(now_ms);
+            for index in 0..self.nodes.len() {
+                self.traffic(index, now_ms, NO_FAULTS, false);
+            }
+            self.check_conservation(seed, now_ms);
+        }
+        let entry = self.ledger.key(KEY);
+        for node in &self.nodes {
+            let node_ms = node.clock(end_ms);
+            let own = node.lease.spent_tokens() + node.lease.balance_tokens(node_ms);
+            match entry.and_then(|entry| entry.leases.get(&node.id)) {
+                Some(lease) if lease.epoch == node.epoch => {
+                    let counted = lease.spent_tokens + lease.written_off_tokens + lease.tokens;
+                    assert_eq!(
+                        counted, own,
+                        "seed {seed}: node {} lost tokens: the ledger counts {counted}, the node \
+                         has {own}",
+                        node.id
+                    );
+                }
+                // The sweep forgot the key with its records (and another node may have made
+                // it anew): only a key whose bucket was full again and whose leases were all
+                // settled goes, so the node must hold nothing the ledger had not counted.
+                None => assert!(
+                    node.lease.balance_tokens(node_ms) == 0 && own == node.lease.settled_tokens(),
+                    "seed {seed}: node {} has tokens the forgotten key did not count",
+                    node.id
+                ),
+                // The node's current life never reported: it has nothing to count.
+                Some(_) => assert_eq!(own, 0, "seed {seed}: node {} never reported", node.id),
+            }
+            assert_eq!(node.lease.debt_tokens(), 0, "seed {seed}: node {} still owes", node.id);
+        }
+    }
+}
+
+fn simulate(seed: u64) {
+    World::new(seed).run(seed, 20_000, FAULTS);
+}
+
+/// Proves the invariants above over many seeded schedules of faults.
+#[test]
+fn leasing_conserves_tokens_under_faults() {
+    let seeds: u64 = std::env::var("LEASE_SIMULATION_SEEDS")
+        .ok()
+        .and_then(|text| text.parse().ok())
+        .unwrap_or(256);
+    for seed in 0..seeds {
+        simulate(seed);
+    }
+}
+
+/// Proves that without faults, every admission is paid by the ledger and nothing from the
+/// fallback beyond the wait-budget cases, with the same invariants.
+#[test]
+fn leasing_conserves_tokens_without_faults() {
+    for seed in 1_000..1_016 {
+        World::new(seed).run(seed, 10_000, NO_FAULTS);
+    }
+}
+
+/// Seed 22 found that a key the ledger's sweep forgot, with its settlement records, charged a
+/// node's spending a second time when the node next reported (fixed: a report carries what
+/// the node last heard the ledger counted, the baseline when no record is left).
+#[test]
+fn regression_a_forgotten_key_charges_spending_once() {
+    simulate(22);
+}
+
+/// Seed 85 found that a report the ledger applied but whose answer was lost left a grant the
+/// node never saw counted as its for good: the node, unaware, never settled again (fixed: an
+/// unanswered report leaves the key unconfirmed until a report is answered).
+#[test]
+fn regression_a_lost_answer_is_settled() {
+    simulate(85);
+}
+
+/// Seed 154 found a node whose key the ledger had forgotten and another node had made anew,
+/// which the no-loss check took for a lost record (the checker's bug; the key holds nothing
+/// of the node's).
+#[test]
+fn regression_a_key_made_anew_by_another_node() {
+    simulate(154);
+}
