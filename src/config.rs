@@ -11,8 +11,8 @@
 //! metrics_addr = "0.0.0.0:6070"
 //! raft_node_id = 1                 # this node in its region's Raft groups; never changes
 //! cluster_id = "local"             # the region's cluster; stored in data_dir on first start
-//! raft_addr = "0.0.0.0:8084"       # Raft peer gRPC (listen)
-//! admin_addr = "0.0.0.0:8083"      # admin gRPC: `quotamesh cluster ...`
+//! raft_addr = "127.0.0.1:8084"     # Raft peer gRPC (listen); loopback unless configured
+//! admin_addr = "127.0.0.1:8083"    # admin gRPC: `quotamesh cluster ...`; loopback likewise
 //! billing_addr = "0.0.0.0:8082"    # the billing-debit gRPC API
 //! role = "voter"                   # or "gateway": leases only, not a member of the groups
 //! max_clock_offset_ms = 500        # a node whose clock differs more from the leader's is reported
@@ -20,6 +20,24 @@
 //! [[peers]]                        # the region's voters (for `cluster init`; a gateway's
 //! id = 1                           # way to the leader); none = single node
 //! raft_addr = "10.0.0.1:8084"      # as the other nodes reach it
+//!
+//! insecure_cluster = false         # with [[peers]] and no [tls]: refuse to start, unless true
+//!
+//! [tls]                            # mTLS between nodes: `quotamesh cluster certs ...`
+//! cert = "certs/node-1.pem"        # this node's certificate (names cluster, region, Raft id)
+//! key = "certs/node-1.key"
+//! ca = "certs/ca.pem"              # trusted CAs; old and new during a CA rotation
+//! reload_interval_ms = 5000        # the three files are re-read this often; changes apply
+//!                                  # to new connections
+//!
+//! [admin]                          # who may call the admin API
+//! read_open = false                # true: Status and ReadKeys need no token
+//! tls = false                      # true: TLS with [tls]'s certificate; operator certificates
+//!                                  # authenticate as tokens do
+//! [[admin.tokens]]                 # none: every admin call is UNAUTHENTICATED
+//! name = "ops"                     # the operator named in the log
+//! sha256 = "<64 hex digits>"       # `quotamesh billing hash-token` prints it
+//! read_only = false                # true: Status and ReadKeys only
 //!
 //! [quota_group]                    # Raft timings and log compaction of the quota group
 //! heartbeat_interval_ms = 50
@@ -76,10 +94,15 @@ use crate::core::ledger::NodeId;
 pub const RLS_ADDR_DEFAULT: &str = "0.0.0.0:8081";
 /// Default Prometheus and health HTTP address.
 pub const METRICS_ADDR_DEFAULT: &str = "0.0.0.0:6070";
-/// Default Raft peer gRPC address (DESIGN.md section 8).
-pub const RAFT_ADDR_DEFAULT: &str = "0.0.0.0:8084";
-/// Default admin gRPC address (DESIGN.md section 8).
-pub const ADMIN_ADDR_DEFAULT: &str = "0.0.0.0:8083";
+/// Default Raft peer gRPC address (DESIGN.md section 8): loopback, so the embedded
+/// single-node default is reachable from this host only; a region configures its own.
+pub const RAFT_ADDR_DEFAULT: &str = "127.0.0.1:8084";
+/// Default admin gRPC address (DESIGN.md section 8): loopback, as the Raft port.
+pub const ADMIN_ADDR_DEFAULT: &str = "127.0.0.1:8083";
+/// Default interval between two reads of the TLS files.
+pub const TLS_RELOAD_INTERVAL_MS_DEFAULT: u64 = 5_000;
+/// Most admin tokens in the configuration.
+pub const ADMIN_TOKENS_MAX: usize = 1024;
 /// Default cluster id: the embedded single-node region.
 pub const CLUSTER_ID_DEFAULT: &str = "local";
 /// Longest cluster id, in bytes.
@@ -155,6 +178,15 @@ pub struct NodeConfig {
     pub peers: Vec<PeerConfig>,
     /// Raft timings and log compaction of the quota group.
     pub quota_group: RaftGroupConfig,
+    /// mTLS between nodes (the Raft port and every call a node makes to a peer); `None`:
+    /// plaintext, which a node with `peers` accepts only with `insecure_cluster`.
+    pub tls: Option<ClusterTlsConfig>,
+    /// Set in so many words to run a multi-node region without TLS between its nodes:
+    /// anyone who reaches the Raft port can then write to the ledgers. Logged at every start
+    /// and exported as `quotamesh_insecure_cluster`.
+    pub insecure_cluster: bool,
+    /// Who may call the admin API.
+    pub admin: AdminConfig,
     /// How the node leases tokens from the quota ledger, and what it does without it.
     pub leasing: LeasingConfig,
     /// A node whose wall clock differs from the leader's by more is reported (metric, WARN,
@@ -299,6 +331,64 @@ pub struct PeerConfig {
     pub raft_addr: String,
 }
 
+/// The TLS files of the links between nodes (PEM; `quotamesh cluster certs ...` makes them).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterTlsConfig {
+    /// This node's certificate chain; its certificate names the cluster, region and Raft id.
+    pub cert: PathBuf,
+    /// Its private key.
+    pub key: PathBuf,
+    /// The CA bundle every peer's certificate must chain to.
+    pub ca: PathBuf,
+    /// How often the three files are read again; a change applies to new connections.
+    #[serde(default = "tls_reload_interval_ms_default")]
+    pub reload_interval_ms: u64,
+}
+
+fn tls_reload_interval_ms_default() -> u64 {
+    TLS_RELOAD_INTERVAL_MS_DEFAULT
+}
+
+impl ClusterTlsConfig {
+    /// The files, as `crate::tls` takes them.
+    pub fn files(&self) -> crate::tls::credentials::TlsFiles {
+        crate::tls::credentials::TlsFiles {
+            cert: self.cert.clone(),
+            key: self.key.clone(),
+            ca: self.ca.clone(),
+        }
+    }
+}
+
+/// Who may call the admin API: operator tokens, stored as SHA-256 digests.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    /// `Status` and `ReadKeys` without a token (the calls that change nothing).
+    pub read_open: bool,
+    /// Serve the admin API over TLS with the node's `[tls]` certificate; an operator
+    /// certificate of the cluster's CA (`quotamesh cluster certs issue-operator`) then
+    /// authenticates a caller as a token does.
+    pub tls: bool,
+    /// The operators.
+    pub tokens: Vec<AdminToken>,
+}
+
+/// One operator token.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdminToken {
+    /// The operator's name, written in the log of every change it makes.
+    pub name: String,
+    /// SHA-256 of the token, 64 hex digits; the token itself is never stored.
+    pub sha256: String,
+    /// Only the calls that change nothing (`Status`, `ReadKeys`); others are
+    /// `PERMISSION_DENIED`.
+    #[serde(default)]
+    pub read_only: bool,
+}
+
 /// Raft timings and log compaction of one group (see `crate::ledger::GroupSettings`).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -413,17 +503,8 @@ impl BillingConfig {
             return invalid(format!("billing.tokens: at most {BILLING_TOKENS_MAX}"));
         }
         for token in &self.tokens {
-            if token.name.is_empty() || token.name.len() > BILLING_TOKEN_NAME_BYTES_MAX {
-                return invalid(format!(
-                    "billing.tokens: name must be 1 to {BILLING_TOKEN_NAME_BYTES_MAX} bytes, got {:?}",
-                    token.name
-                ));
-            }
-            if token.sha256.len() != 64 || !token.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
-                return invalid(format!(
-                    "billing.tokens {:?}: sha256 must be 64 hex digits",
-                    token.name
-                ));
+            if let Err(reason) = check_token(&token.name, &token.sha256) {
+                return invalid(format!("billing.tokens {:?}: {reason}", token.name));
             }
             if token.tenants.is_empty() {
                 return invalid(format!("billing.tokens {:?}: no tenants", token.name));
@@ -462,6 +543,9 @@ impl Default for NodeConfig {
             role: Role::Voter,
             peers: Vec::new(),
             quota_group: RaftGroupConfig::default(),
+            tls: None,
+            insecure_cluster: false,
+            admin: AdminConfig::default(),
             leasing: LeasingConfig::default(),
             max_clock_offset_ms: crate::core::ledger_time::MAX_CLOCK_OFFSET_MS_DEFAULT,
         }
@@ -614,6 +698,7 @@ impl NodeConfig {
             }
         }
         self.validate_role(&ids)?;
+        self.validate_security()?;
         let group = &self.quota_group;
         if !(10..=10_000).contains(&group.heartbeat_interval_ms) {
             return invalid(
@@ -639,6 +724,40 @@ impl NodeConfig {
             return invalid(
                 "quota_group.logs_kept_after_snapshot must be at most 100000000".into(),
             );
+        }
+        Ok(())
+    }
+
+    /// Checks TLS and the admin tokens: a node with peers needs TLS between nodes unless
+    /// `insecure_cluster` says otherwise.
+    fn validate_security(&self) -> Result<(), ConfigError> {
+        let invalid = |message: String| Err(ConfigError::Invalid(message));
+        if !self.peers.is_empty() && self.tls.is_none() && !self.insecure_cluster {
+            return invalid(
+                "this node has peers but no [tls]: its Raft port would let anyone who reaches \
+                 it write to the ledgers; configure [tls] (cert, key, ca; `quotamesh cluster \
+                 certs init` and `issue` make them), or set insecure_cluster = true to run \
+                 without it"
+                    .to_owned(),
+            );
+        }
+        if let Some(tls) = &self.tls
+            && !(100..=3_600_000).contains(&tls.reload_interval_ms)
+        {
+            return invalid("tls.reload_interval_ms must be between 100 and 3600000".to_owned());
+        }
+        if self.admin.tls && self.tls.is_none() {
+            return invalid(
+                "admin.tls uses the node's certificate: configure [tls] too".to_owned(),
+            );
+        }
+        if self.admin.tokens.len() > ADMIN_TOKENS_MAX {
+            return invalid(format!("admin.tokens: at most {ADMIN_TOKENS_MAX}"));
+        }
+        for token in &self.admin.tokens {
+            check_token(&token.name, &token.sha256).map_err(|reason| {
+                ConfigError::Invalid(format!("admin.tokens {:?}: {reason}", token.name))
+            })?;
         }
         Ok(())
     }
@@ -721,6 +840,17 @@ impl NodeConfig {
         }
         std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
     }
+}
+
+/// Checks a token's name and digest (billing and admin tokens alike).
+fn check_token(name: &str, sha256: &str) -> Result<(), String> {
+    if name.is_empty() || name.len() > BILLING_TOKEN_NAME_BYTES_MAX {
+        return Err(format!("name must be 1 to {BILLING_TOKEN_NAME_BYTES_MAX} bytes"));
+    }
+    if sha256.len() != 64 || !sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err("sha256 must be 64 hex digits".to_owned());
+    }
+    Ok(())
 }
 
 fn valid_cluster_id(id: &str) -> bool {
@@ -837,7 +967,7 @@ mod tests {
     fn peers_and_raft_settings_parse() {
         let config = NodeConfig::from_toml(
             "raft_node_id = 2\ncluster_id = \"region-a\"\nraft_addr = \"127.0.0.2:8084\"\n\
-             [[peers]]\nid = 1\nraft_addr = \"127.0.0.1:8084\"\n\
+             insecure_cluster = true\n[[peers]]\nid = 1\nraft_addr = \"127.0.0.1:8084\"\n\
              [[peers]]\nid = 2\nraft_addr = \"node-2.example:8084\"\n\
              [quota_group]\nsnapshot_every_logs = 5",
         )
@@ -880,7 +1010,7 @@ mod tests {
     #[test]
     fn gateway_lists_the_voters() {
         let config = NodeConfig::from_toml(
-            "role = \"gateway\"\nraft_node_id = 4\n\
+            "role = \"gateway\"\nraft_node_id = 4\ninsecure_cluster = true\n\
              [[peers]]\nid = 1\nraft_addr = \"127.0.0.1:8084\"\n\
              [[peers]]\nid = 2\nraft_addr = \"127.0.0.2:8084\"\n\
              [[peers]]\nid = 3\nraft_addr = \"127.0.0.3:8084\"",
@@ -940,6 +1070,34 @@ mod tests {
         assert_eq!(parse_role("voter"), Ok(Role::Voter));
         let message = parse_role("learner").expect_err("unknown role");
         assert!(message.contains("\"learner\"") && message.contains("\"gateway\""), "{message}");
+    }
+
+    /// A node with peers refuses to start without TLS unless `insecure_cluster` says so;
+    /// a `[tls]` table and operator tokens parse and validate, bad digests are refused.
+    #[test]
+    fn peers_need_tls_or_insecure_cluster() {
+        let peers = "[[peers]]\nid = 1\nraft_addr = \"a:1\"\n";
+        let error = NodeConfig::from_toml(peers).expect("parses").validate().expect_err("no TLS");
+        assert!(error.to_string().contains("insecure_cluster = true"), "{error}");
+        let insecure = format!("insecure_cluster = true\n{peers}");
+        assert!(NodeConfig::from_toml(&insecure).expect("parses").validate().is_ok());
+        let secure = format!(
+            "{peers}[tls]\ncert = \"n.pem\"\nkey = \"n.key\"\nca = \"ca.pem\"\n\
+             [[admin.tokens]]\nname = \"ops\"\nsha256 = \"{}\"\nread_only = true\n",
+            "ab".repeat(32)
+        );
+        let config = NodeConfig::from_toml(&secure).expect("parses");
+        assert!(config.validate().is_ok(), "{:?}", config.validate());
+        assert_eq!(config.tls.as_ref().map(|tls| tls.reload_interval_ms), Some(5000));
+        assert!(config.admin.tokens[0].read_only);
+        let mut bad = config;
+        bad.admin.tokens[0].sha256 = "xyz".to_owned();
+        assert!(bad.validate().is_err());
+        assert_eq!(
+            NodeConfig::default().admin_addr.ip(),
+            std::net::Ipv4Addr::LOCALHOST,
+            "the default admin port is on loopback"
+        );
     }
 
     /// The flag and variable form of a peer.

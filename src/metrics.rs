@@ -115,6 +115,9 @@ pub struct Metrics {
     /// outcome (`approved`, `insufficient_funds`, `duplicate`, `refused`, `unavailable`,
     /// `overloaded`).
     pub billing_operations: IntCounterVec,
+    /// `quotamesh_insecure_cluster`: 1 when the node runs a multi-node region without TLS
+    /// between nodes (`insecure_cluster = true`); alert on it.
+    pub insecure_cluster: IntGauge,
 }
 
 impl Default for Metrics {
@@ -367,6 +370,10 @@ impl Metrics {
                 "quotamesh_billing_operations_total",
                 "Billing operations answered, by outcome.",
                 &["outcome"],
+            ),
+            insecure_cluster: gauge(
+                "quotamesh_insecure_cluster",
+                "1 when this node serves a multi-node region's Raft port without TLS.",
             ),
             registry,
         };

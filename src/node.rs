@@ -41,6 +41,7 @@ use crate::metrics::Metrics;
 use crate::policy_store::{PolicyLoadError, PolicyOrigin, PolicyStore};
 use crate::raft_health::{Failures, GroupViews};
 use crate::raft_host::{RaftHost, RaftHostError};
+use crate::tls::credentials::Accept;
 
 mod billing;
 
@@ -123,6 +124,14 @@ impl Node {
         config.validate()?;
         let data_dir_lock = lock_data_dir(&config.data_dir)?;
         let metrics = Metrics::new();
+        if config.tls.is_none() && !config.peers.is_empty() {
+            // validate() let this through only because insecure_cluster says so.
+            tracing::warn!(
+                "insecure_cluster = true: the Raft port has no TLS; anyone who can reach it can \
+                 write to this region's ledgers. Configure [tls] (quotamesh cluster certs)"
+            );
+            metrics.insecure_cluster.set(1);
+        }
         let origin = config.policy.clone().map_or(PolicyOrigin::Embedded, PolicyOrigin::Path);
         let policy = Arc::new(PolicyStore::open(origin, metrics.clone())?);
 
@@ -169,6 +178,7 @@ impl Node {
             },
             raft.quota().clone(),
             policy.active(),
+            crate::api::operators::Operators::new(&config.admin),
         );
 
         let (stop, stopped) = watch::channel(false);
@@ -180,10 +190,13 @@ impl Node {
                 return Err(error);
             }
         };
+        let admin_tls = raft.credentials().filter(|_| config.admin.tls).map(|credentials| {
+            crate::tls::transport::server_config(credentials, Accept::NodesAndOperators)
+        });
         let admin_server = {
             let shutdown = until_stopped(stopped.clone());
             tokio::spawn(async move {
-                if let Err(error) = admin.serve(admin_listener, shutdown).await {
+                if let Err(error) = admin.serve(admin_listener, admin_tls, shutdown).await {
                     tracing::error!(%error, "admin gRPC server stopped");
                 }
             })

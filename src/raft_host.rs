@@ -3,11 +3,17 @@
 //!
 //! ```text
 //! start:    claim data_dir (identity.json; a voter claims <data_dir>/quota and
-//!           <data_dir>/billing, a gateway quota only) ─▶ open <data_dir>/quota (seeds: the voters)
-//!           ─▶ register with the RaftPeer service ─▶ listen on raft_addr
+//!           <data_dir>/billing, a gateway quota only) ─▶ load the TLS files ([tls], crate::tls)
+//!           ─▶ open <data_dir>/quota (seeds: the voters)
+//!           ─▶ register with the RaftPeer service ─▶ listen on raft_addr (mTLS with [tls])
 //!           ─▶ single-node region (a voter without peers)? form the group
-//! shutdown: stop every group (storage released) ─▶ stop the RaftPeer listener
+//! shutdown: stop every group (storage released) ─▶ stop the RaftPeer listener and the
+//!           TLS file poll
 //! ```
+//!
+//! With `[tls]` every link to and from this node is mutual TLS: the listener accepts only
+//! nodes of this cluster and tells the service who each caller is; the channels to peers
+//! present this node's certificate. The files are polled and reloaded on change.
 //!
 //! A gateway (`role = "gateway"`) runs the same quota group handle, opened on its own
 //! storage and never initialized: it is no member, so it holds no replica, never votes, and
@@ -37,6 +43,7 @@ use crate::ledger::{
     QUOTA_GROUP_NAME, QuotaGroup, RaftGroup, RaftPeerService,
 };
 use crate::metrics::Metrics;
+use crate::tls::credentials::{Accept, Credentials, CredentialsError};
 
 /// Why the Raft side of a node could not start. None of these goes away by retrying as is.
 #[derive(Debug, thiserror::Error)]
@@ -44,6 +51,9 @@ pub enum RaftHostError {
     /// The data directory belongs to another cluster or node, or is damaged.
     #[error(transparent)]
     Identity(#[from] IdentityError),
+    /// The TLS files cannot be used.
+    #[error(transparent)]
+    Tls(#[from] CredentialsError),
     /// A group's storage could not be opened (corrupt, locked, bad settings).
     #[error("cannot open the {group} Raft group: {source}")]
     Open {
@@ -89,6 +99,8 @@ pub struct RaftHost {
     quota: RaftGroup<QuotaGroup>,
     stop: watch::Sender<bool>,
     server: JoinHandle<()>,
+    credentials: Option<std::sync::Arc<Credentials>>,
+    tls_reload: Option<JoinHandle<()>>,
 }
 
 impl RaftHost {
@@ -109,7 +121,25 @@ impl RaftHost {
             Role::Gateway => &[QUOTA_GROUP_NAME],
         };
         let claim = crate::identity::claim(&config.data_dir, &identity, groups)?;
-        let channels = PeerChannels::new();
+        let credentials = match &config.tls {
+            Some(tls) => Some(Credentials::load(
+                tls.files(),
+                &config.cluster_id,
+                config.raft_node_id,
+                config.is_gateway(),
+            )?),
+            None => None,
+        };
+        let channels =
+            PeerChannels::new(credentials.as_ref().map(crate::tls::transport::client_config));
+        // The handshakes happen now rather than in a gateway's first lease calls.
+        channels.connect_early(
+            config
+                .peers
+                .iter()
+                .filter(|peer| peer.id != config.raft_node_id)
+                .map(|peer| peer.raft_addr.clone()),
+        );
         let clock_offsets = ClockOffsets::new(config.max_clock_offset_ms, Some(metrics.clone()));
         let mut settings = quota_settings(config, &config.data_dir);
         settings.clock_offsets = clock_offsets;
@@ -117,7 +147,7 @@ impl RaftHost {
             RaftGroup::<QuotaGroup>::open(&settings, channels.clone()).await.map_err(|source| {
                 RaftHostError::Open { group: QUOTA_GROUP_NAME, source: Box::new(source) }
             })?;
-        match Self::serve(config, channels, quota.clone(), claim).await {
+        match Self::serve(config, channels, credentials, quota.clone(), claim).await {
             Ok(host) => Ok(host),
             Err(error) => {
                 // Release the storage so a retry in this process can open it again.
@@ -132,10 +162,11 @@ impl RaftHost {
     async fn serve(
         config: &NodeConfig,
         channels: PeerChannels,
+        credentials: Option<std::sync::Arc<Credentials>>,
         quota: RaftGroup<QuotaGroup>,
         claim: Claim,
     ) -> Result<Self, RaftHostError> {
-        let service = RaftPeerService::new();
+        let service = RaftPeerService::new(credentials.is_some());
         service.register_group(&quota)?;
         let listener = tokio::net::TcpListener::bind(config.raft_addr)
             .await
@@ -163,13 +194,30 @@ impl RaftHost {
             }
         }
         let (stop, mut stopped) = watch::channel(false);
+        let tls = credentials
+            .as_ref()
+            .map(|credentials| crate::tls::transport::server_config(credentials, Accept::Nodes));
+        let tls_reload =
+            credentials.clone().zip(config.tls.as_ref()).map(|(credentials, files)| {
+                let mut stopped = stopped.clone();
+                credentials.watch(
+                    std::time::Duration::from_millis(files.reload_interval_ms),
+                    async move {
+                        let _ = stopped.wait_for(|stop| *stop).await;
+                    },
+                )
+            });
         let server = {
             let service = service.clone();
             tokio::spawn(async move {
                 let shutdown = async move {
                     let _ = stopped.wait_for(|stop| *stop).await;
                 };
-                if let Err(error) = service.serve(listener, shutdown).await {
+                let served = match tls {
+                    Some(tls) => service.serve_tls(listener, tls, shutdown).await,
+                    None => service.serve(listener, shutdown).await,
+                };
+                if let Err(error) = served {
                     tracing::error!(%error, "Raft peer server stopped");
                 }
             })
@@ -179,7 +227,7 @@ impl RaftHost {
             .iter()
             .map(|peer| (peer.id, BasicNode::new(peer.raft_addr.clone())))
             .collect();
-        tracing::info!(%raft_addr, advertise = %advertise_addr, node = %config.raft_node_id, cluster = %config.cluster_id, role = %config.role, "Raft peer service listening");
+        tracing::info!(%raft_addr, advertise = %advertise_addr, node = %config.raft_node_id, cluster = %config.cluster_id, role = %config.role, tls = config.tls.is_some(), "Raft peer service listening");
         Ok(Self {
             node_id: config.raft_node_id,
             role: config.role,
@@ -192,6 +240,8 @@ impl RaftHost {
             quota,
             stop,
             server,
+            credentials,
+            tls_reload,
         })
     }
 
@@ -241,6 +291,11 @@ impl RaftHost {
         &self.channels
     }
 
+    /// The node's TLS credentials (`[tls]`), for the other ports that use them.
+    pub fn credentials(&self) -> Option<&std::sync::Arc<Credentials>> {
+        self.credentials.as_ref()
+    }
+
     /// The peer service, for another group to register with.
     pub fn peer_service(&self) -> &RaftPeerService {
         &self.service
@@ -260,6 +315,9 @@ impl RaftHost {
             tracing::warn!("the Raft peer server did not drain; closing it");
             server.abort();
             let _ = server.await;
+        }
+        if let Some(reload) = self.tls_reload {
+            let _ = reload.await;
         }
     }
 }

@@ -29,8 +29,7 @@ async fn grant_batch(
     timeout: Duration,
 ) -> Result<admin::AcquireLeasesReply> {
     let leases = (0..count).map(|n| wanted("api_key", &format!("{prefix}-{n}"), tokens)).collect();
-    let mut request =
-        tonic::Request::new(admin::AcquireLeasesRequest { leases, lease_ttl_ms: 60_000 });
+    let mut request = call(admin::AcquireLeasesRequest { leases, lease_ttl_ms: 60_000 });
     request.set_timeout(timeout);
     let reply = cluster.admin(via).await?.acquire_leases(request).await?.into_inner();
     anyhow::ensure!(reply.results.len() == count, "one result per key: {reply:?}");

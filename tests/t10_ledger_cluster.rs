@@ -47,11 +47,11 @@ async fn start_node(
     let address = listener.local_addr()?.to_string();
     let group = RaftGroup::<QuotaGroup>::open(
         &settings(id, &directory, snapshot_every_logs),
-        PeerChannels::new(),
+        PeerChannels::new(None),
     )
     .await
     .with_context(|| format!("open node {id}"))?;
-    let service = RaftPeerService::new();
+    let service = RaftPeerService::new(false);
     service.register_group(&group)?;
     let (stop_server, stopped) = oneshot::channel::<()>();
     let server = tokio::spawn(async move {
@@ -267,7 +267,7 @@ async fn a_node_outside_the_group_writes_through_its_seeds() -> Result<()> {
     let gateway_id = NodeId(7);
     let mut gateway_settings = settings(gateway_id, &root.path().join("gateway"), 10_000);
     gateway_settings.seeds = seeds;
-    let gateway = RaftGroup::<QuotaGroup>::open(&gateway_settings, PeerChannels::new()).await?;
+    let gateway = RaftGroup::<QuotaGroup>::open(&gateway_settings, PeerChannels::new(None)).await?;
     assert!(!gateway.is_member());
     assert_eq!(gateway.voter_count(), 4, "a non-member counts its seeds");
     assert_eq!(gateway.cached_leader(), None);

@@ -14,6 +14,12 @@
 //! reports the role, the leader its writes last reached and the voters it writes through,
 //! and `AcquireLeases` works as anywhere: the group sends the command to the leader.
 //!
+//! Every call needs an operator token (`crate::api::operators`): the ones that change the
+//! group or the ledger (`Init`, `AddNode`, `RemoveNode`, `AcquireLeases`) a full one, the
+//! reads (`Status`, `ReadKeys`) any, or none with `admin.read_open`. With `admin.tls` the
+//! port is TLS and an operator certificate counts as a full token. Changes are logged with
+//! the operator's name.
+//!
 //! Every call is bounded by the caller's gRPC deadline, capped at [`ADMIN_DEADLINE_MAX`]
 //! (default [`ADMIN_DEADLINE_DEFAULT`]). Bad input is refused before anything is proposed, so
 //! it changes nothing, not even ledger time. Errors become statuses in `crate::api::status`.
@@ -25,6 +31,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use tonic::{Request, Response, Status};
 
+use crate::api::operators::{Access, Operators};
 use crate::api::proto::quotamesh::admin::v1 as proto;
 use crate::api::proto::quotamesh::admin::v1::admin_server::{Admin, AdminServer};
 use crate::config::Role;
@@ -80,16 +87,38 @@ pub struct AdminService {
     node: Arc<AdminNode>,
     quota: RaftGroup<QuotaGroup>,
     policy: Arc<ArcSwap<PolicySet>>,
+    operators: Arc<Operators>,
 }
 
 impl AdminService {
-    /// The service over this node's quota group, resolving rules in `policy`.
+    /// The service over this node's quota group, resolving rules in `policy`, serving the
+    /// callers `operators` lets in.
     pub fn new(
         node: AdminNode,
         quota: RaftGroup<QuotaGroup>,
         policy: Arc<ArcSwap<PolicySet>>,
+        operators: Operators,
     ) -> Self {
-        Self { node: Arc::new(node), quota, policy }
+        Self { node: Arc::new(node), quota, policy, operators: Arc::new(operators) }
+    }
+
+    /// Checks the caller's token for `access`; logs who asks for a change.
+    fn authorize<T>(&self, request: &Request<T>, access: Access, call: &str) -> Result<(), Status> {
+        let certificate = request
+            .extensions()
+            .get::<crate::tls::transport::PeerInfo>()
+            .and_then(|info| info.identity.as_deref());
+        let authorized = self.operators.authorize(request.metadata(), certificate, access);
+        let operator = authorized.map_err(|error| {
+            tracing::warn!(call, remote = ?request.remote_addr(), %error, "admin call refused");
+            Status::from(error)
+        })?;
+        if access == Access::Change
+            && let Some(operator) = operator
+        {
+            tracing::info!(call, operator = %operator.name, "admin change requested");
+        }
+        Ok(())
     }
 
     /// The tonic service with the message size limits set both ways.
@@ -99,24 +128,33 @@ impl AdminService {
             .max_encoding_message_size(ADMIN_MESSAGE_BYTES_MAX)
     }
 
-    /// Serves the admin API on `listener` until `shutdown` completes.
+    /// Serves the admin API on `listener` until `shutdown` completes: over TLS with `tls`
+    /// (client certificates optional; an operator's counts as a token), else plaintext.
     ///
     /// # Errors
     /// The transport error that stopped the server.
     pub async fn serve(
         self,
         listener: tokio::net::TcpListener,
+        tls: Option<Arc<rustls::ServerConfig>>,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), tonic::transport::Error> {
-        let incoming =
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-        tonic::transport::Server::builder()
+        let router = tonic::transport::Server::builder()
             // A backstop: each handler bounds its own work by the caller's deadline.
             .timeout(ADMIN_DEADLINE_MAX + Duration::from_secs(5))
             .concurrency_limit_per_connection(ADMIN_CONCURRENT_REQUESTS_PER_CONNECTION_MAX)
-            .add_service(self.into_server())
-            .serve_with_incoming_shutdown(incoming, shutdown)
-            .await
+            .add_service(self.into_server());
+        match tls {
+            Some(tls) => {
+                let incoming = crate::tls::transport::incoming(listener, tls);
+                router.serve_with_incoming_shutdown(incoming, shutdown).await
+            }
+            None => {
+                let incoming =
+                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+                router.serve_with_incoming_shutdown(incoming, shutdown).await
+            }
+        }
     }
 
     fn members(&self) -> Vec<proto::Member> {
@@ -347,6 +385,7 @@ impl Admin for AdminService {
         &self,
         request: Request<proto::InitRequest>,
     ) -> Result<Response<proto::MembershipReply>, Status> {
+        self.authorize(&request, Access::Change, "init")?;
         let budget = work_budget(deadline(&request));
         self.refuse_on_gateway("form the group")?;
         if self.node.peers.is_empty() {
@@ -367,6 +406,7 @@ impl Admin for AdminService {
         &self,
         request: Request<proto::AddNodeRequest>,
     ) -> Result<Response<proto::MembershipReply>, Status> {
+        self.authorize(&request, Access::Change, "add_node")?;
         let budget = work_budget(deadline(&request));
         let started = tokio::time::Instant::now();
         self.refuse_on_gateway("change the membership")?;
@@ -429,6 +469,7 @@ impl Admin for AdminService {
         &self,
         request: Request<proto::RemoveNodeRequest>,
     ) -> Result<Response<proto::MembershipReply>, Status> {
+        self.authorize(&request, Access::Change, "remove_node")?;
         let budget = work_budget(deadline(&request));
         self.refuse_on_gateway("change the membership")?;
         let node_id = NodeId(request.into_inner().node_id);
@@ -462,8 +503,9 @@ impl Admin for AdminService {
 
     async fn status(
         &self,
-        _request: Request<proto::StatusRequest>,
+        request: Request<proto::StatusRequest>,
     ) -> Result<Response<proto::StatusReply>, Status> {
+        self.authorize(&request, Access::Read, "status")?;
         let commit_index =
             self.quota.committed_index().await.map_err(crate::api::status::membership_status)?;
         let metrics = self.quota.metrics();
@@ -548,6 +590,7 @@ impl Admin for AdminService {
         &self,
         request: Request<proto::AcquireLeasesRequest>,
     ) -> Result<Response<proto::AcquireLeasesReply>, Status> {
+        self.authorize(&request, Access::Change, "acquire_leases")?;
         let budget = work_budget(deadline(&request));
         let (items, requests) = self.lease_requests(request.get_ref())?;
         let keys: Vec<String> = requests.iter().map(|lease| lease.key.clone()).collect();
@@ -597,6 +640,7 @@ impl Admin for AdminService {
         &self,
         request: Request<proto::ReadKeysRequest>,
     ) -> Result<Response<proto::ReadKeysReply>, Status> {
+        self.authorize(&request, Access::Read, "read_keys")?;
         self.refuse_on_gateway("read ledger keys")?;
         let keys = request.into_inner().keys;
         if keys.len() > READ_KEYS_MAX {

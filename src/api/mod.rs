@@ -4,6 +4,7 @@
 //! - [`rls`]: Envoy Rate Limit Service v3 (`ShouldRateLimit`).
 //! - [`admin`]: the admin API (`quotamesh.admin.v1.Admin`): the quota group's membership and
 //!   status, lease grants by hand.
+//! - [`operators`]: who may call the admin API (operator tokens).
 //! - [`billing`]: the billing-debit API (`quotamesh.billing.v1.Billing`).
 //! - [`status`]: the one mapping from domain and operating errors to `tonic::Status`.
 //! - [`http`]: `/metrics`, `/healthz`, `/readyz`.
@@ -12,6 +13,7 @@
 pub mod admin;
 pub mod billing;
 pub mod http;
+pub mod operators;
 pub mod proto;
 pub mod rls;
 pub mod status;

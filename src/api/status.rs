@@ -171,7 +171,9 @@ impl From<AuthError> for Status {
             AuthError::Missing | AuthError::Malformed | AuthError::Unknown => {
                 Status::unauthenticated(error.to_string())
             }
-            AuthError::Forbidden { .. } => Status::permission_denied(error.to_string()),
+            AuthError::Forbidden { .. } | AuthError::ReadOnly { .. } => {
+                Status::permission_denied(error.to_string())
+            }
         }
     }
 }

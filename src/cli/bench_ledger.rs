@@ -1,6 +1,7 @@
 //! `quotamesh bench ledger`: committed `AcquireLeases` throughput and latency of a real
 //! loopback region, with fsync on (the Raft log is always fsync'd), against a single-node
-//! region measured in the same run.
+//! region measured in the same run; the region runs twice, with mTLS between its nodes (as
+//! shipped) and in plaintext (`insecure_cluster`), to price the TLS.
 //!
 //! ```text
 //!  bench ──spawns──▶ quotamesh serve × N (127.0.0.1..N, own config and data directory)
@@ -40,6 +41,8 @@ const KEY_SPACE: u64 = 100_000;
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Deadline of one benchmark call; a slower commit counts as an error.
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// The operator token of the benchmark's nodes (they live only for the run, on loopback).
+const BENCH_ADMIN_TOKEN: &str = "bench-operator-token";
 
 /// Flags of `quotamesh bench ledger`.
 #[derive(Debug, Args)]
@@ -70,6 +73,8 @@ pub struct LedgerBenchArgs {
 #[derive(Debug, Clone, serde::Serialize)]
 struct CaseResult {
     nodes: u64,
+    /// mTLS between the nodes (a region of one has no links between nodes).
+    tls: bool,
     batch: usize,
     clients: usize,
     seconds: f64,
@@ -112,21 +117,24 @@ pub async fn run(arguments: LedgerBenchArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&work_dir)
         .with_context(|| format!("cannot create {}", work_dir.display()))?;
     let mut results = Vec::new();
-    let mut topologies = vec![1];
+    let mut topologies = vec![(1, false)];
     if arguments.nodes > 1 {
-        topologies.push(arguments.nodes);
+        topologies.push((arguments.nodes, false));
+        topologies.push((arguments.nodes, true));
     }
     let outcome = async {
-        for nodes in topologies {
-            let region_dir = work_dir.join(format!("region-{nodes}"));
-            let mut region = Region::start(&region_dir, nodes).await?;
+        for (nodes, tls) in topologies {
+            let region_dir = work_dir.join(format!("region-{nodes}-{}", tls_name(tls)));
+            let mut region = Region::start(&region_dir, nodes, tls).await?;
             let measured = async {
                 for (batch, clients) in &cases {
                     let result = region.measure(*batch, *clients, &arguments).await?;
                     if !arguments.json {
                         eprintln!(
-                            "{nodes} node(s), batch {batch}, {clients} client(s): {:.0} grants/s, p99 {:.2} ms",
-                            result.grants_per_second, result.latency_p99_ms
+                            "{nodes} node(s) {}, batch {batch}, {clients} client(s): {:.0} grants/s, p99 {:.2} ms",
+                            tls_name(tls),
+                            result.grants_per_second,
+                            result.latency_p99_ms
                         );
                     }
                     results.push(result);
@@ -147,6 +155,10 @@ pub async fn run(arguments: LedgerBenchArgs) -> anyhow::Result<()> {
     report(&results, arguments.json)
 }
 
+fn tls_name(tls: bool) -> &'static str {
+    if tls { "mtls" } else { "plain" }
+}
+
 fn report(results: &[CaseResult], json: bool) -> anyhow::Result<()> {
     if json {
         println!("{}", serde_json::to_string_pretty(results)?);
@@ -156,8 +168,9 @@ fn report(results: &[CaseResult], json: bool) -> anyhow::Result<()> {
         "AcquireLeases through the leader's admin API, fsync'd Raft log; latency as the client sees it"
     );
     println!(
-        "{:>5} {:>6} {:>7} {:>10} {:>10} {:>8} {:>8} {:>8} {:>12} {:>12}",
+        "{:>5} {:>5} {:>6} {:>7} {:>10} {:>10} {:>8} {:>8} {:>8} {:>12} {:>12}",
         "nodes",
+        "links",
         "batch",
         "clients",
         "batches/s",
@@ -170,8 +183,9 @@ fn report(results: &[CaseResult], json: bool) -> anyhow::Result<()> {
     );
     for result in results {
         println!(
-            "{:>5} {:>6} {:>7} {:>10.0} {:>10.0} {:>8.2} {:>8.2} {:>8.2} {:>12.1} {:>12.1}",
+            "{:>5} {:>5} {:>6} {:>7} {:>10.0} {:>10.0} {:>8.2} {:>8.2} {:>8.2} {:>12.1} {:>12.1}",
             result.nodes,
+            tls_name(result.tls),
             result.batch,
             result.clients,
             result.batches_per_second,
@@ -184,28 +198,55 @@ fn report(results: &[CaseResult], json: bool) -> anyhow::Result<()> {
         );
     }
     let region_nodes = results.iter().map(|result| result.nodes).max().unwrap_or(1);
-    if region_nodes > 1 {
-        println!("\nratios, {region_nodes} nodes / 1 node (same case, same run):");
-        for region in results.iter().filter(|result| result.nodes == region_nodes) {
-            let Some(single) = results.iter().find(|result| {
-                result.nodes == 1
-                    && result.batch == region.batch
-                    && result.clients == region.clients
-            }) else {
-                continue;
-            };
-            println!(
-                "  batch {:>4} x {:>2} clients: grants/s x{:.2}, p50 x{:.2}, p99 x{:.2}, bytes written per grant x{:.2}",
-                region.batch,
-                region.clients,
-                ratio(region.grants_per_second, single.grants_per_second),
-                ratio(region.latency_p50_ms, single.latency_p50_ms),
-                ratio(region.latency_p99_ms, single.latency_p99_ms),
-                ratio(region.write_bytes_per_grant, single.write_bytes_per_grant),
-            );
-        }
-    }
+    print_ratios(
+        &format!("{region_nodes} nodes (plaintext) / 1 node"),
+        results,
+        |result| result.nodes == region_nodes && region_nodes > 1 && !result.tls,
+        |region, single| single.nodes == 1 && !single.tls && same_case(region, single),
+    );
+    print_ratios(
+        &format!("{region_nodes} nodes with mTLS / plaintext"),
+        results,
+        |result| result.tls,
+        |tls, plain| !plain.tls && plain.nodes == tls.nodes && same_case(tls, plain),
+    );
     Ok(())
+}
+
+fn same_case(one: &CaseResult, other: &CaseResult) -> bool {
+    one.batch == other.batch && one.clients == other.clients
+}
+
+/// Prints, for every result `measured` selects, its figures over those of the result
+/// `baseline_of` pairs it with.
+fn print_ratios(
+    title: &str,
+    results: &[CaseResult],
+    measured: impl Fn(&CaseResult) -> bool,
+    baseline_of: impl Fn(&CaseResult, &CaseResult) -> bool,
+) {
+    let pairs: Vec<(&CaseResult, &CaseResult)> = results
+        .iter()
+        .filter(|result| measured(result))
+        .filter_map(|result| {
+            Some((result, results.iter().find(|baseline| baseline_of(result, baseline))?))
+        })
+        .collect();
+    if pairs.is_empty() {
+        return;
+    }
+    println!("\nratios, {title} (same case, same run):");
+    for (result, baseline) in pairs {
+        println!(
+            "  batch {:>4} x {:>2} clients: grants/s x{:.2}, p50 x{:.2}, p99 x{:.2}, bytes written per grant x{:.2}",
+            result.batch,
+            result.clients,
+            ratio(result.grants_per_second, baseline.grants_per_second),
+            ratio(result.latency_p50_ms, baseline.latency_p50_ms),
+            ratio(result.latency_p99_ms, baseline.latency_p99_ms),
+            ratio(result.write_bytes_per_grant, baseline.write_bytes_per_grant),
+        );
+    }
 }
 
 fn ratio(numerator: f64, denominator: f64) -> f64 {
@@ -225,6 +266,7 @@ struct Region {
     leader_admin: SocketAddr,
     next_key: Arc<AtomicU64>,
     size: u64,
+    tls: bool,
 }
 
 fn free_port(ip: &str) -> anyhow::Result<u16> {
@@ -232,8 +274,13 @@ fn free_port(ip: &str) -> anyhow::Result<u16> {
 }
 
 impl Region {
-    async fn start(directory: &Path, size: u64) -> anyhow::Result<Self> {
+    async fn start(directory: &Path, size: u64, tls: bool) -> anyhow::Result<Self> {
         std::fs::create_dir_all(directory)?;
+        let authority = if tls && size > 1 {
+            Some(crate::tls::authority::Authority::generate("bench", crate::clock::now_ms(), 1)?)
+        } else {
+            None
+        };
         let policy = directory.join("bench.yaml");
         std::fs::write(&policy, BENCH_POLICY)?;
         let mut addresses = Vec::new();
@@ -257,6 +304,9 @@ impl Region {
                 // The billing API is not measured here; keep it off the shared default port.
                 admin.ip(),
             );
+            if size > 1 && !tls {
+                config.push_str("insecure_cluster = true\n");
+            }
             // One node: no peers, so it forms its own group on first start.
             if size > 1 {
                 for (peer, _, _, _, peer_raft) in &addresses {
@@ -265,6 +315,13 @@ impl Region {
                     ));
                 }
             }
+            if let Some(authority) = &authority {
+                config.push_str(&node_tls(directory, authority, *id, &raft.ip().to_string())?);
+            }
+            config.push_str(&format!(
+                "[[admin.tokens]]\nname = \"bench\"\nsha256 = \"{}\"\n",
+                crate::api::billing::auth::token_sha256_hex(BENCH_ADMIN_TOKEN)
+            ));
             let config_path = directory.join(format!("node-{id}.toml"));
             std::fs::write(&config_path, config)?;
             let log = std::fs::File::create(directory.join(format!("node-{id}.log")))?;
@@ -281,7 +338,7 @@ impl Region {
             nodes.push(BenchNode { admin_addr: *admin, data_dir, child });
         }
         let mut region =
-            Self { nodes, leader_admin: addresses[0].3, next_key: Arc::default(), size };
+            Self { nodes, leader_admin: addresses[0].3, next_key: Arc::default(), size, tls };
         if let Err(error) = region.form().await {
             region.stop();
             return Err(error);
@@ -358,6 +415,7 @@ impl Region {
         let grants = load.grants.max(1) as f64;
         Ok(CaseResult {
             nodes: self.size,
+            tls: self.tls,
             batch,
             clients,
             seconds: elapsed,
@@ -482,9 +540,46 @@ async fn drive(
     total
 }
 
+/// Writes node `id`'s certificate, key and the CA bundle into `<directory>/certs`; returns
+/// the node's `[tls]` section.
+fn node_tls(
+    directory: &Path,
+    authority: &crate::tls::authority::Authority,
+    id: u64,
+    host: &str,
+) -> anyhow::Result<String> {
+    let certs = directory.join("certs");
+    std::fs::create_dir_all(&certs)?;
+    let issued = authority.issue_node(
+        "bench",
+        crate::core::ledger::NodeId(id),
+        &[host.to_owned()],
+        crate::clock::now_ms(),
+        1,
+    )?;
+    let (cert, key, ca) = (
+        certs.join(format!("node-{id}.pem")),
+        certs.join(format!("node-{id}.key")),
+        certs.join("ca.pem"),
+    );
+    std::fs::write(&cert, &issued.cert_pem)?;
+    std::fs::write(&key, &issued.key_pem)?;
+    std::fs::write(&ca, authority.cert_pem())?;
+    Ok(format!(
+        "[tls]\ncert = \"{}\"\nkey = \"{}\"\nca = \"{}\"\n",
+        cert.display(),
+        key.display(),
+        ca.display()
+    ))
+}
+
 fn timed<T>(message: T) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
     request.set_timeout(CALL_TIMEOUT);
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {BENCH_ADMIN_TOKEN}").parse().expect("an ASCII constant"),
+    );
     request
 }
 

@@ -174,6 +174,33 @@ pub enum BillingCommand {
 /// credentials) prints its code and message on stderr and exits 1.
 ///
 /// # Errors
+/// The client TLS settings of a CLI command: trust `ca` (else the system's roots), present
+/// `identity` (certificate and key files) when given, check `domain` instead of the host.
+///
+/// # Errors
+/// When a file cannot be read.
+pub fn client_tls(
+    ca: Option<&std::path::Path>,
+    identity: Option<(&std::path::Path, &std::path::Path)>,
+    domain: Option<&str>,
+) -> anyhow::Result<ClientTlsConfig> {
+    crate::api::billing::tls::install_crypto_provider();
+    let read = |path: &std::path::Path| {
+        std::fs::read(path).with_context(|| format!("read {}", path.display()))
+    };
+    let mut tls = ClientTlsConfig::new();
+    if let Some(ca) = ca {
+        tls = tls.ca_certificate(Certificate::from_pem(read(ca)?));
+    }
+    if let Some((cert, key)) = identity {
+        tls = tls.identity(Identity::from_pem(read(cert)?, read(key)?));
+    }
+    if let Some(domain) = domain {
+        tls = tls.domain_name(domain.to_owned());
+    }
+    Ok(tls)
+}
+
 /// Connection, TLS-file and output failures.
 pub async fn run(arguments: BillingArgs) -> anyhow::Result<ExitCode> {
     match run_command(arguments).await {
@@ -396,22 +423,11 @@ impl Client {
             .connect_timeout(timeout)
             .timeout(timeout);
         if arguments.ca_cert.is_some() || arguments.client_cert.is_some() {
-            crate::api::billing::tls::install_crypto_provider();
-            let mut tls = ClientTlsConfig::new();
-            if let Some(ca) = &arguments.ca_cert {
-                let pem = std::fs::read(ca).with_context(|| format!("read {}", ca.display()))?;
-                tls = tls.ca_certificate(Certificate::from_pem(pem));
-            }
-            if let (Some(cert), Some(key)) = (&arguments.client_cert, &arguments.client_key) {
-                let cert =
-                    std::fs::read(cert).with_context(|| format!("read {}", cert.display()))?;
-                let key = std::fs::read(key).with_context(|| format!("read {}", key.display()))?;
-                tls = tls.identity(Identity::from_pem(cert, key));
-            }
-            if let Some(domain) = &arguments.tls_domain {
-                tls = tls.domain_name(domain.clone());
-            }
-            endpoint = endpoint.tls_config(tls)?;
+            endpoint = endpoint.tls_config(client_tls(
+                arguments.ca_cert.as_deref(),
+                arguments.client_cert.as_deref().zip(arguments.client_key.as_deref()),
+                arguments.tls_domain.as_deref(),
+            )?)?;
         }
         let channel = endpoint.connect().await.with_context(|| {
             format!("cannot connect to the billing endpoint {}", arguments.endpoint)

@@ -1,5 +1,11 @@
 //! `quotamesh cluster init|add-node|remove-node|status|acquire-leases`: the command-line
-//! client of the admin gRPC service (`crate::api::admin`).
+//! client of the admin gRPC service (`crate::api::admin`); `cluster certs` is
+//! `crate::cli::certs`'s.
+//!
+//! Every call carries the operator token (`authorization: Bearer`), read from
+//! `QUOTAMESH_ADMIN_TOKEN` or the file `--admin-token-file` names; against an admin port
+//! served with `admin.tls`, `--ca-cert` (and an operator's `--client-cert`, `--client-key`
+//! instead of a token) makes the connection TLS.
 //!
 //! Membership changes run on the quota group's leader. Give `--admin-addr` every node of the
 //! region (comma-separated or repeated) and the command finds the leader by asking each for
@@ -33,6 +39,49 @@ pub struct Target {
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
+    /// A file holding the operator token (else `QUOTAMESH_ADMIN_TOKEN`).
+    #[arg(long)]
+    pub admin_token_file: Option<std::path::PathBuf>,
+    /// The cluster's CA certificate: talk TLS to an admin port served with `admin.tls`.
+    #[arg(long)]
+    pub ca_cert: Option<std::path::PathBuf>,
+    /// An operator certificate (`quotamesh cluster certs issue-operator`), instead of a token.
+    #[arg(long, requires = "client_key")]
+    pub client_cert: Option<std::path::PathBuf>,
+    /// The operator certificate's key.
+    #[arg(long, requires = "client_cert")]
+    pub client_key: Option<std::path::PathBuf>,
+    /// The token, once read.
+    #[arg(skip)]
+    token: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
+}
+
+/// The variable the operator token is read from.
+pub const ADMIN_TOKEN_VARIABLE: &str = "QUOTAMESH_ADMIN_TOKEN";
+
+impl Target {
+    /// Reads the operator token from `--admin-token-file` or `QUOTAMESH_ADMIN_TOKEN`.
+    fn read_token(&mut self) -> anyhow::Result<()> {
+        let token = match &self.admin_token_file {
+            Some(path) => Some(
+                std::fs::read_to_string(path)
+                    .with_context(|| format!("read the admin token from {}", path.display()))?,
+            ),
+            None => std::env::var(ADMIN_TOKEN_VARIABLE).ok(),
+        };
+        self.token = match token.as_deref().map(str::trim).filter(|token| !token.is_empty()) {
+            None => None,
+            Some(token) => {
+                let mut value: tonic::metadata::MetadataValue<tonic::metadata::Ascii> =
+                    format!("Bearer {token}")
+                        .parse()
+                        .context("the admin token must be printable ASCII")?;
+                value.set_sensitive(true);
+                Some(value)
+            }
+        };
+        Ok(())
+    }
 }
 
 /// Cluster subcommands.
@@ -73,6 +122,9 @@ pub enum ClusterCommand {
         #[command(flatten)]
         target: Target,
     },
+    /// Make the cluster's CA and node certificates (mTLS between nodes).
+    #[command(subcommand)]
+    Certs(crate::cli::certs::CertsCommand),
     /// Ask for leases on one descriptor (held by the node asked), e.g. to check a rule.
     AcquireLeases {
         #[command(flatten)]
@@ -96,8 +148,17 @@ pub enum ClusterCommand {
 ///
 /// # Errors
 /// When no node can be reached in time, or the node refuses the call (the message says why).
-pub async fn run(command: ClusterCommand) -> anyhow::Result<()> {
+pub async fn run(mut command: ClusterCommand) -> anyhow::Result<()> {
+    match &mut command {
+        ClusterCommand::Init { target }
+        | ClusterCommand::AddNode { target, .. }
+        | ClusterCommand::RemoveNode { target, .. }
+        | ClusterCommand::Status { target }
+        | ClusterCommand::AcquireLeases { target, .. } => target.read_token()?,
+        ClusterCommand::Certs(_) => {}
+    }
     match command {
+        ClusterCommand::Certs(command) => crate::cli::certs::run(command),
         ClusterCommand::Init { target } => init(&target).await,
         ClusterCommand::AddNode { target, node_id, raft_addr, learner_only } => {
             let mut client = leader(&target).await?;
@@ -178,6 +239,9 @@ fn rpc_error(status: tonic::Status) -> anyhow::Error {
 fn with_deadline<T>(message: T, target: &Target) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
     request.set_timeout(Duration::from_millis(target.timeout_ms));
+    if let Some(token) = &target.token {
+        request.metadata_mut().insert("authorization", token.clone());
+    }
     request
 }
 
@@ -186,12 +250,19 @@ fn first_address(target: &Target) -> anyhow::Result<&str> {
 }
 
 async fn connect(address: &str, target: &Target) -> anyhow::Result<AdminClient<Channel>> {
+    let scheme = if target.ca_cert.is_some() { "https" } else { "http" };
     let url =
-        if address.contains("://") { address.to_owned() } else { format!("http://{address}") };
-    let channel = tonic::transport::Endpoint::from_shared(url)
+        if address.contains("://") { address.to_owned() } else { format!("{scheme}://{address}") };
+    let mut endpoint = tonic::transport::Endpoint::from_shared(url)
         .with_context(|| format!("invalid admin address {address:?}"))?
         .connect_timeout(CONNECT_TIMEOUT)
-        .timeout(Duration::from_millis(target.timeout_ms))
+        .timeout(Duration::from_millis(target.timeout_ms));
+    if let Some(ca) = &target.ca_cert {
+        let identity = target.client_cert.as_deref().zip(target.client_key.as_deref());
+        endpoint =
+            endpoint.tls_config(crate::cli::billing::client_tls(Some(ca), identity, None)?)?;
+    }
+    let channel = endpoint
         .connect()
         .await
         .with_context(|| format!("cannot connect to the admin API at {address}"))?;

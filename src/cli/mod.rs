@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod bench_ledger;
 pub mod billing;
+pub mod certs;
 pub mod cluster;
 pub mod policy;
 pub mod rls;

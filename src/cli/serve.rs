@@ -179,7 +179,7 @@ mod tests {
         std::fs::write(
             &path,
             "raft_node_id = 1\nraft_addr = \"127.0.0.1:9000\"\ncluster_id = \"file\"\n\
-             [[peers]]\nid = 1\nraft_addr = \"127.0.0.1:9000\"\n",
+             insecure_cluster = true\n[[peers]]\nid = 1\nraft_addr = \"127.0.0.1:9000\"\n",
         )?;
         let path = path.display().to_string();
         let parsed = Wrapper::try_parse_from([
@@ -209,7 +209,7 @@ mod tests {
     fn role_flag_beats_the_file() -> anyhow::Result<()> {
         let directory = tempfile::tempdir()?;
         let path = directory.path().join("node.toml");
-        std::fs::write(&path, "role = \"voter\"\nraft_node_id = 4\n")?;
+        std::fs::write(&path, "role = \"voter\"\nraft_node_id = 4\ninsecure_cluster = true\n")?;
         let path = path.display().to_string();
         let parsed = Wrapper::try_parse_from([
             "serve",

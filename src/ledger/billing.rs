@@ -63,6 +63,24 @@ openraft::declare_raft_types!(
 
 impl GroupConfig for BillingGroup {
     type Machine = BillingLedger;
+
+    /// Only from a voter's certificate, whose billing API authenticated every caller named
+    /// in the batch (a gateway serves no billing API, so it has no caller to speak for).
+    fn check_forward(
+        command: &BillingCommand,
+        sender: NodeId,
+        sender_may_vote: bool,
+    ) -> Result<(), String> {
+        if !sender_may_vote {
+            return Err(format!(
+                "node {sender} is a gateway, which serves no billing API, and may not propose to it"
+            ));
+        }
+        if command.operations.iter().any(|operation| operation.caller.is_empty()) {
+            return Err("a billing operation without its authenticated caller".to_owned());
+        }
+        Ok(())
+    }
 }
 
 const RECORD_CLOCK: &[u8] = b"m";

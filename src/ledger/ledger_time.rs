@@ -33,10 +33,11 @@ pub const OFFSET_NODES_MAX: usize = super::network::PEER_CHANNELS_MAX;
 /// Shortest time between two warnings about one node's clock.
 const OFFSET_WARNING_INTERVAL: Duration = Duration::from_secs(10);
 
-/// What a follower or gateway sends the leader in a `Forward` call: who it is, its wall
-/// clock when it sent, and the command (whose own time the leader overwrites).
+/// What a follower or gateway sends the leader in a `Forward` call (the payload's postcard
+/// encoding): who it is, its wall clock when it sent, and the command (whose own time the
+/// leader overwrites).
 #[derive(Debug, Serialize, Deserialize)]
-pub(crate) struct Forwarded<D> {
+pub struct Forwarded<D> {
     /// The sending node.
     pub from: NodeId,
     /// Its wall clock when it sent, to judge its offset from the leader's.

@@ -95,6 +95,19 @@ pub trait GroupConfig:
 {
     /// The deterministic state machine this group replicates.
     type Machine: GroupMachine<Command = Self::D, Response = Self::R>;
+
+    /// Whether `command` may reach this group through a `Forward` call from node `sender`
+    /// (the Raft id its verified certificate names), whose certificate is a voter's
+    /// (`sender_may_vote`) or a gateway's. A node proposes only what it may propose itself:
+    /// never on another node's behalf.
+    ///
+    /// # Errors
+    /// Why not, for the refusal's `PERMISSION_DENIED`.
+    fn check_forward(
+        command: &Self::D,
+        sender: NodeId,
+        sender_may_vote: bool,
+    ) -> Result<(), String>;
 }
 
 /// One record of a machine's materialized state: key and encoded value.

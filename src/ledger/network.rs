@@ -9,14 +9,18 @@
 //! `RaftError` is `RemoteError`. The server side is `service.rs`.
 //!
 //! One [`PeerChannels`] per process holds one HTTP/2 channel per peer address, shared by all
-//! groups, so several groups to the same peer reuse one connection. A connection that goes
-//! silent (a partition that drops packets rather than refusing them) must not outlive the
-//! partition by the kernel's retransmission timers (13 to 19 s measured): HTTP/2 PINGs close
-//! it within [`KEEPALIVE_INTERVAL`] + [`KEEPALIVE_TIMEOUT`], and a channel whose calls all
-//! ran past their deadline for [`SILENCE_BEFORE_RESET`] ([`TIMEOUTS_BEFORE_RESET`] of them at
-//! least) is dropped, so the next call connects afresh (each connect bounded by
-//! [`CONNECT_TIMEOUT`]). A few slow calls (a follower's slow fsync against openraft's 50 ms
-//! append deadline) never reset a channel: reconnecting would only add a handshake.
+//! groups, so several groups to the same peer reuse one connection. With TLS (`crate::tls`)
+//! each channel dials through [`crate::tls::transport::PeerConnector`], presenting this
+//! node's certificate and verifying the peer's; without it, plaintext.
+//!
+//! A connection that goes silent (a partition that drops packets rather than refusing them)
+//! must not outlive the partition by the kernel's retransmission timers (13 to 19 s
+//! measured): HTTP/2 PINGs close it within [`KEEPALIVE_INTERVAL`] + [`KEEPALIVE_TIMEOUT`],
+//! and a channel whose calls all ran past their deadline for [`SILENCE_BEFORE_RESET`]
+//! ([`TIMEOUTS_BEFORE_RESET`] of them at least) is dropped, so the next call connects afresh
+//! (each connect bounded by [`CONNECT_TIMEOUT`]). A few slow calls (a follower's slow fsync
+//! against openraft's 50 ms append deadline) never reset a channel: reconnecting would only
+//! add a handshake.
 
 use std::collections::HashMap;
 use std::marker::PhantomData;
@@ -134,6 +138,8 @@ fn connection_refused(status: &tonic::Status) -> bool {
 #[derive(Clone, Default)]
 pub struct PeerChannels {
     channels: Arc<Mutex<HashMap<String, CachedChannel>>>,
+    /// The TLS client configuration; `None`: plaintext.
+    tls: Option<Arc<rustls::ClientConfig>>,
 }
 
 /// One peer's channel, how many calls on it timed out in a row, and when one last did not.
@@ -143,10 +149,42 @@ struct CachedChannel {
     last_answer: std::time::Instant,
 }
 
+impl CachedChannel {
+    fn new(channel: Channel) -> Self {
+        Self { channel, timeouts_in_a_row: 0, last_answer: std::time::Instant::now() }
+    }
+}
+
 impl PeerChannels {
-    /// An empty set; channels open lazily on first use.
-    pub fn new() -> Self {
-        Self::default()
+    /// An empty set; channels open lazily on first use, over TLS with `tls`.
+    pub fn new(tls: Option<Arc<rustls::ClientConfig>>) -> Self {
+        Self { channels: Arc::default(), tls }
+    }
+
+    /// Connects to `addresses` now, in the background, so the first call to each does not
+    /// pay for the TCP and TLS handshakes (a lease call's budget is a few milliseconds). A
+    /// peer that is not up yet is connected on first use, as without this.
+    pub fn connect_early(&self, addresses: impl IntoIterator<Item = String>) {
+        for address in addresses {
+            let (channels, tls) = (Arc::clone(&self.channels), self.tls.clone());
+            tokio::spawn(async move {
+                let Ok(endpoint) = endpoint(&address) else { return };
+                let connected = match tls {
+                    None => endpoint.connect().await,
+                    Some(tls) => {
+                        let connector =
+                            crate::tls::transport::PeerConnector::new(tls, TCP_KEEPALIVE);
+                        endpoint.connect_with_connector(connector).await
+                    }
+                };
+                if let Ok(channel) = connected {
+                    let mut channels = channels.lock();
+                    if channels.len() < PEER_CHANNELS_MAX {
+                        channels.entry(address).or_insert_with(|| CachedChannel::new(channel));
+                    }
+                }
+            });
+        }
     }
 
     fn client(&self, address: &str) -> Result<RaftPeerClient<Channel>, PeerCallError> {
@@ -155,25 +193,9 @@ impl PeerChannels {
             match channels.get(address) {
                 Some(cached) => cached.channel.clone(),
                 None => {
-                    let channel = Endpoint::from_shared(format!("http://{address}"))
-                        .map_err(|e| PeerCallError::Address {
-                            address: address.to_owned(),
-                            reason: e.to_string(),
-                        })?
-                        .connect_timeout(CONNECT_TIMEOUT)
-                        .tcp_nodelay(true)
-                        .tcp_keepalive(Some(TCP_KEEPALIVE))
-                        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
-                        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
-                        .keep_alive_while_idle(true)
-                        .connect_lazy();
+                    let channel = connect_lazy(&endpoint(address)?, self.tls.as_ref());
                     if channels.len() < PEER_CHANNELS_MAX {
-                        let cached = CachedChannel {
-                            channel: channel.clone(),
-                            timeouts_in_a_row: 0,
-                            last_answer: std::time::Instant::now(),
-                        };
-                        channels.insert(address.to_owned(), cached);
+                        channels.insert(address.to_owned(), CachedChannel::new(channel.clone()));
                     }
                     channel
                 }
@@ -255,6 +277,29 @@ impl PeerChannels {
         let payload = postcard::to_allocvec(request).map_err(PeerCallError::Encode)?;
         let reply = self.call_raw(address, rpc, group, payload, timeout).await?;
         postcard::from_bytes(&reply).map_err(PeerCallError::Decode)
+    }
+}
+
+/// The endpoint of the peer at `address` (`host:port`).
+fn endpoint(address: &str) -> Result<Endpoint, PeerCallError> {
+    Ok(Endpoint::from_shared(format!("http://{address}"))
+        .map_err(|e| PeerCallError::Address { address: address.to_owned(), reason: e.to_string() })?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .tcp_nodelay(true)
+        .tcp_keepalive(Some(TCP_KEEPALIVE))
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(true))
+}
+
+/// A lazily connecting channel to `endpoint`, through TLS when `tls` is set (the TCP
+/// settings are then the connector's: tonic applies its own only to plaintext).
+fn connect_lazy(endpoint: &Endpoint, tls: Option<&Arc<rustls::ClientConfig>>) -> Channel {
+    match tls {
+        None => endpoint.connect_lazy(),
+        Some(tls) => endpoint.connect_with_connector_lazy(
+            crate::tls::transport::PeerConnector::new(Arc::clone(tls), TCP_KEEPALIVE),
+        ),
     }
 }
 

@@ -47,6 +47,28 @@ openraft::declare_raft_types!(
 
 impl GroupConfig for QuotaGroup {
     type Machine = QuotaLedger;
+
+    /// Lease commands (acquire, settle) only for the sender's own leases (a gateway's as a
+    /// voter's); a new policy set only from a voter.
+    fn check_forward(
+        command: &QuotaCommand,
+        sender: NodeId,
+        sender_may_vote: bool,
+    ) -> Result<(), String> {
+        let for_node = match command {
+            QuotaCommand::AcquireLeases { node_id, .. }
+            | QuotaCommand::SettleLeases { node_id, .. } => *node_id,
+            QuotaCommand::PutPolicySet { .. } if sender_may_vote => return Ok(()),
+            QuotaCommand::PutPolicySet { .. } => {
+                return Err(format!("node {sender} is a gateway and may not change the policy"));
+            }
+        };
+        if for_node == sender {
+            Ok(())
+        } else {
+            Err(format!("node {sender} may not move node {for_node}'s leases"))
+        }
+    }
 }
 
 const RECORD_LAST_SEEN: &[u8] = b"h";

@@ -7,12 +7,31 @@
 //! trouble: `NOT_FOUND` for a group this process does not host (yet), `INVALID_ARGUMENT` for
 //! an undecodable payload. `Forward` carries the sender's id and wall clock with the command
 //! (`ledger_time.rs`); it runs the write on this node, stamped with this node's ledger time,
-//! and never forwards it again. The client side is `network.rs`; the group handle is `group.rs`.
+//! and never forwards it again. The client side is `network.rs`; the group handle is
+//! `group.rs`.
+//!
+//! On a TLS port (`crate::tls`) every request carries the Raft node id its caller's verified
+//! certificate names, and whether that is a voter's certificate or a gateway's; a node
+//! speaks only for itself:
+//!
+//! ```text
+//!  AppendEntries, InstallSnapshot   vote.leader_id names the sender; a voter's certificate
+//!  Vote                             vote.leader_id (the candidate) names the sender; a voter's
+//!  Forward                          GroupConfig::check_forward (own leases only; policy and
+//!                                   billing from voters, each operation naming its caller)
+//! ```
+//!
+//! The role comes from the certificate, not from the membership: a leader being removed
+//! still leads until the new membership commits, while followers already hold that
+//! membership, so a membership check would stall the change. Refusals are
+//! `PERMISSION_DENIED`; a request without a node identity on an authenticated service is
+//! `UNAUTHENTICATED`. A `Forward` whose stated sender is not the certificate's is refused too.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use openraft::Raft;
 use openraft::error::{ClientWriteError, InstallSnapshotError, RaftError};
 use parking_lot::RwLock;
 use serde::Serialize;
@@ -22,6 +41,7 @@ use super::ledger_time::Forwarded;
 use super::proto::raft_peer_server::{RaftPeer, RaftPeerServer};
 use super::proto::{GroupReply, GroupRequest};
 use super::{BasicNode, COMMAND_BYTES_MAX, GroupConfig, NodeId, PEER_MESSAGE_BYTES_MAX, RaftGroup};
+use crate::tls::transport::PeerInfo;
 
 /// Most groups one process hosts (quota, billing, and room for multi-raft shards).
 pub const GROUPS_PER_PROCESS_MAX: usize = 64;
@@ -43,16 +63,34 @@ pub enum RegisterError {
     TooMany,
 }
 
-/// One group as the service sees it: bytes in, bytes out.
+/// A verified caller on a TLS port: its node id and whether its certificate is a voter's.
+#[derive(Debug, Clone, Copy)]
+struct Sender {
+    node_id: NodeId,
+    may_vote: bool,
+}
+
+/// One group as the service sees it: bytes in, bytes out. `sender` is the verified caller
+/// on a TLS port, `None` on a plaintext one (which checks nothing).
 #[tonic::async_trait]
 trait GroupEndpoint: Send + Sync + 'static {
-    async fn append_entries(&self, payload: &[u8]) -> Result<Vec<u8>, Status>;
-    async fn vote(&self, payload: &[u8]) -> Result<Vec<u8>, Status>;
-    async fn install_snapshot(&self, payload: &[u8]) -> Result<Vec<u8>, Status>;
-    async fn forward(&self, payload: &[u8]) -> Result<Vec<u8>, Status>;
+    async fn append_entries(
+        &self,
+        payload: &[u8],
+        sender: Option<Sender>,
+    ) -> Result<Vec<u8>, Status>;
+    async fn vote(&self, payload: &[u8], sender: Option<Sender>) -> Result<Vec<u8>, Status>;
+    async fn install_snapshot(
+        &self,
+        payload: &[u8],
+        sender: Option<Sender>,
+    ) -> Result<Vec<u8>, Status>;
+    async fn forward(&self, payload: &[u8], sender: Option<Sender>) -> Result<Vec<u8>, Status>;
 }
 
 struct Endpoint<C: GroupConfig> {
+    raft: Raft<C>,
+    /// The group's handle: forwarded writes go through it to be stamped with ledger time.
     group: RaftGroup<C>,
 }
 
@@ -66,26 +104,60 @@ fn encode<T: Serialize>(reply: &T) -> Result<Vec<u8>, Status> {
         .map_err(|e| Status::internal(format!("cannot encode the reply: {e}")))
 }
 
+/// Checks a Raft message whose vote names `claimed` as leader or candidate: only a voter's
+/// certificate, and only in its own name.
+fn check_raft_sender(
+    rpc: &str,
+    claimed: Option<NodeId>,
+    sender: Option<Sender>,
+) -> Result<(), Status> {
+    let Some(sender) = sender else { return Ok(()) };
+    if !sender.may_vote {
+        return Err(Status::permission_denied(format!(
+            "{rpc} from gateway {}: a gateway sends no Raft messages",
+            sender.node_id
+        )));
+    }
+    if claimed != Some(sender.node_id) {
+        return Err(Status::permission_denied(format!(
+            "{rpc} from node {} speaks for node {claimed:?}",
+            sender.node_id
+        )));
+    }
+    Ok(())
+}
+
 #[tonic::async_trait]
 impl<C: GroupConfig> GroupEndpoint for Endpoint<C> {
-    async fn append_entries(&self, payload: &[u8]) -> Result<Vec<u8>, Status> {
-        let request = decode(payload)?;
-        encode(&self.group.raft().append_entries(request).await)
+    async fn append_entries(
+        &self,
+        payload: &[u8],
+        sender: Option<Sender>,
+    ) -> Result<Vec<u8>, Status> {
+        let request: openraft::raft::AppendEntriesRequest<C> = decode(payload)?;
+        check_raft_sender("AppendEntries", request.vote.leader_id().voted_for(), sender)?;
+        encode(&self.raft.append_entries(request).await)
     }
 
-    async fn vote(&self, payload: &[u8]) -> Result<Vec<u8>, Status> {
-        let request = decode(payload)?;
-        encode(&self.group.raft().vote(request).await)
+    async fn vote(&self, payload: &[u8], sender: Option<Sender>) -> Result<Vec<u8>, Status> {
+        let request: openraft::raft::VoteRequest<NodeId> = decode(payload)?;
+        check_raft_sender("Vote", request.vote.leader_id().voted_for(), sender)?;
+        encode(&self.raft.vote(request).await)
     }
 
-    async fn install_snapshot(&self, payload: &[u8]) -> Result<Vec<u8>, Status> {
-        let request = decode(payload)?;
+    async fn install_snapshot(
+        &self,
+        payload: &[u8],
+        sender: Option<Sender>,
+    ) -> Result<Vec<u8>, Status> {
+        let request: openraft::raft::InstallSnapshotRequest<C> = decode(payload)?;
+        check_raft_sender("InstallSnapshot", request.vote.leader_id().voted_for(), sender)?;
         let reply: Result<_, RaftError<NodeId, InstallSnapshotError>> =
-            self.group.raft().install_snapshot(request).await;
+            self.raft.install_snapshot(request).await;
         encode(&reply)
     }
 
-    async fn forward(&self, payload: &[u8]) -> Result<Vec<u8>, Status> {
+    async fn forward(&self, payload: &[u8], sender: Option<Sender>) -> Result<Vec<u8>, Status> {
         if payload.len() > COMMAND_BYTES_MAX {
             return Err(Status::invalid_argument(format!(
                 "command of {} bytes exceeds {COMMAND_BYTES_MAX}",
@@ -93,6 +165,16 @@ impl<C: GroupConfig> GroupEndpoint for Endpoint<C> {
             )));
         }
         let forwarded: Forwarded<C::D> = decode(payload)?;
+        if let Some(sender) = sender {
+            if forwarded.from != sender.node_id {
+                return Err(Status::permission_denied(format!(
+                    "Forward from node {} says it comes from node {}",
+                    sender.node_id, forwarded.from
+                )));
+            }
+            C::check_forward(&forwarded.command, sender.node_id, sender.may_vote)
+                .map_err(Status::permission_denied)?;
+        }
         let reply: Result<C::R, RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>> =
             self.group.forwarded(forwarded).await;
         encode(&reply)
@@ -103,12 +185,31 @@ impl<C: GroupConfig> GroupEndpoint for Endpoint<C> {
 #[derive(Clone, Default)]
 pub struct RaftPeerService {
     groups: Arc<RwLock<HashMap<String, Arc<dyn GroupEndpoint>>>>,
+    /// Served over TLS: every request must carry its caller's identity.
+    authenticated: bool,
 }
 
 impl RaftPeerService {
-    /// A service hosting no group yet.
-    pub fn new() -> Self {
-        Self::default()
+    /// A service hosting no group yet; `authenticated` when it is served over TLS
+    /// ([`Self::serve_tls`]), so every request must name its verified sender.
+    pub fn new(authenticated: bool) -> Self {
+        Self { groups: Arc::default(), authenticated }
+    }
+
+    /// The verified caller of a request: `None` on a plaintext service.
+    ///
+    /// # Errors
+    /// `UNAUTHENTICATED` on an authenticated service for a request without a node identity.
+    fn sender<T>(&self, request: &Request<T>) -> Result<Option<Sender>, Status> {
+        if !self.authenticated {
+            return Ok(None);
+        }
+        let identity =
+            request.extensions().get::<PeerInfo>().and_then(|info| info.identity.as_ref());
+        let sender = identity.and_then(|identity| {
+            Some(Sender { node_id: identity.node_id()?, may_vote: identity.may_vote() })
+        });
+        sender.map(Some).ok_or_else(|| Status::unauthenticated("no verified node certificate"))
     }
 
     /// Routes requests for `group`'s name to it. Forwarded writes go through the group's
@@ -127,7 +228,8 @@ impl RaftPeerService {
         if groups.len() >= GROUPS_PER_PROCESS_MAX {
             return Err(RegisterError::TooMany);
         }
-        groups.insert(group.name().to_owned(), Arc::new(Endpoint { group: group.clone() }));
+        let endpoint = Endpoint { raft: group.raft().clone(), group: group.clone() };
+        groups.insert(group.name().to_owned(), Arc::new(endpoint));
         Ok(())
     }
 
@@ -151,7 +253,14 @@ impl RaftPeerService {
             .max_encoding_message_size(PEER_MESSAGE_BYTES_MAX)
     }
 
-    /// Serves the Raft transport on `listener` until `shutdown` completes.
+    fn router(self) -> tonic::transport::server::Router {
+        tonic::transport::Server::builder()
+            .timeout(SERVER_REQUEST_TIMEOUT)
+            .concurrency_limit_per_connection(CONCURRENT_REQUESTS_PER_CONNECTION_MAX)
+            .add_service(self.into_server())
+    }
+
+    /// Serves the Raft transport in plaintext on `listener` until `shutdown` completes.
     ///
     /// # Errors
     /// The transport error that stopped the server.
@@ -164,12 +273,22 @@ impl RaftPeerService {
         // binds itself, and Nagle meeting the peer's delayed ACK stalls a small reply ~40 ms.
         let incoming =
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-        tonic::transport::Server::builder()
-            .timeout(SERVER_REQUEST_TIMEOUT)
-            .concurrency_limit_per_connection(CONCURRENT_REQUESTS_PER_CONNECTION_MAX)
-            .add_service(self.into_server())
-            .serve_with_incoming_shutdown(incoming, shutdown)
-            .await
+        self.router().serve_with_incoming_shutdown(incoming, shutdown).await
+    }
+
+    /// Serves the Raft transport over mutual TLS (`crate::tls::transport::incoming`) on
+    /// `listener` until `shutdown` completes.
+    ///
+    /// # Errors
+    /// The transport error that stopped the server.
+    pub async fn serve_tls(
+        self,
+        listener: tokio::net::TcpListener,
+        tls: Arc<rustls::ServerConfig>,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), tonic::transport::Error> {
+        let incoming = crate::tls::transport::incoming(listener, tls);
+        self.router().serve_with_incoming_shutdown(incoming, shutdown).await
     }
 }
 
@@ -179,14 +298,17 @@ impl RaftPeer for RaftPeerService {
         &self,
         request: Request<GroupRequest>,
     ) -> Result<Response<GroupReply>, Status> {
+        let sender = self.sender(&request)?;
         let request = request.into_inner();
-        let payload = self.endpoint(&request.group)?.append_entries(&request.payload).await?;
+        let payload =
+            self.endpoint(&request.group)?.append_entries(&request.payload, sender).await?;
         Ok(Response::new(GroupReply { payload }))
     }
 
     async fn vote(&self, request: Request<GroupRequest>) -> Result<Response<GroupReply>, Status> {
+        let sender = self.sender(&request)?;
         let request = request.into_inner();
-        let payload = self.endpoint(&request.group)?.vote(&request.payload).await?;
+        let payload = self.endpoint(&request.group)?.vote(&request.payload, sender).await?;
         Ok(Response::new(GroupReply { payload }))
     }
 
@@ -194,8 +316,10 @@ impl RaftPeer for RaftPeerService {
         &self,
         request: Request<GroupRequest>,
     ) -> Result<Response<GroupReply>, Status> {
+        let sender = self.sender(&request)?;
         let request = request.into_inner();
-        let payload = self.endpoint(&request.group)?.install_snapshot(&request.payload).await?;
+        let payload =
+            self.endpoint(&request.group)?.install_snapshot(&request.payload, sender).await?;
         Ok(Response::new(GroupReply { payload }))
     }
 
@@ -203,8 +327,9 @@ impl RaftPeer for RaftPeerService {
         &self,
         request: Request<GroupRequest>,
     ) -> Result<Response<GroupReply>, Status> {
+        let sender = self.sender(&request)?;
         let request = request.into_inner();
-        let payload = self.endpoint(&request.group)?.forward(&request.payload).await?;
+        let payload = self.endpoint(&request.group)?.forward(&request.payload, sender).await?;
         Ok(Response::new(GroupReply { payload }))
     }
 }

@@ -12,6 +12,7 @@ use quotamesh::api::proto::quotamesh::billing::v1 as pb;
 use quotamesh::core::billing::AuditEntry;
 use tonic::transport::Channel;
 
+use super::tls::TestCa;
 use super::{NodeProcess, free_port};
 
 pub use pb::billing_client::BillingClient;
@@ -170,10 +171,16 @@ impl BillingCluster {
         } else {
             String::new()
         };
+        // Several nodes run as shipped: mTLS between them, with a CA of the group's own.
+        let ca = if count > 1 { Some(TestCa::new(scratch.path(), "local")?) } else { None };
         for node in &nodes {
+            let tls = match &ca {
+                Some(ca) => ca.node_section(node.id, "127.0.0.1", false)?,
+                None => String::new(),
+            };
             let text = format!(
-                "billing_addr = \"{}\"\nraft_addr = \"{}\"\nraft_node_id = {}\n\n{peers}\n[billing]\n\
-                 bootstrap = {}\ndeadline_ms = {DEADLINE_MS}\n{extra_toml}\n{}\n{trailer}",
+                "billing_addr = \"{}\"\nraft_addr = \"{}\"\nraft_node_id = {}\n\n{peers}\n{tls}\n\
+                 [billing]\nbootstrap = {}\ndeadline_ms = {DEADLINE_MS}\n{extra_toml}\n{}\n{trailer}",
                 node.billing_addr,
                 node.raft_addr,
                 node.id,

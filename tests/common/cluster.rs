@@ -6,6 +6,9 @@
 //! A gateway (`role = "gateway"`: leases only, no member of the group) can join the region
 //! as node N too, listing the voters as its peers.
 //!
+//! Every cluster runs as shipped for several nodes: mTLS between nodes with a CA of its own
+//! (`super::tls`), and admin calls carrying the test operator token.
+//!
 //! Waits poll a condition with a deadline; nothing sleeps for a fixed time.
 
 use std::collections::BTreeMap;
@@ -22,6 +25,7 @@ use quotamesh::core::lease_key::LeaseKey;
 use quotamesh::core::rate::{Algorithm, LimitSpec};
 use tonic::transport::Channel;
 
+use super::tls::{ADMIN_TOKEN, TestCa, admin_section};
 use super::{NodeProcess, free_port_on, write_file};
 
 /// How long a cluster may take to agree on a leader or converge (debug builds, shared box).
@@ -124,7 +128,12 @@ impl ClusterNode {
     /// Writes the node's TOML config. The Raft address comes from the config file, the
     /// admin address from a `QUOTAMESH_*` variable and the RLS address from a flag, so the
     /// three layers are all exercised.
-    fn write_config(&self, options: &ClusterOptions, policy: &Path) -> anyhow::Result<()> {
+    fn write_config(
+        &self,
+        options: &ClusterOptions,
+        policy: &Path,
+        ca: &TestCa,
+    ) -> anyhow::Result<()> {
         let mut text = format!(
             "node_id = \"test-node-{id}\"\nraft_node_id = {id}\ncluster_id = \"{cluster}\"\n\
              data_dir = \"{data}\"\npolicy = \"{policy}\"\nraft_addr = \"{raft}\"\n",
@@ -140,6 +149,10 @@ impl ClusterNode {
         for (id, address) in &self.peers {
             text.push_str(&format!("\n[[peers]]\nid = {id}\nraft_addr = \"{address}\"\n"));
         }
+        text.push('\n');
+        text.push_str(&ca.node_section(self.id, &self.raft_addr.ip().to_string(), self.gateway)?);
+        text.push('\n');
+        text.push_str(&admin_section());
         text.push_str("\n[quota_group]\n");
         if let Some(every) = options.snapshot_every_logs {
             text.push_str(&format!("snapshot_every_logs = {every}\n"));
@@ -212,6 +225,8 @@ pub fn proc_write_bytes(pid: u32) -> Option<u64> {
 /// A region of node processes.
 pub struct Cluster {
     pub root: tempfile::TempDir,
+    /// The cluster's CA (node certificates are in its directory).
+    pub ca: TestCa,
     pub options: ClusterOptions,
     pub policy: PathBuf,
     pub nodes: BTreeMap<u64, ClusterNode>,
@@ -227,6 +242,7 @@ impl Cluster {
             "policy.yaml",
             options.policy.as_deref().unwrap_or(CLUSTER_POLICY),
         );
+        let ca = TestCa::new(root.path(), &options.cluster_id)?;
         let mut nodes = BTreeMap::new();
         if options.uid_base.is_some() {
             // Nodes of other users create their data directories here.
@@ -247,10 +263,10 @@ impl Cluster {
             nodes.values().map(|node| (node.id, node.raft_addr)).collect();
         for node in nodes.values_mut() {
             node.peers.clone_from(&peers);
-            node.write_config(&options, &policy)?;
+            node.write_config(&options, &policy, &ca)?;
             node.start()?;
         }
-        let cluster = Self { root, options, policy, nodes };
+        let cluster = Self { root, ca, options, policy, nodes };
         let output = cluster.cli(&[
             "cluster",
             "init",
@@ -270,7 +286,7 @@ impl Cluster {
     pub fn start_newcomer(&mut self, id: u64) -> anyhow::Result<&ClusterNode> {
         let mut node = ClusterNode::new(self.root.path(), id)?;
         node.peers = vec![(id, node.raft_addr)];
-        node.write_config(&self.options, &self.policy)?;
+        node.write_config(&self.options, &self.policy, &self.ca)?;
         node.start()?;
         self.nodes.insert(id, node);
         Ok(&self.nodes[&id])
@@ -287,7 +303,7 @@ impl Cluster {
             .map(|voter| (voter.id, voter.raft_addr))
             .collect();
         node.gateway = true;
-        node.write_config(&self.options, &self.policy)?;
+        node.write_config(&self.options, &self.policy, &self.ca)?;
         node.start()?;
         self.nodes.insert(id, node);
         Ok(&self.nodes[&id])
@@ -299,6 +315,7 @@ impl Cluster {
         let output = Command::new(env!("CARGO_BIN_EXE_quotamesh"))
             .args(arguments)
             .env("RUST_BACKTRACE", "0")
+            .env("QUOTAMESH_ADMIN_TOKEN", ADMIN_TOKEN)
             .output()
             .context("run quotamesh")?;
         if !output.status.success() {
@@ -441,10 +458,13 @@ pub async fn admin_client(address: SocketAddr) -> anyhow::Result<AdminClient<Cha
     Ok(AdminClient::new(channel))
 }
 
-/// A request with the test deadline.
+/// A request with the test deadline and the test operator token.
 pub fn call<T>(message: T) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
     request.set_timeout(CALL_TIMEOUT);
+    request
+        .metadata_mut()
+        .insert("authorization", format!("Bearer {ADMIN_TOKEN}").parse().expect("ascii token"));
     request
 }
 

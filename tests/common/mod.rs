@@ -8,6 +8,7 @@ pub mod billing;
 pub mod billing_checker;
 pub mod cluster;
 pub mod leasing;
+pub mod tls;
 
 use std::ffi::OsString;
 use std::io::{Read, Write};

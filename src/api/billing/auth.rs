@@ -39,6 +39,12 @@ pub enum AuthError {
         /// The tenant asked for.
         tenant: String,
     },
+    /// A read-only admin token asked for a change.
+    #[error("operator {caller:?} holds a read-only admin token; this call changes the cluster")]
+    ReadOnly {
+        /// The operator's name.
+        caller: String,
+    },
 }
 
 /// Tenants a caller may touch.
@@ -112,7 +118,7 @@ impl Authenticator {
         let tokens = tokens
             .iter()
             .filter_map(|token| {
-                let digest = decode_hex(&token.sha256.to_ascii_lowercase())?;
+                let digest = configured_digest(&token.sha256)?;
                 let scope = if token.tenants.iter().any(|t| t == BILLING_ALL_TENANTS) {
                     TenantScope::All
                 } else {
@@ -132,25 +138,49 @@ impl Authenticator {
         &self,
         metadata: &tonic::metadata::MetadataMap,
     ) -> Result<Arc<Principal>, AuthError> {
-        let value = metadata.get("authorization").ok_or(AuthError::Missing)?;
-        if value.len() > AUTHORIZATION_BYTES_MAX {
-            return Err(AuthError::Malformed);
-        }
-        let value = value.to_str().map_err(|_| AuthError::Malformed)?;
-        let (scheme, token) = value.split_once(' ').ok_or(AuthError::Malformed)?;
-        if !scheme.eq_ignore_ascii_case("bearer") || token.trim().is_empty() {
-            return Err(AuthError::Malformed);
-        }
-        let presented: [u8; 32] = Sha256::digest(token.trim().as_bytes()).into();
-        // Compare with every digest, whatever matched, so timing says nothing of which.
-        let mut found: Option<&Arc<Principal>> = None;
-        for (digest, principal) in &self.tokens {
-            if bool::from(digest.ct_eq(&presented)) {
-                found = Some(principal);
-            }
-        }
-        found.cloned().ok_or(AuthError::Unknown)
+        let presented = presented_digest(metadata)?;
+        find_digest(&self.tokens, &presented).cloned().ok_or(AuthError::Unknown)
     }
+}
+
+/// The SHA-256 of the bearer token in `authorization` metadata.
+///
+/// # Errors
+/// [`AuthError::Missing`] or [`AuthError::Malformed`].
+pub(crate) fn presented_digest(
+    metadata: &tonic::metadata::MetadataMap,
+) -> Result<[u8; 32], AuthError> {
+    let value = metadata.get("authorization").ok_or(AuthError::Missing)?;
+    if value.len() > AUTHORIZATION_BYTES_MAX {
+        return Err(AuthError::Malformed);
+    }
+    let value = value.to_str().map_err(|_| AuthError::Malformed)?;
+    let (scheme, token) = value.split_once(' ').ok_or(AuthError::Malformed)?;
+    if !scheme.eq_ignore_ascii_case("bearer") || token.trim().is_empty() {
+        return Err(AuthError::Malformed);
+    }
+    Ok(Sha256::digest(token.trim().as_bytes()).into())
+}
+
+/// The entry whose digest is `presented`, comparing with every digest in constant time
+/// whatever matched, so timing says nothing of which did or how much of a guess was right.
+pub(crate) fn find_digest<'a, T>(
+    table: &'a [([u8; 32], T)],
+    presented: &[u8; 32],
+) -> Option<&'a T> {
+    let mut found = None;
+    for (digest, entry) in table {
+        if bool::from(digest.ct_eq(presented)) {
+            found = Some(entry);
+        }
+    }
+    found
+}
+
+/// The digest of a configured `sha256` (validated by `NodeConfig::validate`); `None` for an
+/// undecodable one, which then matches nothing.
+pub(crate) fn configured_digest(hex: &str) -> Option<[u8; 32]> {
+    decode_hex(&hex.to_ascii_lowercase())
 }
 
 #[cfg(test)]
