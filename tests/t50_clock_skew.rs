@@ -208,6 +208,7 @@ async fn a_clock_25_hours_ahead_moves_no_ledger_time() -> anyhow::Result<()> {
     // The quota group forms from node 1 (the billing group forms itself: node 1 bootstraps).
     let init = std::process::Command::new(env!("CARGO_BIN_EXE_quotamesh"))
         .args(["cluster", "init", "--json", "--admin-addr", &admin_addrs[0]])
+        .env("QUOTAMESH_ADMIN_TOKEN", common::tls::ADMIN_TOKEN)
         .output()?;
     anyhow::ensure!(
         init.status.success(),
@@ -306,6 +307,7 @@ async fn a_clock_25_hours_ahead_moves_no_ledger_time() -> anyhow::Result<()> {
             reported = true;
             let output = std::process::Command::new(env!("CARGO_BIN_EXE_quotamesh"))
                 .args(["cluster", "status", "--json", "--admin-addr", &node.admin_addr])
+                .env("QUOTAMESH_ADMIN_TOKEN", common::tls::ADMIN_TOKEN)
                 .output()?;
             let status: serde_json::Value = serde_json::from_slice(&output.stdout)
                 .with_context(|| String::from_utf8_lossy(&output.stderr).into_owned())?;

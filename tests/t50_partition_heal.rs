@@ -102,6 +102,8 @@ async fn write_through(address: std::net::SocketAddr, value: &str) -> bool {
             lease_ttl_ms: 1_000,
         });
         request.set_timeout(PROBE_TIMEOUT);
+        let token = format!("Bearer {}", common::tls::ADMIN_TOKEN);
+        request.metadata_mut().insert("authorization", token.parse()?);
         client.acquire_leases(request).await?;
         anyhow::Ok(())
     };

@@ -118,14 +118,16 @@ impl BillingCluster {
         Self::start_inner(count, "", trailer, None, &|_| Vec::new(), &|_| Ok(()))
     }
 
-    /// Like [`Self::start`], every node serving `policy`, node `id` with the environment
+    /// Like [`Self::start`], every node serving `policy` and accepting the test operator
+    /// token on its admin API (`super::tls::ADMIN_TOKEN`), node `id` with the environment
     /// variables `environment(id)` added.
     pub fn start_with_environment(
         count: usize,
         policy: &Path,
         environment: &dyn Fn(u64) -> Vec<(&'static str, String)>,
     ) -> anyhow::Result<Self> {
-        Self::start_inner(count, "", "", Some(policy), environment, &|_| Ok(()))
+        let admin = super::tls::admin_section();
+        Self::start_inner(count, "", &admin, Some(policy), environment, &|_| Ok(()))
     }
 
     /// Like [`Self::start`], calling `prepare` on each node (e.g. to mount its data
