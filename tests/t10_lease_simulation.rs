@@ -298,10 +298,7 @@ impl World {
             let credit = if circuit_open {
                 Credit::NONE
             } else {
-                Credit::fail_open(
-                    &self.tuning,
-                    size_cap_tokens(self.limit.capacity_tokens(), node_count),
-                )
+                Credit::fail_open(&self.tuning, self.limit.capacity_tokens(), node_count)
             };
             let admitted_from = match node.lease.spend(&self.tuning, credit, node_ms, hits) {
                 Spend::Admitted | Spend::AdmittedOnCredit => Some(false),

@@ -41,6 +41,13 @@ const HOT_RUN: Duration = Duration::from_secs(10);
 /// still waiting for a lease when the load stopped, tokens leased but not spent yet.
 const HOT_SHORTFALL_PERCENT: f64 = 2.0;
 
+/// The hot key's burst is gone and its nodes sit at their fair shares after this long.
+const SETTLE: Duration = Duration::from_secs(2);
+/// A node's admitted share may be off the fair share by this fraction of it.
+const FAIR_SHARE_TOLERANCE: f64 = 0.10;
+/// Ledger writes per node per second for a key at its limit (one report per lookahead).
+const WRITES_PER_SECOND_AT_LIMIT_MAX: f64 = 4.5;
+
 /// Fallback admissions allowed on the hot key, as a share of its admissions.
 const FALLBACK_SHARE_PERCENT_MAX: u64 = 5;
 
@@ -63,6 +70,18 @@ async fn family_sum(cluster: &common::cluster::Cluster, ids: &[u64], family: &st
         sum += metric_sum(&scrape(cluster.nodes[id].metrics_addr).await?, family);
     }
     Ok(sum)
+}
+
+/// Each node's batched ledger calls so far, in `ids` order.
+async fn ledger_calls_by_node(cluster: &common::cluster::Cluster, ids: &[u64]) -> Result<Vec<f64>> {
+    let mut calls = Vec::with_capacity(ids.len());
+    for id in ids {
+        calls.push(metric_sum(
+            &scrape(cluster.nodes[id].metrics_addr).await?,
+            "quotamesh_ledger_calls_total",
+        ));
+    }
+    Ok(calls)
 }
 
 /// Admitted requests and the latest answer among `answers`.
@@ -119,7 +138,13 @@ async fn a_hot_key_on_five_nodes_stays_within_the_drift_bound() -> Result<()> {
         };
         handles.extend(start_stream(&stream, origin, &stopped).await?);
     }
-    tokio::time::sleep(HOT_RUN).await;
+    // Ledger writes per node once the burst is drained and the key sits at its limit.
+    tokio::time::sleep(SETTLE).await;
+    let calls_from = ledger_calls_by_node(&cluster, &senders).await?;
+    let measured_from = Instant::now();
+    tokio::time::sleep(HOT_RUN - SETTLE).await;
+    let calls_to = ledger_calls_by_node(&cluster, &senders).await?;
+    let measured = measured_from.elapsed();
     stop.send(true)?;
     let answers = collect(handles).await?;
     let bypassed = (family_sum(&cluster, &senders, "quotamesh_rate_limit_bypassed_total").await?
@@ -157,6 +182,34 @@ async fn a_hot_key_on_five_nodes_stays_within_the_drift_bound() -> Result<()> {
     );
     assert!(admitted as f64 >= lower, "admitted {admitted} < {lower:.0}");
     assert!(admitted <= upper, "admitted {admitted} > {upper}");
+
+    // Fair shares: every node offers the same, so each should get a fifth of what is admitted
+    // once the burst (first come, first served) is gone, whichever node leads the ledger.
+    let steady: Vec<&Answer> =
+        answers.iter().filter(|answer| answer.sent_at >= first + SETTLE).collect();
+    let steady_admitted =
+        steady.iter().filter(|answer| answer.outcome == Outcome::Admitted).count();
+    let fair = 1.0 / senders.len() as f64;
+    for (id, (from, to)) in senders.iter().zip(calls_from.iter().zip(&calls_to)) {
+        let mine = steady
+            .iter()
+            .filter(|answer| answer.node == *id && answer.outcome == Outcome::Admitted)
+            .count();
+        let share = mine as f64 / steady_admitted.max(1) as f64;
+        let writes_per_second = (to - from) / measured.as_secs_f64();
+        eprintln!(
+            "node {id}: {mine} of {steady_admitted} admitted after the burst (share {share:.3}, \
+             fair {fair:.3}); {writes_per_second:.1} ledger writes/s at the limit"
+        );
+        assert!(
+            (share - fair).abs() <= fair * FAIR_SHARE_TOLERANCE,
+            "node {id}: share {share:.3} off the fair {fair:.3} by more than 10 %"
+        );
+        assert!(
+            writes_per_second <= WRITES_PER_SECOND_AT_LIMIT_MAX,
+            "node {id}: {writes_per_second:.1} ledger writes/s for a key at its limit"
+        );
+    }
 
     // 1 s windows by send time; every run of consecutive windows is checked.
     let windows: Vec<Vec<&Answer>> = {
@@ -382,5 +435,42 @@ async fn a_blocked_key_is_refused_locally_until_its_window_ends() -> Result<()> 
     assert!(worst <= 1, "Retry-After is the time left in the window, to the second: {worst}");
     assert_eq!(asks_of(&after), asks_of(&before), "no lease asked for a blocked key");
     assert_eq!(calls_of(&after), calls_of(&before), "no ledger call for a blocked key");
+    Ok(())
+}
+
+// Proves small keys lease only what a hit needs: a key of 2 per hour, hit once through each
+// gateway, admits both (a caller told to come back within a second because its lease was
+// late is admitted when it does), and a third hit from a voter is refused for the rest of the
+// hour; twelve fresh keys in a row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_key_admits_one_hit_from_each_of_two_nodes() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let cluster = start_region(DEFAULTS).await?;
+    let origin = Instant::now();
+    let mut gateways = Vec::new();
+    for id in GATEWAYS {
+        gateways.push((id, rls_client(cluster.nodes[&id].rls_addr).await?));
+    }
+    let mut voter = rls_client(cluster.nodes[&VOTERS[0]].rls_addr).await?;
+    let mut retried = 0;
+    for trial in 0..12 {
+        let value = format!("small-{trial}");
+        for (id, client) in &mut gateways {
+            let mut answer = send_one(client, *id, "scarce", ("scarce", &value), origin).await;
+            if answer.outcome == Outcome::OverLimit
+                && answer.retry_after_s.is_some_and(|seconds: u64| seconds <= 1)
+            {
+                retried += 1;
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                answer = send_one(client, *id, "scarce", ("scarce", &value), origin).await;
+            }
+            assert_eq!(answer.outcome, Outcome::Admitted, "trial {trial}, node {id}: {answer:?}");
+        }
+        let third = send_one(&mut voter, VOTERS[0], "scarce", ("scarce", &value), origin).await;
+        assert_eq!(third.outcome, Outcome::OverLimit, "trial {trial}: a third hit of 2 per hour");
+        let retry_after_s = third.retry_after_s.unwrap_or(0);
+        assert!(retry_after_s >= 1, "trial {trial}: Retry-After {retry_after_s} s");
+    }
+    eprintln!("small key: 12 trials, {retried} late leases retried after a second");
     Ok(())
 }

@@ -13,13 +13,16 @@
 //! (`crate::ledger::RaftGroup::write`).
 //!
 //! The circuit breaker (`crate::core::circuit`) judges each call against the ledger's
-//! measured latency when it answers or when its deadline passes, whichever comes first; a
-//! call judged slow is NOT abandoned: it runs until its answer comes (bounded by
-//! [`CALL_TIMEOUT`]) and the answer is applied like any other, so a grant is never lost to a
-//! timer. While the circuit is open, asks are answered "not applied" at once (the handlers
-//! decide from the fallback, and the spending is charged by the key's next report) and one
-//! probe per interval reaches the ledger, carrying whatever is pending, or an empty command
-//! when nothing is. Half-open, every call goes again.
+//! measured latency when it answers or when its deadline passes, whichever comes first. At
+//! its deadline a call's asks are answered "not applied", so their keys may report again
+//! (and the breaker sees the next calls fail too, when the ledger is gone); the call itself
+//! runs on until its answer comes (bounded by [`CALL_TIMEOUT`]). Whatever such a late call
+//! granted is not lost: the keys marked themselves unconfirmed, and their next reports
+//! settle it back to the bucket (`crate::core::ledger`'s settlement). While the circuit is
+//! open, asks are answered "not applied" at once (the handlers decide from the fallback, and
+//! the spending is charged by the key's next report) and one probe per interval reaches the
+//! ledger, carrying whatever is pending, or an empty command when nothing is. Half-open,
+//! every call goes again.
 //!
 //! The mailbox is unbounded (ractor); [`LeaseBroker`] counts queued messages and refuses
 //! beyond [`BROKER_QUEUE_MAX`].
@@ -78,6 +81,8 @@ pub enum BrokerMsg {
     Overdue {
         /// The call's permit.
         permit: Permit,
+        /// Its asks, answered "not applied" now.
+        asks: Vec<LeaseAsk>,
     },
     /// A ledger call finished.
     Done(CallDone),
@@ -88,7 +93,8 @@ pub struct CallDone {
     permit: Permit,
     asks: Vec<LeaseAsk>,
     latency: Duration,
-    /// True when the breaker already judged the call (its deadline passed first).
+    /// True when the breaker already judged the call (its deadline passed first); its asks
+    /// were answered then, and `asks` is empty.
     judged: bool,
     result: Result<QuotaResponse, WriteError>,
 }
@@ -227,10 +233,13 @@ impl Actor for BrokerActor {
                     state.schedule_probe(&myself);
                 }
             }
-            BrokerMsg::Overdue { permit } => {
+            BrokerMsg::Overdue { permit, asks } => {
                 state.metrics.ledger_calls.with_label_values(&["slow"]).inc();
                 state.breaker.record(crate::clock::now_ms(), permit, CallOutcome::Failed);
                 state.publish_circuit(&myself);
+                answer_all(asks, ReportAnswer::NotApplied);
+                // Opened now: what waits for a call slot is refused rather than left waiting.
+                state.flush(&myself, false);
             }
             BrokerMsg::Done(done) => state.finish(&myself, done),
         }
@@ -262,6 +271,12 @@ impl BrokerState {
     /// sending (nothing else would tell when the ledger is back).
     fn flush(&mut self, myself: &ActorRef<BrokerMsg>, probe_tick: bool) {
         let now_ms = crate::clock::now_ms();
+        if self.breaker.is_open() && self.calls_in_flight >= CALLS_IN_FLIGHT_MAX {
+            // No slot for a probe either: nothing pending can go, so say so now rather than
+            // let the handlers wait out their budget.
+            self.refuse_pending();
+            return;
+        }
         while self.calls_in_flight < CALLS_IN_FLIGHT_MAX {
             let probe_due = probe_tick && self.breaker.is_open();
             if self.asks.is_empty() && !probe_due {
@@ -269,12 +284,7 @@ impl BrokerState {
             }
             let permit = self.breaker.permit(now_ms);
             if permit == Permit::Refuse {
-                let refused = std::mem::take(&mut self.asks);
-                self.metrics
-                    .lease_asks
-                    .with_label_values(&["refused"])
-                    .inc_by(refused.len() as u64);
-                answer_all(refused, ReportAnswer::NotApplied);
+                self.refuse_pending();
                 return;
             }
             let take = self.asks.len().min(LEASE_REQUESTS_PER_COMMAND_MAX);
@@ -284,6 +294,12 @@ impl BrokerState {
                 return;
             }
         }
+    }
+
+    fn refuse_pending(&mut self) {
+        let refused = std::mem::take(&mut self.asks);
+        self.metrics.lease_asks.with_label_values(&["refused"]).inc_by(refused.len() as u64);
+        answer_all(refused, ReportAnswer::NotApplied);
     }
 
     fn send(
@@ -304,11 +320,11 @@ impl BrokerState {
             let started = Instant::now();
             let write = tokio::time::timeout(CALL_TIMEOUT, ledger.write(command, CALL_TIMEOUT));
             tokio::pin!(write);
-            let (outcome, judged) = tokio::select! {
-                outcome = &mut write => (outcome, false),
+            let (outcome, judged, asks) = tokio::select! {
+                outcome = &mut write => (outcome, false, asks),
                 () = tokio::time::sleep(deadline) => {
-                    let _ = myself.cast(BrokerMsg::Overdue { permit });
-                    (write.await, true)
+                    let _ = myself.cast(BrokerMsg::Overdue { permit, asks });
+                    (write.await, true, Vec::new())
                 }
             };
             let result = outcome.unwrap_or(Err(WriteError::Timeout));
@@ -323,7 +339,11 @@ impl BrokerState {
         let now_ms = crate::clock::now_ms();
         let latency_ms = u64::try_from(done.latency.as_millis()).unwrap_or(u64::MAX);
         self.metrics.ledger_call_duration.observe(done.latency.as_secs_f64());
-        if done.result.is_ok() {
+        // Only answers within the deadline they were judged by teach the breaker the
+        // ledger's latency: an election's stalled calls must not raise the deadline for the
+        // next outage (half-open, the deadline is the ceiling, so a ledger that became slow
+        // for good is learnt there).
+        if done.result.is_ok() && !done.judged {
             self.breaker.observe_latency(latency_ms);
         }
         if !done.judged {
@@ -337,6 +357,8 @@ impl BrokerState {
             self.publish_circuit(myself);
         }
         match done.result {
+            // A judged call's asks were answered at its deadline.
+            Ok(_) if done.judged => {}
             Ok(QuotaResponse::Settled(results)) if results.len() == done.asks.len() => {
                 let mut by_shard: AnswersByShard = Vec::new();
                 for (ask, result) in done.asks.into_iter().zip(results) {

@@ -76,6 +76,9 @@ pub const FRESH_KEY_GRACE_MS: u64 = 5_000;
 /// What a fail-closed rule tells a client to wait while the ledger is out of reach: the
 /// circuit breaker's probe interval, the soonest the ledger can be back.
 pub const FAIL_CLOSED_RETRY_AFTER_MS: u64 = 1_000;
+/// The longest a request rejected by the fallback after its lease was late is told to wait:
+/// the lease is on its way.
+pub const LATE_LEASE_RETRY_AFTER_MS: u64 = 1_000;
 /// Keys sampled when a full shard must evict one (approximate LRU, as Redis does).
 const EVICTION_SAMPLE: usize = 16;
 /// `Slot::rule` of a counter that no policy rule owns (a request's `limit` override).
@@ -1003,10 +1006,9 @@ impl ShardSet {
         // Credit is charged by the key's next report: none while the ledger is out of reach
         // (the fallback bucket is the allowance then), none for fail-closed rules.
         let credit = match (probe.failure_mode, short_keys) {
-            (FailureMode::Open, ShortKeys::Wait) => Credit::fail_open(
-                probe.lease,
-                size_cap_tokens(capacity_tokens, self.options.nodes_in_region),
-            ),
+            (FailureMode::Open, ShortKeys::Wait) => {
+                Credit::fail_open(probe.lease, capacity_tokens, self.options.nodes_in_region)
+            }
             _ => Credit::NONE,
         };
         let mut staged = *current;
@@ -1096,11 +1098,19 @@ impl ShardSet {
                         // Paid without a lease: debt, charged by the key's next report.
                         staged.lease.pay_beyond_lease(hits);
                     }
+                    // A lease that was merely late is on its way: the fallback's own wait (a
+                    // small key's share may refill in half an hour) would mislead the client.
+                    let retry_after_ms = match reason {
+                        BypassReason::CircuitOpen => evaluation.retry_after_ms,
+                        BypassReason::LedgerTimeout | BypassReason::Overloaded => {
+                            evaluation.retry_after_ms.min(LATE_LEASE_RETRY_AFTER_MS)
+                        }
+                    };
                     let verdict = Verdict {
                         admitted: evaluation.admitted,
                         remaining: evaluation.remaining,
                         reset_ms: evaluation.reset_ms,
-                        retry_after_ms: evaluation.retry_after_ms,
+                        retry_after_ms,
                     };
                     Judged::Decided { verdict, staged, bypass: Some(reason), failed_closed: false }
                 }

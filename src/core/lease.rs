@@ -162,11 +162,8 @@ impl LeaseTuning {
         fail_open: bool,
         fallback_permille: Option<u64>,
     ) -> u64 {
-        let credit = if fail_open {
-            Credit::fail_open(self, size_cap_tokens(capacity_tokens, nodes)).tokens_max
-        } else {
-            0
-        };
+        let credit =
+            if fail_open { Credit::fail_open(self, capacity_tokens, nodes).tokens_max } else { 0 };
         let leases = nodes
             .saturating_mul(self.held_tokens_max(capacity_tokens, nodes).saturating_add(credit));
         let fallback = fallback_permille.map_or(0, |permille| {
@@ -271,11 +268,14 @@ impl Credit {
     /// No credit: every admission waits for leased tokens.
     pub const NONE: Self = Self { tokens_max: 0 };
 
-    /// The credit of a fail-open rule: at most a minimum lease, and at most the key's
-    /// small-key cap (`capacity / (2 x nodes)`), so that the credit of all nodes together
-    /// stays within half the key's capacity.
-    pub fn fail_open(tuning: &LeaseTuning, size_cap_tokens: u64) -> Self {
-        Self { tokens_max: tuning.min_lease_tokens.min(size_cap_tokens) }
+    /// The credit of a fail-open rule on a key of `capacity_tokens` in a region of `nodes`:
+    /// at most a minimum lease, and at most `capacity / (2 x nodes)`, so that the credit of
+    /// all nodes together stays within half the key's capacity (a key of 2 per hour over two
+    /// nodes has none: its first hit waits for the ledger rather than risk a third
+    /// admission).
+    pub fn fail_open(tuning: &LeaseTuning, capacity_tokens: u64, nodes: u64) -> Self {
+        let share = capacity_tokens / nodes.max(1).saturating_mul(2);
+        Self { tokens_max: tuning.min_lease_tokens.min(share) }
     }
 }
 

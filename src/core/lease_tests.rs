@@ -113,7 +113,7 @@ fn settled(granted_tokens: u64, retry_after_ms: u64, remaining_tokens: u64) -> R
 #[test]
 fn cold_key_is_admitted_on_credit_then_leases() {
     let tuning = LeaseTuning::default();
-    let credit = Credit::fail_open(&tuning, 1_000);
+    let credit = Credit::fail_open(&tuning, 2_000, 1);
     assert_eq!(credit.tokens_max, 5);
     let mut lease = KeyLease::new(1_000, 1_000);
     assert_eq!(lease.spend(&tuning, credit, 1_000, 2), Spend::AdmittedOnCredit);
@@ -172,7 +172,7 @@ fn lease_expires_from_its_send_time_and_is_settled_back() {
 #[test]
 fn empty_ledger_blocks_until_retry_after() {
     let tuning = LeaseTuning::default();
-    let credit = Credit::fail_open(&tuning, 100);
+    let credit = Credit::fail_open(&tuning, 200, 1);
     let mut lease = KeyLease::new(100, 100);
     let draft = lease.poll_lease_for(&tuning, 1_000, 1).expect("a lease");
     lease.apply_answer(&tuning, &draft, settled(0, 300, 0), 1_002);
@@ -208,7 +208,7 @@ fn partial_grant_defers_the_next_report() {
 #[test]
 fn unanswered_reports_are_carried_by_the_next() {
     let tuning = LeaseTuning::default();
-    let credit = Credit::fail_open(&tuning, 1_000);
+    let credit = Credit::fail_open(&tuning, 2_000, 1);
     let mut lease = KeyLease::new(1_000, 1_000);
     assert_eq!(lease.spend(&tuning, credit, 1_000, 1), Spend::AdmittedOnCredit);
     let first = lease.poll_lease_for(&tuning, 1_000, 0).expect("a report");
@@ -227,7 +227,7 @@ fn small_keys_lease_only_what_a_hit_needs() {
     let tuning = LeaseTuning::default();
     let cap = size_cap_tokens(2, 2);
     assert_eq!(cap, 1);
-    assert_eq!(Credit::fail_open(&tuning, cap).tokens_max, 1);
+    assert_eq!(Credit::fail_open(&tuning, 2, 2).tokens_max, 0, "two nodes' credit would exceed it");
     let mut lease = KeyLease::new(2, cap);
     let draft = lease.poll_lease_for(&tuning, 1_000, 1).expect("a lease for the hit");
     assert_eq!(draft.tokens_wanted, 1);
@@ -285,7 +285,7 @@ proptest! {
     #[test]
     fn lease_life_respects_its_bounds(steps in proptest::collection::vec(step(), 1..300)) {
         let tuning = LeaseTuning::default();
-        let credit = Credit::fail_open(&tuning, 1_000_000);
+        let credit = Credit::fail_open(&tuning, 2_000_000, 1);
         let mut lease = KeyLease::new(1_000_000, 1_000_000);
         let mut now_ms = 1_000_u64;
         let mut flying: Option<ReportDraft> = None;
@@ -503,7 +503,7 @@ fn with_sizes_derives_ttl_and_margin() {
 fn credit_stops_at_what_the_ledger_has_left() {
     use crate::core::rate::Algorithm;
     let tuning = LeaseTuning::default();
-    let credit = Credit::fail_open(&tuning, 10);
+    let credit = Credit::fail_open(&tuning, 20, 1);
     let spec = LimitSpec::new(Algorithm::TokenBucket, 20, 1_000, None).expect("a valid limit");
     let mut lease = KeyLease::new(20, 10);
     let draft = lease.poll_lease_for(&tuning, 1_000, 1).expect("a lease");

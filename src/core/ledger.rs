@@ -220,7 +220,8 @@ pub struct LeaseGrant {
     pub granted_tokens: u64,
     /// 0 when tokens were granted; otherwise the exact ms until one token is available.
     pub retry_after_ms: u64,
-    /// Whole tokens left in the bucket after this grant.
+    /// Whole tokens left in the bucket after this grant; for a contended key, at most what
+    /// is left of this node's share.
     pub remaining_tokens: u64,
     /// When the ledger stops counting this grant as outstanding (ledger time); `None` when
     /// nothing was granted.
@@ -961,8 +962,13 @@ impl QuotaLedger {
                     retry_after_ms.max(lookahead_ms).max(until_share_ms.min(LEASE_TTL_MS_MAX));
             }
         }
+        // Contended, what is left for this node is its share, not the whole bucket (the rest
+        // is other nodes' entitlement): a node that sees 0 rejects locally at its limit.
+        let remaining_tokens = fair.map_or(taken.remaining, |fair| {
+            taken.remaining.min(fair.cap_tokens.saturating_sub(taken.granted))
+        });
         if taken.granted == 0 {
-            return (nothing(retry_after_ms.max(1), taken.remaining), fair.is_some());
+            return (nothing(retry_after_ms.max(1), remaining_tokens), fair.is_some());
         }
         let expires_at_ms = now_ms.saturating_add(lease_ttl_ms);
         let window_index = now_ms / limit.window_ms.max(1);
@@ -981,7 +987,7 @@ impl QuotaLedger {
         let grant = LeaseGrant {
             granted_tokens: taken.granted,
             retry_after_ms: if taken.granted < wanted { retry_after_ms } else { 0 },
-            remaining_tokens: taken.remaining,
+            remaining_tokens,
             lease_expires_at_ms: Some(expires_at_ms),
         };
         (grant, fair.is_some())

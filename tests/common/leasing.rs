@@ -31,7 +31,8 @@ pub const DOMAIN: &str = "lease-test";
 /// - `payment`: the same limit, fail-closed;
 /// - `tenant`: 100,000/s, so a steady 2,000/s is never rejected (coordination cost);
 /// - `idle`: hit once, then left alone (what an idle key strands);
-/// - `job`: 5 per minute, fixed window (a blocked key stays local).
+/// - `job`: 5 per minute, fixed window (a blocked key stays local);
+/// - `scarce`: 2 per hour, a limit small against the region (a small key).
 pub const POLICY: &str = "\
 domain: lease-test
 descriptors:
@@ -46,6 +47,8 @@ descriptors:
     rate_limit: {unit: second, requests_per_unit: 1000}
   - key: job
     rate_limit: {unit: minute, requests_per_unit: 5, algorithm: fixed_window}
+  - key: scarce
+    rate_limit: {unit: hour, requests_per_unit: 2}
 ";
 
 /// The `user` and `payment` rules' rate, per second, and their bucket capacity.
