@@ -41,6 +41,13 @@ fn a_voter_missing_a_group_directory_refuses_to_start() -> anyhow::Result<()> {
         let data_dir = directory.path().join("data");
         let log = directory.path().join("node.log");
         let mut node = start(&policy, &data_dir, &log)?;
+        // Ready (both groups have their leader) before the signal: the node installs its
+        // SIGTERM handler only once it has started.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while !matches!(node.readiness(), Ok((200, _))) {
+            anyhow::ensure!(std::time::Instant::now() < deadline, "the node never became ready");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
         let status = node.terminate()?;
         assert!(status.success(), "first run exited with {status}");
         std::fs::remove_dir_all(data_dir.join(group))?;
