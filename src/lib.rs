@@ -29,5 +29,6 @@ pub mod ledger;
 pub mod metrics;
 pub mod node;
 pub mod policy_store;
+pub mod raft_health;
 pub mod raft_host;
 pub mod tls;

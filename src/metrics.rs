@@ -5,7 +5,7 @@
 //! (anything else is `unknown`), rules by their configured path, shards by index.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
@@ -84,6 +84,37 @@ pub struct Metrics {
     pub ledger_call_duration: Histogram,
     /// `quotamesh_ledger_circuit_state`: 0 closed, 1 half-open (leasing again), 2 open.
     pub ledger_circuit_state: IntGauge,
+    /// `quotamesh_clock_offset_seconds{node}`: how far a node's wall clock was ahead of this
+    /// leader's (negative: behind) at its last forwarded write.
+    pub clock_offset: GaugeVec,
+    /// `quotamesh_clock_offset_exceeded_total{node}`: forwarded writes whose proposer's clock
+    /// differed from this leader's by more than `max_clock_offset_ms`.
+    pub clock_offset_exceeded: IntCounterVec,
+    /// `quotamesh_raft_term{group}`: the group's current term on this node.
+    pub raft_term: IntGaugeVec,
+    /// `quotamesh_raft_leader_id{group}`: the leader this node knows of, -1 for none.
+    pub raft_leader_id: IntGaugeVec,
+    /// `quotamesh_raft_role{group, role}`: 1 for this node's role in the group
+    /// (`leader`, `follower`, `candidate`, `learner`, `shutdown`), 0 for the others.
+    pub raft_role: IntGaugeVec,
+    /// `quotamesh_raft_last_log_index{group}`: the last entry in this node's log (-1: none).
+    pub raft_last_log_index: IntGaugeVec,
+    /// `quotamesh_raft_committed_index{group}`: the last entry this node knows committed.
+    pub raft_committed_index: IntGaugeVec,
+    /// `quotamesh_raft_applied_index{group}`: the last entry applied on this node.
+    pub raft_applied_index: IntGaugeVec,
+    /// `quotamesh_raft_snapshot_index{group}`: the last entry in this node's snapshot.
+    pub raft_snapshot_index: IntGaugeVec,
+    /// `quotamesh_raft_replication_lag_entries{group, follower}`: on the leader, entries a
+    /// follower still lacks.
+    pub raft_replication_lag: IntGaugeVec,
+    /// `quotamesh_raft_storage_errors_total{group}`: times the group stopped on a storage
+    /// (or other fatal) error on this node.
+    pub raft_storage_errors: IntCounterVec,
+    /// `quotamesh_billing_operations_total{outcome}`: billing operations answered, by
+    /// outcome (`approved`, `insufficient_funds`, `duplicate`, `refused`, `unavailable`,
+    /// `overloaded`).
+    pub billing_operations: IntCounterVec,
     /// `quotamesh_insecure_cluster`: 1 when the node runs a multi-node region without TLS
     /// between nodes (`insecure_cluster = true`); alert on it.
     pub insecure_cluster: IntGauge,
@@ -159,6 +190,16 @@ impl Metrics {
         )
         .expect("valid metric");
         registry.register(Box::new(policy_reload_failures.clone())).expect("unique metric");
+        let clock_offset = GaugeVec::new(
+            Opts::new(
+                "quotamesh_clock_offset_seconds",
+                "How far a node's wall clock was ahead of this leader's at its last forwarded \
+                 write (negative: behind).",
+            ),
+            &["node"],
+        )
+        .expect("valid metric");
+        registry.register(Box::new(clock_offset.clone())).expect("unique metric");
 
         let metrics = Self {
             rls_decisions: counter_vec(
@@ -272,6 +313,63 @@ impl Metrics {
             ledger_circuit_state: gauge(
                 "quotamesh_ledger_circuit_state",
                 "Circuit breaker around ledger calls: 0 closed, 1 half-open, 2 open.",
+            ),
+            clock_offset,
+            clock_offset_exceeded: counter_vec(
+                "quotamesh_clock_offset_exceeded_total",
+                "Forwarded writes whose proposer's clock differed from this leader's by more \
+                 than max_clock_offset_ms; they were stamped with the leader's time.",
+                &["node"],
+            ),
+            raft_term: gauge_vec(
+                "quotamesh_raft_term",
+                "The Raft group's current term.",
+                &["group"],
+            ),
+            raft_leader_id: gauge_vec(
+                "quotamesh_raft_leader_id",
+                "The group's leader as this node knows it; -1 for none.",
+                &["group"],
+            ),
+            raft_role: gauge_vec(
+                "quotamesh_raft_role",
+                "1 for this node's role in the group, 0 for the other roles.",
+                &["group", "role"],
+            ),
+            raft_last_log_index: gauge_vec(
+                "quotamesh_raft_last_log_index",
+                "The last entry in this node's log of the group; -1 for none.",
+                &["group"],
+            ),
+            raft_committed_index: gauge_vec(
+                "quotamesh_raft_committed_index",
+                "The last entry of the group this node knows committed; -1 for none.",
+                &["group"],
+            ),
+            raft_applied_index: gauge_vec(
+                "quotamesh_raft_applied_index",
+                "The last entry of the group applied on this node; -1 for none.",
+                &["group"],
+            ),
+            raft_snapshot_index: gauge_vec(
+                "quotamesh_raft_snapshot_index",
+                "The last entry in this node's snapshot of the group; -1 for none.",
+                &["group"],
+            ),
+            raft_replication_lag: gauge_vec(
+                "quotamesh_raft_replication_lag_entries",
+                "On the leader: entries of the group a follower still lacks.",
+                &["group", "follower"],
+            ),
+            raft_storage_errors: counter_vec(
+                "quotamesh_raft_storage_errors_total",
+                "Times the group stopped on this node on a storage (or other fatal) error.",
+                &["group"],
+            ),
+            billing_operations: counter_vec(
+                "quotamesh_billing_operations_total",
+                "Billing operations answered, by outcome.",
+                &["outcome"],
             ),
             insecure_cluster: gauge(
                 "quotamesh_insecure_cluster",

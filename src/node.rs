@@ -3,11 +3,15 @@
 //! ```text
 //! start:    config ─▶ data dir lock ─▶ metrics ─▶ policy ─▶ listeners ─▶ Raft groups
 //!           (identity, quota group, Raft peer listener) ─▶ lease broker ─▶ shard actors
-//!           ─▶ billing group (node/billing.rs) ─▶ servers ─▶ ready
+//!           ─▶ billing group (node/billing.rs) ─▶ group watches (raft_health.rs) ─▶ servers
+//!           ─▶ ready
 //! shutdown: not ready ─▶ stop accepting, drain calls (RLS, HTTP, admin) ─▶ stop billing
-//!           group ─▶ stop watcher ─▶ stop shard actors ─▶ stop lease broker ─▶ stop Raft
+//!           group ─▶ stop watchers ─▶ stop shard actors ─▶ stop lease broker ─▶ stop Raft
 //!           groups, then the Raft peer listener ─▶ unlock
 //! ```
+//!
+//! A group that stops on an error (a storage failure) resolves [`Node::failed`]; `quotamesh
+//! serve` then shuts the node down and exits non-zero (crash-only, `crate::raft_health`).
 //!
 //! A gateway (`role = "gateway"`) starts the same way without the billing part: the billing
 //! group has voters only, so a gateway neither opens it nor binds `billing_addr`.
@@ -35,6 +39,7 @@ use crate::core::circuit::BreakerSettings;
 use crate::core::headers::HeaderOptions;
 use crate::metrics::Metrics;
 use crate::policy_store::{PolicyLoadError, PolicyOrigin, PolicyStore};
+use crate::raft_health::{Failures, GroupViews};
 use crate::raft_host::{RaftHost, RaftHostError};
 use crate::tls::credentials::Accept;
 
@@ -105,6 +110,8 @@ pub struct Node {
     shards: Arc<ShardSet>,
     broker: (LeaseBroker, JoinHandle<()>),
     policy: Arc<PolicyStore>,
+    group_watches: Vec<JoinHandle<()>>,
+    failures: Failures,
     _data_dir_lock: std::fs::File,
 }
 
@@ -146,7 +153,7 @@ impl Node {
         };
         let billing_addr = billing_listener.as_ref().map(|(_, address)| *address);
 
-        let raft = RaftHost::start(&config).await?;
+        let raft = RaftHost::start(&config, &metrics).await?;
         let (broker, shards) = match start_leasing(&config, &raft, &metrics, &policy).await {
             Ok(started) => started,
             Err(error) => {
@@ -179,7 +186,7 @@ impl Node {
         let grpc = match grpc_server(rls, rls_listener, until_stopped(stopped.clone())).await {
             Ok(grpc) => grpc,
             Err(error) => {
-                raft.shutdown().await;
+                unwind(&stop, Vec::new(), shards, broker, raft).await;
                 return Err(error);
             }
         };
@@ -202,6 +209,8 @@ impl Node {
                 raft.advertise_addr(),
                 raft.peer_service(),
                 raft.channels().clone(),
+                raft.clock_offsets().clone(),
+                &metrics,
                 listener,
                 until_stopped(stopped.clone()),
             )
@@ -209,18 +218,46 @@ impl Node {
             {
                 Ok(billing) => Some(billing),
                 Err(error) => {
-                    let _ = stop.send(true);
-                    raft.shutdown().await;
+                    unwind(&stop, vec![grpc, admin_server], shards, broker, raft).await;
                     return Err(error);
                 }
             },
         };
+        // Each group's health: its series, its view for /readyz, and a failure that stops
+        // the node (crate::raft_health).
+        let group_names: Vec<&'static str> = std::iter::once(crate::ledger::QUOTA_GROUP_NAME)
+            .chain(billing.as_ref().map(|_| crate::ledger::BILLING_GROUP_NAME))
+            .collect();
+        let views = GroupViews::expecting(&group_names);
+        let failures = Failures::default();
+        let mut group_watches = vec![crate::raft_health::watch_group(
+            crate::ledger::QUOTA_GROUP_NAME,
+            raft.quota().clone(),
+            metrics.clone(),
+            views.clone(),
+            failures.clone(),
+            stopped.clone(),
+        )];
+        if let Some(billing) = &billing {
+            group_watches.push(crate::raft_health::watch_group(
+                crate::ledger::BILLING_GROUP_NAME,
+                billing.group().clone(),
+                metrics.clone(),
+                views.clone(),
+                failures.clone(),
+                stopped.clone(),
+            ));
+        }
         let http = {
-            let (metrics, ready, shutdown) =
-                (metrics.clone(), Arc::clone(&ready), until_stopped(stopped.clone()));
+            let readiness = crate::api::http::Readiness {
+                started: Arc::clone(&ready),
+                groups: views,
+                metrics: metrics.clone(),
+            };
+            let (metrics, shutdown) = (metrics.clone(), until_stopped(stopped.clone()));
             tokio::spawn(async move {
                 if let Err(error) =
-                    crate::api::http::serve(metrics_listener, metrics, ready, shutdown).await
+                    crate::api::http::serve(metrics_listener, metrics, readiness, shutdown).await
                 {
                     tracing::error!(%error, "metrics HTTP server stopped");
                 }
@@ -233,7 +270,9 @@ impl Node {
                 if let Some(billing) = billing {
                     billing.shutdown(SHUTDOWN_DRAIN_TIMEOUT).await;
                 }
-                raft.shutdown().await;
+                let mut servers = vec![grpc, admin_server, http];
+                servers.extend(group_watches);
+                unwind(&stop, servers, shards, broker, raft).await;
                 return Err(NodeError::Setup { what: "policy watch", reason: error.to_string() });
             }
         };
@@ -254,8 +293,17 @@ impl Node {
             shards,
             broker,
             policy,
+            group_watches,
+            failures,
             _data_dir_lock: data_dir_lock,
         })
+    }
+
+    /// Resolves when one of the node's Raft groups stopped on an error (a storage failure),
+    /// with which and why. The node cannot serve that group again in this process: shut it
+    /// down and exit non-zero, so its supervisor restarts it from its durable state.
+    pub async fn failed(&self) -> String {
+        self.failures.first().await
     }
 
     /// The bound Envoy RLS gRPC address (useful when configured with port 0).
@@ -307,6 +355,9 @@ impl Node {
             billing.shutdown(SHUTDOWN_DRAIN_TIMEOUT).await;
         }
         let _ = self.watcher.await;
+        for watch in self.group_watches {
+            let _ = watch.await;
+        }
         match Arc::try_unwrap(self.shards) {
             Ok(shards) => shards.shutdown().await,
             Err(_) => tracing::error!("shard actors still referenced at shutdown; not stopped"),
@@ -317,6 +368,32 @@ impl Node {
         self.raft.shutdown().await;
         tracing::info!("quotamesh node stopped");
     }
+}
+
+/// Takes apart what start-up had started when a later step failed, in shutdown order: the
+/// servers and watches (told to stop through `stop`), the shard actors, the lease broker,
+/// the Raft groups. Nothing of a failed start keeps running or holds the data directory.
+async fn unwind(
+    stop: &watch::Sender<bool>,
+    servers: Vec<JoinHandle<()>>,
+    shards: Arc<ShardSet>,
+    (broker, broker_task): (LeaseBroker, JoinHandle<()>),
+    raft: RaftHost,
+) {
+    let _ = stop.send(true);
+    for mut server in servers {
+        if tokio::time::timeout(SHUTDOWN_DRAIN_TIMEOUT, &mut server).await.is_err() {
+            server.abort();
+            let _ = server.await;
+        }
+    }
+    match Arc::try_unwrap(shards) {
+        Ok(shards) => shards.shutdown().await,
+        Err(_) => tracing::error!("shard actors still referenced after a failed start"),
+    }
+    broker.stop();
+    let _ = broker_task.await;
+    raft.shutdown().await;
 }
 
 /// Starts the lease broker over the quota group, then the shard actors that lease from it.

@@ -19,8 +19,10 @@ use crate::metrics::Metrics;
 pub const EMBEDDED_POLICY_YAML: &str = include_str!("../cluster/policies/example.yaml");
 /// How the embedded example is named in messages.
 pub const EMBEDDED_POLICY_NAME: &str = "cluster/policies/example.yaml (embedded)";
-/// Largest policy file read.
-pub const POLICY_FILE_BYTES_MAX: u64 = 16 * 1024 * 1024;
+/// Largest policy file read: the largest policy set the quota ledger stores
+/// (`POLICY_SET_BYTES_MAX`), so a file that could never be distributed is refused by its
+/// size, up front, rather than by a parser limit it happens to reach first.
+pub const POLICY_FILE_BYTES_MAX: u64 = crate::core::ledger::POLICY_SET_BYTES_MAX as u64;
 /// Most policy files read from one directory.
 pub const POLICY_FILES_MAX: usize = 1000;
 /// File events within this interval are folded into one reload (editors write in bursts).

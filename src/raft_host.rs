@@ -2,7 +2,8 @@
 //! (the quota group; the billing group joins it), and the Raft peer listener they share.
 //!
 //! ```text
-//! start:    claim data_dir (identity.json) ─▶ load the TLS files ([tls], crate::tls)
+//! start:    claim data_dir (identity.json; a voter claims <data_dir>/quota and
+//!           <data_dir>/billing, a gateway quota only) ─▶ load the TLS files ([tls], crate::tls)
 //!           ─▶ open <data_dir>/quota (seeds: the voters)
 //!           ─▶ register with the RaftPeer service ─▶ listen on raft_addr (mTLS with [tls])
 //!           ─▶ single-node region (a voter without peers)? form the group
@@ -35,11 +36,13 @@ use tokio::task::JoinHandle;
 
 use crate::config::{NodeConfig, Role};
 use crate::identity::{Claim, IdentityError, NodeIdentity};
+use crate::ledger::ledger_time::ClockOffsets;
 use crate::ledger::service::RegisterError;
 use crate::ledger::{
-    BasicNode, GroupSettings, MembershipError, NodeId, OpenError, PeerChannels, QUOTA_GROUP_NAME,
-    QuotaGroup, RaftGroup, RaftPeerService,
+    BILLING_GROUP_NAME, BasicNode, GroupSettings, MembershipError, NodeId, OpenError, PeerChannels,
+    QUOTA_GROUP_NAME, QuotaGroup, RaftGroup, RaftPeerService,
 };
+use crate::metrics::Metrics;
 use crate::tls::credentials::{Accept, Credentials, CredentialsError};
 
 /// Why the Raft side of a node could not start. None of these goes away by retrying as is.
@@ -83,13 +86,6 @@ pub enum RaftHostError {
     },
 }
 
-impl RaftHostError {
-    /// Starting again unchanged will not help.
-    pub fn retry_may_help(&self) -> bool {
-        false
-    }
-}
-
 /// The Raft groups of a running node and their shared transport.
 pub struct RaftHost {
     node_id: NodeId,
@@ -115,9 +111,16 @@ impl RaftHost {
     ///
     /// # Errors
     /// [`RaftHostError`] naming the step that failed; nothing is left running.
-    pub async fn start(config: &NodeConfig) -> Result<Self, RaftHostError> {
+    pub async fn start(config: &NodeConfig, metrics: &Metrics) -> Result<Self, RaftHostError> {
         let identity = NodeIdentity::new(config.cluster_id.clone(), config.raft_node_id);
-        let claim = crate::identity::claim(&config.data_dir, &identity, &[QUOTA_GROUP_NAME])?;
+        // A voter runs both groups and claims both directories: one that lost either must
+        // not start afresh (it would forget votes and acknowledged entries). A gateway holds
+        // no billing replica.
+        let groups: &[&str] = match config.role {
+            Role::Voter => &[QUOTA_GROUP_NAME, BILLING_GROUP_NAME],
+            Role::Gateway => &[QUOTA_GROUP_NAME],
+        };
+        let claim = crate::identity::claim(&config.data_dir, &identity, groups)?;
         let credentials = match &config.tls {
             Some(tls) => Some(Credentials::load(
                 tls.files(),
@@ -137,15 +140,13 @@ impl RaftHost {
                 .filter(|peer| peer.id != config.raft_node_id)
                 .map(|peer| peer.raft_addr.clone()),
         );
-        let quota = RaftGroup::<QuotaGroup>::open(
-            &quota_settings(config, &config.data_dir),
-            channels.clone(),
-        )
-        .await
-        .map_err(|source| RaftHostError::Open {
-            group: QUOTA_GROUP_NAME,
-            source: Box::new(source),
-        })?;
+        let clock_offsets = ClockOffsets::new(config.max_clock_offset_ms, Some(metrics.clone()));
+        let mut settings = quota_settings(config, &config.data_dir);
+        settings.clock_offsets = clock_offsets;
+        let quota =
+            RaftGroup::<QuotaGroup>::open(&settings, channels.clone()).await.map_err(|source| {
+                RaftHostError::Open { group: QUOTA_GROUP_NAME, source: Box::new(source) }
+            })?;
         match Self::serve(config, channels, credentials, quota.clone(), claim).await {
             Ok(host) => Ok(host),
             Err(error) => {
@@ -278,6 +279,11 @@ impl RaftHost {
     /// The quota group.
     pub fn quota(&self) -> &RaftGroup<QuotaGroup> {
         &self.quota
+    }
+
+    /// The clock offsets seen while leading, for another group to share.
+    pub fn clock_offsets(&self) -> &ClockOffsets {
+        self.quota.clock_offsets()
     }
 
     /// The channels to peers, for another group to share.

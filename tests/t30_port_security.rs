@@ -99,7 +99,7 @@ fn forged_forward(holder: u64, key: &str, own: bool) -> Result<Vec<u8>> {
             version: 1_000,
             policy_yaml: vec![("forged.yaml".to_owned(), "domain: forged\n".to_owned())],
         };
-        return Ok(postcard::to_allocvec(&command)?);
+        return forwarded(holder, command);
     }
     let command = QuotaCommand::AcquireLeases {
         now_ms: quotamesh::clock::now_ms(),
@@ -116,7 +116,17 @@ fn forged_forward(holder: u64, key: &str, own: bool) -> Result<Vec<u8>> {
             lease_ttl_ms: 60_000,
         }],
     };
-    Ok(postcard::to_allocvec(&command)?)
+    forwarded(holder, command)
+}
+
+/// A `Forward` payload that says it comes from node `from`.
+fn forwarded(from: u64, command: QuotaCommand) -> Result<Vec<u8>> {
+    let forwarded = quotamesh::ledger::ledger_time::Forwarded {
+        from: NodeId(from),
+        sent_at_ms: quotamesh::clock::now_ms(),
+        command,
+    };
+    Ok(postcard::to_allocvec(&forwarded)?)
 }
 
 /// A forged AppendEntries from `leader` in `term`: no entries, but a higher term would

@@ -100,3 +100,29 @@ fn policy_validate_reports_file_and_line() -> anyhow::Result<()> {
     assert!(stderr.contains("2 error(s)"), "{stderr}");
     Ok(())
 }
+
+/// A policy file over the size limit is refused by its size, naming the limit, not by a
+/// parser limit it happens to reach (a 15 MB file was refused with a message about aliases
+/// it did not contain).
+#[test]
+fn policy_validate_refuses_an_oversized_file_by_its_size() -> anyhow::Result<()> {
+    let directory = tempfile::tempdir()?;
+    let mut text = String::from("domain: big\ndescriptors:\n");
+    let mut index = 0;
+    while text.len() < 3 * 1024 * 1024 {
+        text.push_str(&format!(
+            "  - key: k{index}\n    rate_limit: {{unit: second, requests_per_unit: 1}}\n"
+        ));
+        index += 1;
+    }
+    let big = write_file(directory.path(), "big.yaml", &text);
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_quotamesh"))
+        .args(["policy", "validate"])
+        .arg(&big)
+        .output()?;
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("policy files may be at most 2097152"), "{stderr}");
+    assert!(!stderr.contains("alias"), "{stderr}");
+    Ok(())
+}

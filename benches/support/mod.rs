@@ -38,7 +38,7 @@ pub async fn ledger(reachable: bool) -> anyhow::Result<Ledger> {
             PeerConfig { id: NodeId(2), raft_addr: "127.0.0.1:9".to_owned() },
         ];
     }
-    let host = RaftHost::start(&config).await?;
+    let host = RaftHost::start(&config, &Metrics::new()).await?;
     if reachable {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         while host.quota().leader().is_none() {

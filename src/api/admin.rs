@@ -572,6 +572,18 @@ impl Admin for AdminService {
                     })
                     .collect(),
             },
+            clock_offsets: self
+                .quota
+                .clock_offsets()
+                .snapshot()
+                .into_iter()
+                .map(|seen| proto::ClockOffset {
+                    node_id: seen.node_id.0,
+                    offset_ms: seen.offset_ms,
+                    exceeded_total: seen.exceeded_total,
+                })
+                .collect(),
+            max_clock_offset_ms: self.quota.clock_offsets().max_clock_offset_ms(),
         }))
     }
 

@@ -1,5 +1,8 @@
-//! HTTP endpoints for operators: Prometheus `/metrics`, liveness `/healthz` and readiness
-//! `/readyz` (ready once the policy is loaded and the gRPC listeners are bound).
+//! HTTP endpoints for operators: Prometheus `/metrics`, liveness `/healthz` (the process
+//! answers) and readiness `/readyz`: started, every Raft group it is a member of running
+//! with a leader and applied within a bound of its commits, and the circuit breaker around
+//! the quota ledger not open (`crate::core::readiness`; the group views come from
+//! `crate::raft_health`). A refusal names its reason.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -12,13 +15,36 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use tokio::net::TcpListener;
 
+use crate::core::readiness::{NotReady, judge};
 use crate::metrics::Metrics;
+use crate::raft_health::GroupViews;
+
+/// `quotamesh_ledger_circuit_state` of an open circuit (the lease broker publishes it).
+const CIRCUIT_OPEN_GAUGE: i64 = 2;
+
+/// What `/readyz` judges.
+#[derive(Clone)]
+pub struct Readiness {
+    /// Set once the node has started, cleared when it begins to shut down.
+    pub started: Arc<AtomicBool>,
+    /// The node's Raft groups as last watched.
+    pub groups: GroupViews,
+    /// The node's metrics, for the ledger circuit's state.
+    pub metrics: Metrics,
+}
+
+impl Readiness {
+    fn judge(&self) -> Result<(), NotReady> {
+        let circuit_open = self.metrics.ledger_circuit_state.get() == CIRCUIT_OPEN_GAUGE;
+        judge(self.started.load(Ordering::Acquire), &self.groups.snapshot(), circuit_open)
+    }
+}
 
 /// Shared state of the HTTP endpoints.
 #[derive(Clone)]
 struct Endpoints {
     metrics: Metrics,
-    ready: Arc<AtomicBool>,
+    readiness: Readiness,
 }
 
 /// Serves the endpoints on `listener` until `shutdown` resolves.
@@ -28,14 +54,14 @@ struct Endpoints {
 pub async fn serve(
     listener: TcpListener,
     metrics: Metrics,
-    ready: Arc<AtomicBool>,
+    readiness: Readiness,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let app = Router::new()
         .route("/metrics", get(metrics_text))
         .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(readiness))
-        .with_state(Endpoints { metrics, ready });
+        .route("/readyz", get(readiness_text))
+        .with_state(Endpoints { metrics, readiness });
     axum::serve(listener, app).with_graceful_shutdown(shutdown).await
 }
 
@@ -46,11 +72,10 @@ async fn metrics_text(State(endpoints): State<Endpoints>) -> impl IntoResponse {
     )
 }
 
-async fn readiness(State(endpoints): State<Endpoints>) -> impl IntoResponse {
-    if endpoints.ready.load(Ordering::Acquire) {
-        (StatusCode::OK, "ready\n")
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "starting\n")
+async fn readiness_text(State(endpoints): State<Endpoints>) -> impl IntoResponse {
+    match endpoints.readiness.judge() {
+        Ok(()) => (StatusCode::OK, "ready\n".to_owned()),
+        Err(reason) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {reason}\n")),
     }
 }
 

@@ -5,8 +5,10 @@
 //!
 //! Billing: a refused operation maps to the code that says why (`INVALID_ARGUMENT`,
 //! `NOT_FOUND`, `ALREADY_EXISTS`, `FAILED_PRECONDITION`, `RESOURCE_EXHAUSTED`); an operation
-//! without a commit is `UNAVAILABLE` (fail-closed, outcome unknown); credentials map to
-//! `UNAUTHENTICATED` and `PERMISSION_DENIED`.
+//! without a commit is `UNAVAILABLE` (fail-closed, outcome unknown); a command the group
+//! refuses as such was not applied and never will be: `RESOURCE_EXHAUSTED` when too large
+//! (the gRPC convention), `FAILED_PRECONDITION` when the leader cannot read it; credentials
+//! map to `UNAUTHENTICATED` and `PERMISSION_DENIED`.
 
 use tonic::Status;
 
@@ -107,7 +109,8 @@ impl From<ShardError> for Status {
 impl From<WriteError> for Status {
     fn from(error: WriteError) -> Self {
         match error {
-            WriteError::TooLarge { .. } => Status::invalid_argument(error.to_string()),
+            // The gRPC convention for a message over a size limit.
+            WriteError::TooLarge { .. } => Status::resource_exhausted(error.to_string()),
             WriteError::Refused { .. } => Status::failed_precondition(error.to_string()),
             WriteError::Timeout => Status::deadline_exceeded(error.to_string()),
             WriteError::NoLeader | WriteError::LeaderLost { .. } | WriteError::Stopped(_) => {
@@ -153,6 +156,7 @@ impl From<ProposeError> for Status {
     fn from(error: ProposeError) -> Self {
         match error {
             ProposeError::Refused(refused) => refused.into(),
+            ProposeError::Rejected(rejected) => rejected.into(),
             ProposeError::Unavailable(_) | ProposeError::Stopped => {
                 Status::unavailable(error.to_string())
             }

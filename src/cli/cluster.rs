@@ -447,7 +447,24 @@ fn status_json(address: &str, status: &proto::StatusReply) -> serde_json::Value 
         "role": status.role,
         "cached_leader_id": status.cached_leader_id,
         "seeds": members_json(&status.seeds),
+        "clock_offsets": clock_offsets_json(status),
+        "max_clock_offset_ms": status.max_clock_offset_ms,
     })
+}
+
+fn clock_offsets_json(status: &proto::StatusReply) -> serde_json::Value {
+    status
+        .clock_offsets
+        .iter()
+        .map(|seen| {
+            serde_json::json!({
+                "node_id": seen.node_id,
+                "offset_ms": seen.offset_ms,
+                "exceeded_total": seen.exceeded_total,
+                "exceeded": seen.offset_ms.unsigned_abs() > status.max_clock_offset_ms,
+            })
+        })
+        .collect()
 }
 
 fn index(value: Option<u64>) -> String {
@@ -503,6 +520,17 @@ fn print_status(address: &str, status: &proto::StatusReply) {
             lag.node_id,
             index(lag.matched_index),
             lag.lag_entries
+        );
+    }
+    for seen in &status.clock_offsets {
+        let verdict = if seen.offset_ms.unsigned_abs() > status.max_clock_offset_ms {
+            "CLOCK OFF: its writes are stamped with the leader's time; check its NTP"
+        } else {
+            "within bounds"
+        };
+        println!(
+            "  clock of node {}: {:+} ms from this node's, {} writes past {} ms ({verdict})",
+            seen.node_id, seen.offset_ms, seen.exceeded_total, status.max_clock_offset_ms
         );
     }
     println!();

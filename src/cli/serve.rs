@@ -123,11 +123,30 @@ impl ServeArgs {
 pub async fn run(arguments: ServeArgs) -> anyhow::Result<()> {
     let config = arguments.resolve()?;
     let node = Node::start(config).await.context("cannot start the node")?;
-    wait_for_termination().await?;
-    tracing::info!("shutting down");
-    node.shutdown().await;
-    Ok(())
+    let failure = tokio::select! {
+        result = wait_for_termination() => { result?; None }
+        failure = node.failed() => Some(failure),
+    };
+    match failure {
+        None => {
+            tracing::info!("shutting down");
+            node.shutdown().await;
+            Ok(())
+        }
+        Some(failure) => {
+            // Crash-only: the group cannot come back in this process; its supervisor
+            // restarts the node from the durable log and snapshot (crate::raft_health).
+            tracing::error!(%failure, "shutting down to restart from durable state");
+            if tokio::time::timeout(FAILED_SHUTDOWN_TIMEOUT, node.shutdown()).await.is_err() {
+                tracing::error!("the node did not stop within {FAILED_SHUTDOWN_TIMEOUT:?}");
+            }
+            anyhow::bail!("{failure}")
+        }
+    }
 }
+
+/// Longest the shutdown after a group failure may take before the process exits anyway.
+const FAILED_SHUTDOWN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 async fn wait_for_termination() -> anyhow::Result<()> {
     use tokio::signal::unix::{SignalKind, signal};

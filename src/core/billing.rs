@@ -3,8 +3,8 @@
 //! This file owns the contractual side of a region (DESIGN.md section 6): accounts per
 //! (tenant, meter) with a balance and a floor, two-phase holds, idempotency keys and the
 //! append-only audit trail. It does no IO, reads no clock and draws no random number: every
-//! command carries its proposer's `now_ms`, and apply uses `max(last_seen_ms, now_ms)`, so
-//! every replica that applies the same commands in the same order reaches the same state
+//! command carries the time its leader stamped (`ledger_time.rs`), and apply uses
+//! `max(last_seen_ms, now_ms)`, so every replica that applies the same commands in the same order reaches the same state
 //! ([`BillingLedger::digest`] compares them). Replication and the encoding of records are
 //! `src/ledger/billing.rs`'s; the gRPC mapping is `src/api/billing/`'s.
 //!
@@ -343,7 +343,8 @@ pub struct Operation {
 /// An empty batch changes nothing but time: a follower commits one as a read barrier.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BillingCommand {
-    /// The proposer's clock.
+    /// Ledger time, stamped by the leader that proposed it (`ledger_time.rs`); what the
+    /// proposer puts here is overwritten.
     pub now_ms: u64,
     /// How long keys first committed by this command are kept (the proposer's setting,
     /// carried in the log so every replica forgets them at the same point).

@@ -3,8 +3,8 @@
 //! This file owns the authoritative buckets of a region (DESIGN.md section 4): which tokens
 //! are granted as leases, to which node, until when; what comes back; when an idle key is
 //! forgotten; and the versioned policy set. It does no IO, reads no clock and draws no random
-//! number: every command carries its proposer's `now_ms`, and apply uses
-//! `max(last_seen_ms, now_ms)`, so every replica that applies the same commands in the same
+//! number: every command carries the time its leader stamped (`ledger_time.rs`), and apply
+//! uses `max(last_seen_ms, now_ms)`, so every replica that applies the same commands in the same
 //! order reaches the same state ([`QuotaLedger::digest`] compares them). The bucket math is
 //! `rate.rs`'s; replication, storage and the encoding of records are `src/ledger/`'s.
 //!
@@ -185,7 +185,7 @@ pub struct LeaseReport {
 pub enum QuotaCommand {
     /// Lease requests of one node, answered item by item.
     AcquireLeases {
-        /// The proposer's clock.
+        /// Ledger time, stamped by the leader that proposed it (`ledger_time.rs`).
         now_ms: u64,
         /// The node the leases are for.
         node_id: NodeId,
@@ -194,7 +194,7 @@ pub enum QuotaCommand {
     },
     /// A new version of the policy set (files of YAML by name), stored for every node.
     PutPolicySet {
-        /// The proposer's clock.
+        /// Ledger time, stamped by the leader that proposed it (`ledger_time.rs`).
         now_ms: u64,
         /// Must exceed the stored version (or equal it with identical files: a retry).
         version: u64,
@@ -204,7 +204,7 @@ pub enum QuotaCommand {
     /// One node's reports on its keys (the lease broker's batch): each settles what the node
     /// spent and holds, then grants what it wants, answered item by item.
     SettleLeases {
-        /// The proposer's clock.
+        /// Ledger time, stamped by the leader that proposed it (`ledger_time.rs`).
         now_ms: u64,
         /// The node reporting.
         node_id: NodeId,

@@ -13,6 +13,8 @@
 //! - [`lease_key`]: a counter's name in the ledger, alike on every node.
 //! - [`circuit`]: the circuit breaker around ledger calls.
 //! - [`ledger`]: the regional quota ledger's deterministic state machine.
+//! - [`ledger_time`]: how a group's leader stamps command time; clock offsets.
+//! - [`readiness`]: whether a node should take traffic (`/readyz`).
 //! - [`fair_share`]: max-min fair division of a contended key's rate between nodes.
 
 pub mod billing;
@@ -23,5 +25,7 @@ pub mod headers;
 pub mod lease;
 pub mod lease_key;
 pub mod ledger;
+pub mod ledger_time;
 pub mod policy;
 pub mod rate;
+pub mod readiness;

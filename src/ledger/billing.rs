@@ -207,6 +207,14 @@ impl GroupMachine for BillingLedger {
     fn digest(&self) -> u64 {
         BillingLedger::digest(self)
     }
+
+    fn ledger_time_ms(&self) -> u64 {
+        self.last_seen_ms()
+    }
+
+    fn stamp(command: &mut BillingCommand, now_ms: u64) {
+        command.now_ms = now_ms;
+    }
 }
 
 #[cfg(test)]

@@ -31,10 +31,14 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use openraft::error::{ClientWriteError, InitializeError, RaftError};
-use openraft::{ChangeMembers, Config, ConfigError, Raft, RaftMetrics, SnapshotPolicy};
+use openraft::{
+    ChangeMembers, Config, ConfigError, Raft, RaftMetrics, ServerState, SnapshotPolicy,
+};
 use parking_lot::Mutex;
+use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::ledger_time::{ClockOffsets, Forwarded, Stamper};
 use super::log_store::{LogOpenError, LogStore};
 use super::network::{PeerCallError, PeerChannels, PeerNetwork, Rpc};
 use super::state_store::{MachineView, StateOpenError, StateStore};
@@ -81,6 +85,10 @@ pub struct GroupSettings {
     /// gateway): the region's voters with their Raft addresses, at most [`SEEDS_MAX`]. This
     /// node's own id is ignored. Empty (the default): such a write waits for the metrics.
     pub seeds: BTreeMap<NodeId, BasicNode>,
+    /// Where this node, leading, judges and reports the clocks of the nodes whose writes it
+    /// proposes; shared by the groups of a process. Default: `max_clock_offset_ms` 500, no
+    /// metrics.
+    pub clock_offsets: ClockOffsets,
 }
 
 impl GroupSettings {
@@ -97,6 +105,7 @@ impl GroupSettings {
             snapshot_every_logs: 10_000,
             logs_kept_after_snapshot: 1_000,
             seeds: BTreeMap::new(),
+            clock_offsets: ClockOffsets::default(),
         }
     }
 
@@ -164,13 +173,6 @@ pub enum OpenError {
     },
 }
 
-impl OpenError {
-    /// Retrying the same open will not help: settings or the directory need an operator.
-    pub fn retry_may_help(&self) -> bool {
-        false
-    }
-}
-
 /// Why a write was not acknowledged.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum WriteError {
@@ -211,9 +213,11 @@ pub enum WriteError {
 }
 
 impl WriteError {
-    /// Whether sending the same command again may succeed.
+    /// Whether sending the same command again (here, later, or through another node) may
+    /// get it applied: false when the group refuses the command as such (too large, or the
+    /// leader cannot read it), which no retry changes.
     pub fn retry_may_help(&self) -> bool {
-        matches!(self, Self::NoLeader | Self::Timeout | Self::LeaderLost { .. })
+        !matches!(self, Self::TooLarge { .. } | Self::Refused { .. })
     }
 
     /// Whether the command may have been applied although no answer came back.
@@ -242,13 +246,6 @@ pub enum MembershipError {
     Stopped(String),
 }
 
-impl MembershipError {
-    /// Whether the same change may succeed later (or on the leader).
-    pub fn retry_may_help(&self) -> bool {
-        matches!(self, Self::NotLeader { .. } | Self::Refused(_))
-    }
-}
-
 fn membership_error(
     error: RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>,
 ) -> MembershipError {
@@ -272,6 +269,8 @@ pub struct RaftGroup<C: GroupConfig> {
     channels: PeerChannels,
     storage: StorageLiveness,
     route: Arc<LeaderRoute>,
+    stamper: Arc<Stamper>,
+    clock_offsets: ClockOffsets,
 }
 
 /// How a node outside the group finds the leader: its seeds and the leader it last reached.
@@ -344,7 +343,7 @@ impl StorageLiveness {
     }
 }
 
-/// Why a group did not stop cleanly.
+/// Why a group did not stop cleanly. Shutting down again will not help.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ShutdownError {
     /// openraft's core task failed while stopping.
@@ -354,13 +353,6 @@ pub enum ShutdownError {
     /// the directory in this process would fail on sled's lock.
     #[error("the group's storage was still in use {STORAGE_RELEASE_TIMEOUT:?} after shutdown")]
     StorageBusy,
-}
-
-impl ShutdownError {
-    /// Shutting down again will not help.
-    pub fn retry_may_help(&self) -> bool {
-        false
-    }
 }
 
 impl<C: GroupConfig> Clone for RaftGroup<C> {
@@ -373,6 +365,8 @@ impl<C: GroupConfig> Clone for RaftGroup<C> {
             channels: self.channels.clone(),
             storage: self.storage.clone(),
             route: Arc::clone(&self.route),
+            stamper: Arc::clone(&self.stamper),
+            clock_offsets: self.clock_offsets.clone(),
         }
     }
 }
@@ -425,7 +419,19 @@ impl<C: GroupConfig> RaftGroup<C> {
                 reason: fatal.to_string(),
             })?;
         let route = Arc::new(LeaderRoute::new(settings.node_id, &settings.seeds));
-        Ok(Self { name, node_id: settings.node_id, raft, view, channels, storage, route })
+        let stamper = Arc::new(Stamper::default());
+        tokio::spawn(anchor_on_election(raft.metrics(), Arc::downgrade(&stamper), view.clone()));
+        Ok(Self {
+            name,
+            node_id: settings.node_id,
+            raft,
+            view,
+            channels,
+            storage,
+            route,
+            stamper,
+            clock_offsets: settings.clock_offsets.clone(),
+        })
     }
 
     /// The group's name.
@@ -656,8 +662,37 @@ impl<C: GroupConfig> RaftGroup<C> {
         }
     }
 
+    /// Sets `command`'s time to this node's stamp as the leader (`crate::ledger::ledger_time`),
+    /// over the proposer's: every command is proposed through here or [`Self::forwarded`].
+    fn stamp(&self, command: &mut C::D) {
+        let term = self.raft.metrics().borrow().current_term;
+        let stamp_ms = self.stamper.stamp(term, || self.view.read(GroupMachine::ledger_time_ms));
+        <C::Machine as GroupMachine>::stamp(command, stamp_ms);
+    }
+
+    /// Proposes a command another node forwarded (the server side of `Forward`): judges the
+    /// sender's clock when this node leads, stamps the command and writes it here.
+    pub(crate) async fn forwarded(
+        &self,
+        forwarded: Forwarded<C::D>,
+    ) -> Result<C::R, RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>> {
+        if self.leader() == Some(self.node_id) {
+            self.clock_offsets.observe(&self.name, forwarded.from, forwarded.sent_at_ms);
+        }
+        let mut command = forwarded.command;
+        self.stamp(&mut command);
+        self.raft.client_write(command).await.map(|written| written.data)
+    }
+
+    /// The clock offsets this node saw while leading (shared with the process's other groups).
+    pub fn clock_offsets(&self) -> &ClockOffsets {
+        &self.clock_offsets
+    }
+
     async fn write_here(&self, command: &C::D, remaining: Duration) -> Attempt<C::R> {
-        match tokio::time::timeout(remaining, self.raft.client_write(command.clone())).await {
+        let mut command = command.clone();
+        self.stamp(&mut command);
+        match tokio::time::timeout(remaining, self.raft.client_write(command)).await {
             Err(_) => Attempt::Done(Err(WriteError::Timeout)),
             Ok(Ok(written)) => Attempt::Done(Ok(written.data)),
             Ok(Err(error)) => self.classify(self.node_id, error),
@@ -698,13 +733,17 @@ impl<C: GroupConfig> RaftGroup<C> {
         command: &C::D,
         remaining: Duration,
     ) -> Attempt<C::R> {
+        // The wall clock is read as the call leaves, so the leader sees this node's offset
+        // plus the transit time only, however long the write waited for a leader.
+        let forwarded =
+            Forwarded { from: self.node_id, sent_at_ms: crate::clock::now_ms(), command };
         let reply = self
             .channels
-            .call::<C::D, C::R, RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>>(
+            .call::<_, C::R, RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>>(
                 &node.addr,
                 Rpc::Forward,
                 &self.name,
-                command,
+                &forwarded,
                 remaining,
             )
             .await;
@@ -814,6 +853,29 @@ impl<C: GroupConfig> RaftGroup<C> {
 enum Attempt<R> {
     Done(Result<R, WriteError>),
     NotApplied { leader: Option<(NodeId, Option<BasicNode>)> },
+}
+
+/// Anchors the group's ledger time as soon as this node becomes leader, so its first stamp
+/// of a term counts from the election rather than from its first write. Ends when the
+/// group stops (its metrics close) or its handle is gone.
+async fn anchor_on_election<M: GroupMachine>(
+    mut metrics: watch::Receiver<RaftMetrics<NodeId, BasicNode>>,
+    stamper: Weak<Stamper>,
+    view: MachineView<M>,
+) {
+    loop {
+        let (term, leads) = {
+            let metrics = metrics.borrow_and_update();
+            (metrics.current_term, metrics.state == ServerState::Leader)
+        };
+        if leads {
+            let Some(stamper) = stamper.upgrade() else { return };
+            stamper.anchor(term, || view.read(GroupMachine::ledger_time_ms));
+        }
+        if metrics.changed().await.is_err() {
+            return;
+        }
+    }
 }
 
 async fn open_stores<C: GroupConfig>(

@@ -57,7 +57,8 @@ enum FlushRequest<C: openraft::RaftTypeConfig> {
     Barrier(oneshot::Sender<()>),
 }
 
-/// Why the log store could not be opened.
+/// Why the log store could not be opened. Opening again will not help: the file or its
+/// directory needs an operator.
 #[derive(Debug, thiserror::Error)]
 pub enum LogOpenError {
     /// redb refused the file (missing permissions, corrupt, locked by another process).
@@ -75,13 +76,6 @@ pub enum LogOpenError {
     /// The flusher thread could not be started.
     #[error("cannot start the Raft log flusher thread: {0}")]
     Flusher(std::io::Error),
-}
-
-impl LogOpenError {
-    /// Opening again will not help: the file or its directory needs an operator.
-    pub fn retry_may_help(&self) -> bool {
-        false
-    }
 }
 
 /// The Raft log store of one group; cheap to clone (openraft reads through clones).

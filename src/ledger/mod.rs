@@ -25,6 +25,7 @@
 //! - [`network`]: the client side of the transport (`RaftNetworkFactory`).
 //! - [`service`]: the server side, one tonic service routing to every group of the process.
 //! - [`group`]: [`RaftGroup`], the handle a node uses: open, initialize, write, read, members.
+//! - [`ledger_time`]: the leader's stamp on every command, and the clock offsets it sees.
 //! - [`quota`]: the quota group's type configuration over `crate::core::ledger`.
 //! - [`billing`]: the billing group's type configuration over `crate::core::billing`.
 
@@ -33,6 +34,7 @@
 
 pub mod billing;
 pub mod group;
+pub mod ledger_time;
 pub mod log_store;
 pub mod network;
 pub mod quota;
@@ -162,6 +164,14 @@ pub trait GroupMachine: Sized + Send + Sync + 'static {
 
     /// A digest of the whole state, equal on replicas that applied the same commands.
     fn digest(&self) -> u64;
+
+    /// Ledger time as applied so far: where a new leader's stamps continue from
+    /// (`crate::core::ledger_time`).
+    fn ledger_time_ms(&self) -> u64;
+
+    /// Sets the time `command` applies at. The leader stamps every command before it
+    /// proposes it, over whatever time its proposer put there.
+    fn stamp(command: &mut Self::Command, now_ms: u64);
 }
 
 /// Error values of openraft's storage traits, built from any error.

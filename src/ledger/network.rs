@@ -12,6 +12,15 @@
 //! groups, so several groups to the same peer reuse one connection. With TLS (`crate::tls`)
 //! each channel dials through [`crate::tls::transport::PeerConnector`], presenting this
 //! node's certificate and verifying the peer's; without it, plaintext.
+//!
+//! A connection that goes silent (a partition that drops packets rather than refusing them)
+//! must not outlive the partition by the kernel's retransmission timers (13 to 19 s
+//! measured): HTTP/2 PINGs close it within [`KEEPALIVE_INTERVAL`] + [`KEEPALIVE_TIMEOUT`],
+//! and a channel whose calls all ran past their deadline for [`SILENCE_BEFORE_RESET`]
+//! ([`TIMEOUTS_BEFORE_RESET`] of them at least) is dropped, so the next call connects afresh
+//! (each connect bounded by [`CONNECT_TIMEOUT`]). A few slow calls (a follower's slow fsync
+//! against openraft's 50 ms append deadline) never reset a channel: reconnecting would only
+//! add a handshake.
 
 use std::collections::HashMap;
 use std::marker::PhantomData;
@@ -23,7 +32,7 @@ use openraft::error::{
     InstallSnapshotError, NetworkError, PayloadTooLarge, RPCError, RaftError, RemoteError, Timeout,
     Unreachable,
 };
-use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::network::{Backoff, RPCOption, RaftNetwork, RaftNetworkFactory};
 use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
     VoteRequest, VoteResponse,
@@ -41,9 +50,24 @@ use super::{BasicNode, GroupConfig, NodeId, PEER_MESSAGE_BYTES_MAX};
 /// gateways. Past this, calls still work on a fresh, unshared channel.
 pub const PEER_CHANNELS_MAX: usize = 64;
 /// How long opening a TCP connection to a peer may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
-/// TCP keep-alive on peer connections, so a silently dead peer is noticed.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+/// TCP keep-alive on peer connections, a backstop for the HTTP/2 PINGs below.
 const TCP_KEEPALIVE: Duration = Duration::from_secs(10);
+/// How often an HTTP/2 PING goes out on a peer connection, idle or not.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_millis(500);
+/// How long a PING may go unanswered before the connection is closed (and reopened by the
+/// next call): a peer's loaded machine answers a PING within milliseconds.
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(1);
+/// Calls to one address in a row that ran past their deadline, at least, before its channel
+/// is dropped: a connection whose PINGs still pass but whose calls hang is not reused.
+pub const TIMEOUTS_BEFORE_RESET: u32 = 2;
+/// How long a channel's calls must all have timed out before it is dropped: longer than the
+/// PINGs take to close a dead connection, so this only catches what they cannot.
+pub const SILENCE_BEFORE_RESET: Duration = Duration::from_secs(2);
+/// How long replication waits before calling an unreachable peer again (openraft's default
+/// is 500 ms). Each call costs at most a connect attempt, so a short wait is cheap and a
+/// healed peer is reached again within it plus [`CONNECT_TIMEOUT`].
+const UNREACHABLE_BACKOFF: Duration = Duration::from_millis(100);
 /// Room left in a message for the group name and the protobuf and gRPC framing.
 const MESSAGE_FRAMING_BYTES: usize = 1024;
 
@@ -113,9 +137,22 @@ fn connection_refused(status: &tonic::Status) -> bool {
 /// The channels of a process to its Raft peers, shared by every group; cheap to clone.
 #[derive(Clone, Default)]
 pub struct PeerChannels {
-    channels: Arc<Mutex<HashMap<String, Channel>>>,
+    channels: Arc<Mutex<HashMap<String, CachedChannel>>>,
     /// The TLS client configuration; `None`: plaintext.
     tls: Option<Arc<rustls::ClientConfig>>,
+}
+
+/// One peer's channel, how many calls on it timed out in a row, and when one last did not.
+struct CachedChannel {
+    channel: Channel,
+    timeouts_in_a_row: u32,
+    last_answer: std::time::Instant,
+}
+
+impl CachedChannel {
+    fn new(channel: Channel) -> Self {
+        Self { channel, timeouts_in_a_row: 0, last_answer: std::time::Instant::now() }
+    }
 }
 
 impl PeerChannels {
@@ -143,7 +180,7 @@ impl PeerChannels {
                 if let Ok(channel) = connected {
                     let mut channels = channels.lock();
                     if channels.len() < PEER_CHANNELS_MAX {
-                        channels.entry(address).or_insert(channel);
+                        channels.entry(address).or_insert_with(|| CachedChannel::new(channel));
                     }
                 }
             });
@@ -154,11 +191,11 @@ impl PeerChannels {
         let channel = {
             let mut channels = self.channels.lock();
             match channels.get(address) {
-                Some(channel) => channel.clone(),
+                Some(cached) => cached.channel.clone(),
                 None => {
                     let channel = connect_lazy(&endpoint(address)?, self.tls.as_ref());
                     if channels.len() < PEER_CHANNELS_MAX {
-                        channels.insert(address.to_owned(), channel.clone());
+                        channels.insert(address.to_owned(), CachedChannel::new(channel.clone()));
                     }
                     channel
                 }
@@ -191,13 +228,35 @@ impl PeerChannels {
                 Rpc::Forward => client.forward(request).await,
             }
         };
-        match tokio::time::timeout(timeout, call).await {
+        let result = match tokio::time::timeout(timeout, call).await {
             Err(_) => Err(PeerCallError::Timeout(timeout)),
             Ok(Err(status)) if status.code() == tonic::Code::DeadlineExceeded => {
                 Err(PeerCallError::Timeout(timeout))
             }
             Ok(Err(status)) => Err(PeerCallError::Status(status)),
             Ok(Ok(reply)) => Ok(reply.into_inner().payload),
+        };
+        self.count_timeout(address, matches!(result, Err(PeerCallError::Timeout(_))));
+        result
+    }
+
+    /// Counts a timed-out call to `address` (or clears the count), and drops the channel
+    /// after [`TIMEOUTS_BEFORE_RESET`] in a row spanning [`SILENCE_BEFORE_RESET`]: calls in
+    /// flight on it finish or time out on their own; the next call opens a new connection.
+    fn count_timeout(&self, address: &str, timed_out: bool) {
+        let mut channels = self.channels.lock();
+        let Some(cached) = channels.get_mut(address) else { return };
+        if !timed_out {
+            cached.timeouts_in_a_row = 0;
+            cached.last_answer = std::time::Instant::now();
+            return;
+        }
+        cached.timeouts_in_a_row = cached.timeouts_in_a_row.saturating_add(1);
+        if cached.timeouts_in_a_row >= TIMEOUTS_BEFORE_RESET
+            && cached.last_answer.elapsed() >= SILENCE_BEFORE_RESET
+        {
+            channels.remove(address);
+            tracing::debug!(%address, "peer channel reset after calls timed out in a row");
         }
     }
 
@@ -227,7 +286,10 @@ fn endpoint(address: &str) -> Result<Endpoint, PeerCallError> {
         .map_err(|e| PeerCallError::Address { address: address.to_owned(), reason: e.to_string() })?
         .connect_timeout(CONNECT_TIMEOUT)
         .tcp_nodelay(true)
-        .tcp_keepalive(Some(TCP_KEEPALIVE)))
+        .tcp_keepalive(Some(TCP_KEEPALIVE))
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(true))
 }
 
 /// A lazily connecting channel to `endpoint`, through TLS when `tls` is set (the TCP
@@ -373,5 +435,9 @@ impl<C: GroupConfig> RaftNetwork<C> for PeerClient<C> {
     ) -> Result<VoteResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
         let payload = encode(&rpc)?;
         self.send(Rpc::Vote, RPCTypes::Vote, payload, &option).await
+    }
+
+    fn backoff(&self) -> Backoff {
+        Backoff::new(std::iter::repeat(UNREACHABLE_BACKOFF))
     }
 }

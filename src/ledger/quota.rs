@@ -152,4 +152,16 @@ impl GroupMachine for QuotaLedger {
     fn digest(&self) -> u64 {
         QuotaLedger::digest(self)
     }
+
+    fn ledger_time_ms(&self) -> u64 {
+        self.last_seen_ms()
+    }
+
+    fn stamp(command: &mut QuotaCommand, stamp_ms: u64) {
+        match command {
+            QuotaCommand::AcquireLeases { now_ms, .. }
+            | QuotaCommand::SettleLeases { now_ms, .. }
+            | QuotaCommand::PutPolicySet { now_ms, .. } => *now_ms = stamp_ms,
+        }
+    }
 }

@@ -5,8 +5,10 @@
 //! encodes `Result<response, RaftError>` back, so a remote Raft error reaches the caller's
 //! openraft as a value (`RemoteError`), never as a gRPC status. Statuses mean transport
 //! trouble: `NOT_FOUND` for a group this process does not host (yet), `INVALID_ARGUMENT` for
-//! an undecodable payload. `Forward` runs a client write on this node and never forwards it
-//! again. The client side is `network.rs`; the group handle is `group.rs`.
+//! an undecodable payload. `Forward` carries the sender's id and wall clock with the command
+//! (`ledger_time.rs`); it runs the write on this node, stamped with this node's ledger time,
+//! and never forwards it again. The client side is `network.rs`; the group handle is
+//! `group.rs`.
 //!
 //! On a TLS port (`crate::tls`) every request carries the Raft node id its caller's verified
 //! certificate names, and whether that is a voter's certificate or a gateway's; a node
@@ -22,7 +24,8 @@
 //! The role comes from the certificate, not from the membership: a leader being removed
 //! still leads until the new membership commits, while followers already hold that
 //! membership, so a membership check would stall the change. Refusals are
-//! `PERMISSION_DENIED`; a request without a node//! identity on an authenticated service is `UNAUTHENTICATED`.
+//! `PERMISSION_DENIED`; a request without a node identity on an authenticated service is
+//! `UNAUTHENTICATED`. A `Forward` whose stated sender is not the certificate's is refused too.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -34,6 +37,7 @@ use parking_lot::RwLock;
 use serde::Serialize;
 use tonic::{Request, Response, Status};
 
+use super::ledger_time::Forwarded;
 use super::proto::raft_peer_server::{RaftPeer, RaftPeerServer};
 use super::proto::{GroupReply, GroupRequest};
 use super::{BasicNode, COMMAND_BYTES_MAX, GroupConfig, NodeId, PEER_MESSAGE_BYTES_MAX, RaftGroup};
@@ -47,7 +51,8 @@ const CONCURRENT_REQUESTS_PER_CONNECTION_MAX: usize = 256;
 /// Longest any request may run on the server, whatever deadline the caller sent.
 const SERVER_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Why a group could not be registered with the service.
+/// Why a group could not be registered with the service. Registering again will not help
+/// without unregistering first.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RegisterError {
     /// A group of that name is already registered.
@@ -56,13 +61,6 @@ pub enum RegisterError {
     /// [`GROUPS_PER_PROCESS_MAX`] groups are registered already.
     #[error("at most {GROUPS_PER_PROCESS_MAX} groups per process")]
     TooMany,
-}
-
-impl RegisterError {
-    /// Registering again will not help without unregistering first.
-    pub fn retry_may_help(&self) -> bool {
-        false
-    }
 }
 
 /// A verified caller on a TLS port: its node id and whether its certificate is a voter's.
@@ -92,6 +90,8 @@ trait GroupEndpoint: Send + Sync + 'static {
 
 struct Endpoint<C: GroupConfig> {
     raft: Raft<C>,
+    /// The group's handle: forwarded writes go through it to be stamped with ledger time.
+    group: RaftGroup<C>,
 }
 
 fn decode<T: serde::de::DeserializeOwned>(payload: &[u8]) -> Result<T, Status> {
@@ -164,13 +164,19 @@ impl<C: GroupConfig> GroupEndpoint for Endpoint<C> {
                 payload.len()
             )));
         }
-        let command: C::D = decode(payload)?;
+        let forwarded: Forwarded<C::D> = decode(payload)?;
         if let Some(sender) = sender {
-            C::check_forward(&command, sender.node_id, sender.may_vote)
+            if forwarded.from != sender.node_id {
+                return Err(Status::permission_denied(format!(
+                    "Forward from node {} says it comes from node {}",
+                    sender.node_id, forwarded.from
+                )));
+            }
+            C::check_forward(&forwarded.command, sender.node_id, sender.may_vote)
                 .map_err(Status::permission_denied)?;
         }
         let reply: Result<C::R, RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>> =
-            self.raft.client_write(command).await.map(|written| written.data);
+            self.group.forwarded(forwarded).await;
         encode(&reply)
     }
 }
@@ -206,27 +212,8 @@ impl RaftPeerService {
         sender.map(Some).ok_or_else(|| Status::unauthenticated("no verified node certificate"))
     }
 
-    /// Routes requests for `group` to `raft`.
-    ///
-    /// # Errors
-    /// [`RegisterError`] when the name is taken or the process hosts too many groups.
-    pub fn register<C: GroupConfig>(
-        &self,
-        group: &str,
-        raft: Raft<C>,
-    ) -> Result<(), RegisterError> {
-        let mut groups = self.groups.write();
-        if groups.contains_key(group) {
-            return Err(RegisterError::Duplicate(group.to_owned()));
-        }
-        if groups.len() >= GROUPS_PER_PROCESS_MAX {
-            return Err(RegisterError::TooMany);
-        }
-        groups.insert(group.to_owned(), Arc::new(Endpoint { raft }));
-        Ok(())
-    }
-
-    /// Routes requests for `group`'s name to it: [`Self::register`] for a [`RaftGroup`].
+    /// Routes requests for `group`'s name to it. Forwarded writes go through the group's
+    /// handle, which stamps their time as the leader's (`super::ledger_time`).
     ///
     /// # Errors
     /// [`RegisterError`] when the name is taken or the process hosts too many groups.
@@ -234,7 +221,16 @@ impl RaftPeerService {
         &self,
         group: &RaftGroup<C>,
     ) -> Result<(), RegisterError> {
-        self.register(group.name(), group.raft().clone())
+        let mut groups = self.groups.write();
+        if groups.contains_key(group.name()) {
+            return Err(RegisterError::Duplicate(group.name().to_owned()));
+        }
+        if groups.len() >= GROUPS_PER_PROCESS_MAX {
+            return Err(RegisterError::TooMany);
+        }
+        let endpoint = Endpoint { raft: group.raft().clone(), group: group.clone() };
+        groups.insert(group.name().to_owned(), Arc::new(endpoint));
+        Ok(())
     }
 
     /// Stops routing requests to `group` (peers then see it as unreachable).

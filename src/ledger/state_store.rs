@@ -54,7 +54,8 @@ const SNAPSHOT_FILE_PREFIX: &str = "snapshot-";
 const SNAPSHOT_FILE_SUFFIX: &str = ".bin";
 const TEMPORARY_SUFFIX: &str = ".tmp";
 
-/// Why the state store could not be opened.
+/// Why the state store could not be opened. Opening again will not help: the directory
+/// needs an operator.
 #[derive(Debug, thiserror::Error)]
 pub enum StateOpenError {
     /// A directory or snapshot file could not be read or written.
@@ -81,13 +82,6 @@ pub enum StateOpenError {
     /// A record or pointer in sled cannot be decoded.
     #[error("the state database holds an undecodable value: {0}")]
     CorruptState(String),
-}
-
-impl StateOpenError {
-    /// Opening again will not help: the directory needs an operator.
-    pub fn retry_may_help(&self) -> bool {
-        false
-    }
 }
 
 /// What a snapshot carries: the machine's records and the pointers stored with them.

@@ -22,10 +22,12 @@ use tonic::transport::server::TcpIncoming;
 use crate::api::billing::auth::Authenticator;
 use crate::api::billing::{BillingService, BillingSettings, tls};
 use crate::config::NodeConfig;
+use crate::ledger::ledger_time::ClockOffsets;
 use crate::ledger::{
     BILLING_GROUP_NAME, BasicNode, BillingGroup, GroupSettings, MembershipError, NodeId,
     PeerChannels, RaftGroup, RaftPeerService,
 };
+use crate::metrics::Metrics;
 
 use super::{GRPC_STREAMS_PER_CONNECTION_MAX, NodeError};
 
@@ -53,18 +55,47 @@ pub(super) async fn start(
     advertise_addr: &str,
     peers: &RaftPeerService,
     channels: PeerChannels,
+    clock_offsets: ClockOffsets,
+    metrics: &Metrics,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<BillingPart, NodeError> {
-    let billing = &config.billing;
     // The billing group has the quota group's members: the same node ids and Raft addresses.
     let node_id = config.raft_node_id;
-    let settings =
+    let mut settings =
         GroupSettings::new(BILLING_GROUP_NAME, node_id, config.data_dir.join(BILLING_GROUP_NAME));
+    settings.clock_offsets = clock_offsets;
     let group = RaftGroup::<BillingGroup>::open(&settings, channels)
         .await
         .map_err(|error| setup_error("billing Raft group", error))?;
-    peers.register_group(&group).map_err(|error| setup_error("billing Raft group", error))?;
+    match serve(config, advertise_addr, peers, &group, metrics, listener, shutdown).await {
+        Ok(server) => Ok(BillingPart { group, server }),
+        Err(error) => {
+            // Nothing of a failed start keeps running: a retry in this process (or the next
+            // start) opens the directory again.
+            peers.unregister(BILLING_GROUP_NAME);
+            if let Err(shutdown) = group.shutdown().await {
+                tracing::warn!(%shutdown, "billing group did not stop cleanly");
+            }
+            Err(error)
+        }
+    }
+}
+
+/// Registers and (when this node is the one to) forms the opened billing group, then
+/// serves the billing API on `listener`.
+async fn serve(
+    config: &NodeConfig,
+    advertise_addr: &str,
+    peers: &RaftPeerService,
+    group: &RaftGroup<BillingGroup>,
+    metrics: &Metrics,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<JoinHandle<()>, NodeError> {
+    let billing = &config.billing;
+    let node_id = config.raft_node_id;
+    peers.register_group(group).map_err(|error| setup_error("billing Raft group", error))?;
 
     let members: Option<BTreeMap<NodeId, BasicNode>> = if config.peers.is_empty() {
         Some(BTreeMap::from([(node_id, BasicNode::new(advertise_addr))]))
@@ -95,6 +126,7 @@ pub(super) async fn start(
             deadline: Duration::from_millis(billing.deadline_ms),
             key_retention_ms: billing.key_retention_ms,
         },
+        metrics.clone(),
     );
     let mut builder = Server::builder()
         .timeout(BILLING_REQUEST_TIMEOUT)
@@ -105,15 +137,19 @@ pub(super) async fn start(
     }
     let router = builder.add_service(service.into_server());
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    let server = tokio::spawn(async move {
+    Ok(tokio::spawn(async move {
         if let Err(error) = router.serve_with_incoming_shutdown(incoming, shutdown).await {
             tracing::error!(%error, "billing gRPC server stopped");
         }
-    });
-    Ok(BillingPart { group, server })
+    }))
 }
 
 impl BillingPart {
+    /// The billing Raft group.
+    pub(super) fn group(&self) -> &RaftGroup<BillingGroup> {
+        &self.group
+    }
+
     /// Waits for the billing server to drain (its shutdown signal must be raised), then
     /// stops the Raft group and releases its storage.
     pub(super) async fn shutdown(mut self, drain_timeout: Duration) {

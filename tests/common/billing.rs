@@ -36,8 +36,13 @@ pub struct BillingNode {
     pub id: u64,
     pub billing_addr: String,
     pub raft_addr: String,
+    pub admin_addr: String,
     pub data_dir: PathBuf,
     pub config: PathBuf,
+    /// The policy the node serves ([`policy`] unless the cluster was given another).
+    pub policy: PathBuf,
+    /// More environment variables of the process (e.g. libfaketime's).
+    pub environment: Vec<(&'static str, String)>,
     pub process: Option<NodeProcess>,
 }
 
@@ -52,8 +57,15 @@ impl BillingNode {
             &self.billing_addr,
             "--raft-addr",
             &self.raft_addr,
+            "--admin-addr",
+            &self.admin_addr,
         ];
-        self.process = Some(NodeProcess::start_with(&policy(), &self.data_dir, &arguments)?);
+        self.process = Some(NodeProcess::start_with_environment(
+            &self.policy,
+            &self.data_dir,
+            &arguments,
+            &self.environment,
+        )?);
         Ok(())
     }
 
@@ -97,16 +109,44 @@ impl BillingCluster {
     /// Starts `count` nodes (1 or 3): one forms a single-node group; three list each other
     /// as peers and node 1 bootstraps the billing group. `extra_toml` is appended to every node's `[billing]`.
     pub fn start(count: usize, extra_toml: &str) -> anyhow::Result<Self> {
-        Self::start_inner(count, extra_toml, "")
+        Self::start_inner(count, extra_toml, "", None, &|_| Vec::new(), &|_| Ok(()))
     }
 
     /// Like [`Self::start`], with `trailer` (e.g. a `[billing.tls]` table) at the end of
     /// every node's file, after the tokens.
     pub fn start_with_trailer(count: usize, trailer: &str) -> anyhow::Result<Self> {
-        Self::start_inner(count, "", trailer)
+        Self::start_inner(count, "", trailer, None, &|_| Vec::new(), &|_| Ok(()))
     }
 
-    fn start_inner(count: usize, extra_toml: &str, trailer: &str) -> anyhow::Result<Self> {
+    /// Like [`Self::start`], every node serving `policy` and accepting the test operator
+    /// token on its admin API (`super::tls::ADMIN_TOKEN`), node `id` with the environment
+    /// variables `environment(id)` added.
+    pub fn start_with_environment(
+        count: usize,
+        policy: &Path,
+        environment: &dyn Fn(u64) -> Vec<(&'static str, String)>,
+    ) -> anyhow::Result<Self> {
+        let admin = super::tls::admin_section();
+        Self::start_inner(count, "", &admin, Some(policy), environment, &|_| Ok(()))
+    }
+
+    /// Like [`Self::start`], calling `prepare` on each node (e.g. to mount its data
+    /// directory) before any starts.
+    pub fn start_prepared(
+        count: usize,
+        prepare: &dyn Fn(&BillingNode) -> anyhow::Result<()>,
+    ) -> anyhow::Result<Self> {
+        Self::start_inner(count, "", "", None, &|_| Vec::new(), prepare)
+    }
+
+    fn start_inner(
+        count: usize,
+        extra_toml: &str,
+        trailer: &str,
+        policy_path: Option<&Path>,
+        environment: &dyn Fn(u64) -> Vec<(&'static str, String)>,
+        prepare: &dyn Fn(&BillingNode) -> anyhow::Result<()>,
+    ) -> anyhow::Result<Self> {
         let scratch = tempfile::tempdir()?;
         let mut nodes = Vec::new();
         for id in 1..=count as u64 {
@@ -114,8 +154,11 @@ impl BillingCluster {
                 id,
                 billing_addr: format!("127.0.0.1:{}", free_port()),
                 raft_addr: format!("127.0.0.1:{}", free_port()),
+                admin_addr: format!("127.0.0.1:{}", free_port()),
                 data_dir: scratch.path().join(format!("node{id}")),
                 config: scratch.path().join(format!("node{id}.toml")),
+                policy: policy_path.map_or_else(policy, Path::to_owned),
+                environment: environment(id),
                 process: None,
             });
         }
@@ -147,6 +190,7 @@ impl BillingCluster {
                 tokens_toml()
             );
             std::fs::write(&node.config, text)?;
+            prepare(node)?;
         }
         let mut cluster = Self { nodes, _scratch: scratch };
         for node in &mut cluster.nodes {

@@ -67,6 +67,9 @@ pub struct ClusterOptions {
     pub policy: Option<String>,
     /// More TOML sections for every node's config (e.g. a `[leasing]` table).
     pub config_extra: String,
+    /// Run node N as user id `base + N` (the test runs as root), so firewall rules can
+    /// match one node's packets (`meta skuid`); the nodes' directories are made writable.
+    pub uid_base: Option<u32>,
 }
 
 impl Default for ClusterOptions {
@@ -77,6 +80,7 @@ impl Default for ClusterOptions {
             logs_kept_after_snapshot: None,
             policy: None,
             config_extra: String::new(),
+            uid_base: None,
         }
     }
 }
@@ -95,6 +99,8 @@ pub struct ClusterNode {
     pub peers: Vec<(u64, SocketAddr)>,
     /// `role = "gateway"` in its config: the peers are the voters, without it.
     pub gateway: bool,
+    /// The user id its process runs as, when not the test's.
+    pub uid: Option<u32>,
     pub process: Option<NodeProcess>,
 }
 
@@ -114,6 +120,7 @@ impl ClusterNode {
             log_path: root.join(format!("node-{id}.log")),
             peers: Vec::new(),
             gateway: false,
+            uid: None,
             process: None,
         })
     }
@@ -172,7 +179,7 @@ impl ClusterNode {
     pub fn spawn(&self, extra: &[&str]) -> anyhow::Result<NodeProcess> {
         let mut arguments: Vec<OsString> = vec!["--config".into(), self.config_path.clone().into()];
         arguments.extend(extra.iter().map(OsString::from));
-        NodeProcess::spawn(
+        NodeProcess::spawn_as(
             self.rls_addr,
             self.metrics_addr,
             &self.data_dir,
@@ -183,6 +190,7 @@ impl ClusterNode {
                 ("QUOTAMESH_BILLING_ADDR", format!("{}:0", self.admin_addr.ip())),
             ],
             Some(&self.log_path),
+            self.uid,
         )
         .with_context(|| format!("node {}", self.id))
     }
@@ -236,8 +244,20 @@ impl Cluster {
         );
         let ca = TestCa::new(root.path(), &options.cluster_id)?;
         let mut nodes = BTreeMap::new();
+        if options.uid_base.is_some() {
+            // Nodes of other users create their data directories here.
+            std::fs::set_permissions(
+                root.path(),
+                std::os::unix::fs::PermissionsExt::from_mode(0o777),
+            )?;
+        }
         for id in 1..=voters {
-            nodes.insert(id, ClusterNode::new(root.path(), id)?);
+            let mut node = ClusterNode::new(root.path(), id)?;
+            node.uid = match options.uid_base {
+                Some(base) => Some(base + u32::try_from(id)?),
+                None => None,
+            };
+            nodes.insert(id, node);
         }
         let peers: Vec<(u64, SocketAddr)> =
             nodes.values().map(|node| (node.id, node.raft_addr)).collect();

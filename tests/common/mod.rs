@@ -82,6 +82,16 @@ impl NodeProcess {
 
     /// Starts a node with an explicit data directory and extra arguments.
     pub fn start_with(policy: &Path, data_dir: &Path, extra: &[&str]) -> anyhow::Result<Self> {
+        Self::start_with_environment(policy, data_dir, extra, &[])
+    }
+
+    /// [`Self::start_with`] with more environment variables (e.g. libfaketime's).
+    pub fn start_with_environment(
+        policy: &Path,
+        data_dir: &Path,
+        extra: &[&str],
+        environment: &[(&str, String)],
+    ) -> anyhow::Result<Self> {
         let rls_addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse()?;
         let metrics_addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse()?;
         // The admin, billing and Raft listeners too, unless the caller names them, so nodes
@@ -101,7 +111,7 @@ impl NodeProcess {
             arguments.extend(["--ledger-timeout-ms".into(), "1000".into()]);
         }
         arguments.extend(extra.iter().map(OsString::from));
-        Self::spawn(rls_addr, metrics_addr, data_dir, &arguments, &[], None)
+        Self::spawn(rls_addr, metrics_addr, data_dir, &arguments, environment, None)
     }
 
     /// Starts `quotamesh serve` on the given RLS and metrics addresses with more arguments
@@ -114,7 +124,24 @@ impl NodeProcess {
         environment: &[(&str, String)],
         log_path: Option<&Path>,
     ) -> anyhow::Result<Self> {
+        Self::spawn_as(rls_addr, metrics_addr, data_dir, arguments, environment, log_path, None)
+    }
+
+    /// [`Self::spawn`] under the user id `uid` when given (the test runs as root), so
+    /// firewall rules can tell the process's packets apart (`meta skuid`).
+    pub fn spawn_as(
+        rls_addr: SocketAddr,
+        metrics_addr: SocketAddr,
+        data_dir: &Path,
+        arguments: &[OsString],
+        environment: &[(&str, String)],
+        log_path: Option<&Path>,
+        uid: Option<u32>,
+    ) -> anyhow::Result<Self> {
         let mut command = Command::new(env!("CARGO_BIN_EXE_quotamesh"));
+        if let Some(uid) = uid {
+            std::os::unix::process::CommandExt::uid(&mut command, uid);
+        }
         command
             .arg("serve")
             .arg("--rls-addr")
@@ -153,6 +180,9 @@ impl NodeProcess {
         all[all.len().saturating_sub(lines)..].join("\n")
     }
 
+    /// Waits until the node has started: `/healthz` answers once every part runs. Not
+    /// `/readyz`, which also wants a leader for every group the node is a member of, and a
+    /// node restarted into a region that is down gets one only when more nodes are back.
     fn wait_ready(&mut self) -> anyhow::Result<()> {
         let deadline = Instant::now() + READY_TIMEOUT;
         while Instant::now() < deadline {
@@ -161,12 +191,25 @@ impl NodeProcess {
             {
                 bail!("quotamesh exited before becoming ready: {status}\n{}", self.log_tail(20));
             }
-            if let Ok((200, _)) = http_get(self.metrics_addr, "/readyz") {
+            if let Ok((200, _)) = http_get(self.metrics_addr, "/healthz") {
                 return Ok(());
             }
             std::thread::sleep(Duration::from_millis(50));
         }
         bail!("quotamesh was not ready within {READY_TIMEOUT:?}")
+    }
+
+    /// `/readyz`: its status code and body.
+    pub fn readiness(&self) -> anyhow::Result<(u16, String)> {
+        http_get(self.metrics_addr, "/readyz")
+    }
+
+    /// Whether the process has exited (reaping it if so).
+    pub fn exited(&mut self) -> anyhow::Result<Option<std::process::ExitStatus>> {
+        match self.child.as_mut() {
+            Some(child) => Ok(child.try_wait()?),
+            None => Ok(None),
+        }
     }
 
     /// A gRPC client connected to the node's RLS port.

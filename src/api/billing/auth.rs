@@ -18,7 +18,8 @@ use crate::config::{BILLING_ALL_TENANTS, BillingToken};
 /// Longest `authorization` value read, in bytes; longer ones are refused unread.
 pub const AUTHORIZATION_BYTES_MAX: usize = 4096;
 
-/// Why a call was not authenticated or not authorized.
+/// Why a call was not authenticated or not authorized. Retrying with the same credentials
+/// will not help.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AuthError {
     /// No `authorization: Bearer` metadata.
@@ -44,13 +45,6 @@ pub enum AuthError {
         /// The operator's name.
         caller: String,
     },
-}
-
-impl AuthError {
-    /// Retrying with the same credentials will not help.
-    pub fn retry_may_help(&self) -> bool {
-        false
-    }
 }
 
 /// Tenants a caller may touch.

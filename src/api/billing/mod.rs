@@ -33,9 +33,10 @@ use crate::core::billing::{
     Operation, OperationKind, OperationRequest, Outcome,
 };
 use crate::ledger::{BillingGroup, RaftGroup};
+use crate::metrics::Metrics;
 use auth::{Authenticator, Principal};
 use pb::billing_server::{Billing, BillingServer};
-use proposer::{Proposer, ProposerSettings};
+use proposer::{ProposeError, Proposer, ProposerSettings};
 
 /// Reply metadata: the id of the node that answered.
 pub const METADATA_NODE: &str = "x-quotamesh-node";
@@ -69,6 +70,7 @@ pub struct BillingService {
     proposer: Proposer,
     auth: Arc<Authenticator>,
     settings: BillingSettings,
+    metrics: Metrics,
 }
 
 impl BillingService {
@@ -77,12 +79,13 @@ impl BillingService {
         group: RaftGroup<BillingGroup>,
         auth: Authenticator,
         settings: BillingSettings,
+        metrics: Metrics,
     ) -> Self {
         let proposer = Proposer::start(
             group.clone(),
             ProposerSettings { key_retention_ms: settings.key_retention_ms },
         );
-        Self { group, proposer, auth: Arc::new(auth), settings }
+        Self { group, proposer, auth: Arc::new(auth), settings, metrics }
     }
 
     /// The tonic service with the message size limits set both ways.
@@ -147,7 +150,19 @@ impl BillingService {
         operation.check().map_err(|e| Status::invalid_argument(e.to_string()))?;
         let deadline = self.deadline(request);
         let operation = Operation { caller: principal.name.clone(), key, request: operation };
-        let outcome = self.proposer.propose(operation, deadline).await.map_err(Status::from)?;
+        let result = self.proposer.propose(operation, deadline).await;
+        let label = match &result {
+            Ok(outcome) if outcome.replayed => "duplicate",
+            Ok(outcome) => match outcome.decision {
+                Decision::Approved => "approved",
+                Decision::InsufficientFunds => "insufficient_funds",
+            },
+            Err(ProposeError::Refused(_) | ProposeError::Rejected(_)) => "refused",
+            Err(ProposeError::Overloaded) => "overloaded",
+            Err(ProposeError::Unavailable(_) | ProposeError::Stopped) => "unavailable",
+        };
+        self.metrics.billing_operations.with_label_values(&[label]).inc();
+        let outcome = result.map_err(Status::from)?;
         Ok(Response::new(operation_reply(&outcome)))
     }
 

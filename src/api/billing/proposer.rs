@@ -13,7 +13,10 @@
 //! ```
 //!
 //! A call that gives up (its deadline passed) answers `UNAVAILABLE` itself; its operation
-//! may still commit, which is why a client retries with the same key.
+//! may still commit, which is why a client retries with the same key. A command the group
+//! refuses as such (too large; a leader that cannot read it) was not applied and never will
+//! be: its operations answer [`ProposeError::Rejected`], a code that tells clients not to
+//! retry (`crate::api::status`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,6 +44,11 @@ pub enum ProposeError {
     /// The ledger refused the operation; nothing was applied.
     #[error(transparent)]
     Refused(#[from] OperationError),
+    /// The billing group refused the command carrying the operation as such (too large, or
+    /// a leader that cannot read it): nothing was applied, and sending it again will not
+    /// help.
+    #[error("the billing group refused the command: {0}")]
+    Rejected(WriteError),
     /// No commit within the deadline (no quorum, leader lost, timeout): the operation may or
     /// may not have been applied.
     #[error("no commit within the deadline; the outcome is unknown, retry with the same key: {0}")]
@@ -51,13 +59,6 @@ pub enum ProposeError {
     /// The node is shutting down; the operation was not sent.
     #[error("the node is shutting down")]
     Stopped,
-}
-
-impl ProposeError {
-    /// Whether a retry (with the same key) may succeed.
-    pub fn retry_may_help(&self) -> bool {
-        !matches!(self, Self::Refused(_))
-    }
 }
 
 struct Pending {
@@ -177,7 +178,34 @@ async fn write_batch(
 }
 
 fn write_failure(error: &WriteError) -> ProposeError {
+    if !error.retry_may_help() {
+        return ProposeError::Rejected(error.clone());
+    }
     // Not applied, or unknown: to the caller both mean "retry with the same key". A group
     // that stopped may have appended the command before it did, so that is unknown too.
     ProposeError::Unavailable(error.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ledger::NodeId;
+
+    /// A command the group refuses as such answers a code that says "not applied, do not
+    /// retry"; one whose outcome is unknown, or that may go through later, UNAVAILABLE.
+    #[test]
+    fn write_failures_keep_their_kind() {
+        let code = |error: WriteError| tonic::Status::from(write_failure(&error)).code();
+        assert_eq!(code(WriteError::TooLarge { bytes: 5 }), tonic::Code::ResourceExhausted);
+        let refused = WriteError::Refused { leader: NodeId(1), reason: "version".to_owned() };
+        assert_eq!(code(refused), tonic::Code::FailedPrecondition);
+        for unknown in [
+            WriteError::NoLeader,
+            WriteError::Timeout,
+            WriteError::LeaderLost { leader: NodeId(2), reason: "reset".to_owned() },
+            WriteError::Stopped("storage".to_owned()),
+        ] {
+            assert_eq!(code(unknown), tonic::Code::Unavailable);
+        }
+    }
 }

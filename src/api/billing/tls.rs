@@ -20,13 +20,6 @@ pub struct TlsError {
     pub source: std::io::Error,
 }
 
-impl TlsError {
-    /// Reading the same file again will not help.
-    pub fn retry_may_help(&self) -> bool {
-        false
-    }
-}
-
 /// Installs rustls's ring provider as the process default (a second call does nothing).
 pub fn install_crypto_provider() {
     // An error means a provider is installed already, which is what we want.
