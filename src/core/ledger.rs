@@ -607,7 +607,15 @@ fn fair_cap(
         })
         .sum();
     let bucket_micro = u128::from(available_tokens) * u128::from(MICRO_TOKENS_PER_TOKEN);
-    if total_milli <= u128::from(rate_milli) || bucket_micro >= near_term_micro {
+    // Fairness needs two nodes to be fair between, and a rate of at least a token per
+    // horizon: below a token, shares would starve every node (first come is fairer then).
+    let rate_per_horizon_micro =
+        u128::from(rate_milli) * u128::from(lookahead_ms.saturating_mul(2));
+    if total_milli <= u128::from(rate_milli)
+        || bucket_micro >= near_term_micro
+        || demands.len() < 2
+        || rate_per_horizon_micro < u128::from(MICRO_TOKENS_PER_TOKEN)
+    {
         return None;
     }
     let shares =
