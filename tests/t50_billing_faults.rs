@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::billing::{
-    ADMIN_TOKEN, BillingCluster, DEADLINE_MS, Rng, account, balance, connect, full_trail,
-    open_account, with_token,
+    ADMIN_TOKEN, BillingCluster, DEADLINE_MS, Rng, account, balance, completion, connect,
+    full_trail, open_account, with_token,
 };
 use common::billing_checker::{Attempt, Completion, check_bank, check_exactly_once};
 use quotamesh::api::proto::quotamesh::billing::v1 as pb;
@@ -21,35 +21,6 @@ use tokio::sync::Mutex;
 const CLIENTS: u64 = 16;
 const INITIAL: u64 = 12_000;
 const FLOOR: u64 = 500;
-
-fn completion(result: &Result<tonic::Response<pb::OperationReply>, tonic::Status>) -> Completion {
-    match result {
-        Ok(reply) => {
-            let reply = reply.get_ref();
-            let decision = match reply.original_decision() {
-                pb::Decision::InsufficientFunds => Decision::InsufficientFunds,
-                _ => Decision::Approved,
-            };
-            Completion::Ok {
-                decision,
-                duplicate: reply.decision() == pb::Decision::Duplicate,
-                ledger_index: reply.ledger_index,
-                balance_after: reply.balance,
-            }
-        }
-        Err(status) => match status.code() {
-            tonic::Code::InvalidArgument
-            | tonic::Code::NotFound
-            | tonic::Code::AlreadyExists
-            | tonic::Code::FailedPrecondition
-            | tonic::Code::PermissionDenied
-            | tonic::Code::Unauthenticated
-            | tonic::Code::ResourceExhausted => Completion::Fail(status.code()),
-            // UNAVAILABLE, DEADLINE_EXCEEDED, transport errors: may have applied.
-            _ => Completion::Info(format!("{:?}: {}", status.code(), status.message())),
-        },
-    }
-}
 
 /// 16 clients, each sending `debits_per_client` debits of 1..=50 to random nodes. A debit
 /// with an unknown outcome is retried with the same key (up to 20 times); one in five

@@ -11,14 +11,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use common::billing::{
-    ADMIN_TOKEN, BillingCluster, Rng, account, balance, connect, full_trail, open_account,
-    with_token,
+    ADMIN_TOKEN, BillingCluster, Rng, account, balance, completion, connect, full_trail,
+    open_account, with_token,
 };
 use common::billing_checker::{Attempt, Completion, check_bank, check_exactly_once};
 use common::cluster::{CLUSTER_POLICY, admin_client, call, wanted};
 use quotamesh::api::proto::quotamesh::admin::v1 as admin;
 use quotamesh::api::proto::quotamesh::billing::v1 as pb;
-use quotamesh::core::billing::{AccountId, AuditEntry, Decision, OperationKind};
+use quotamesh::core::billing::{AccountId, AuditEntry, OperationKind};
 use tokio::sync::Mutex;
 
 const CLIENTS: u64 = 16;
@@ -46,34 +46,6 @@ fn libfaketime() -> anyhow::Result<PathBuf> {
     candidates.into_iter().find(|path| path.exists()).context(
         "libfaketime not found: install Debian's `faketime` package (scripts/test.sh does)",
     )
-}
-
-fn completion(result: &Result<tonic::Response<pb::OperationReply>, tonic::Status>) -> Completion {
-    match result {
-        Ok(reply) => {
-            let reply = reply.get_ref();
-            let decision = match reply.original_decision() {
-                pb::Decision::InsufficientFunds => Decision::InsufficientFunds,
-                _ => Decision::Approved,
-            };
-            Completion::Ok {
-                decision,
-                duplicate: reply.decision() == pb::Decision::Duplicate,
-                ledger_index: reply.ledger_index,
-                balance_after: reply.balance,
-            }
-        }
-        Err(status) => match status.code() {
-            tonic::Code::InvalidArgument
-            | tonic::Code::NotFound
-            | tonic::Code::AlreadyExists
-            | tonic::Code::FailedPrecondition
-            | tonic::Code::PermissionDenied
-            | tonic::Code::Unauthenticated
-            | tonic::Code::ResourceExhausted => Completion::Fail(status.code()),
-            _ => Completion::Info(format!("{:?}: {}", status.code(), status.message())),
-        },
-    }
 }
 
 /// 16 clients debit through the nodes `through` (indexes), each a fresh key per debit,

@@ -17,12 +17,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use common::billing::{
-    ADMIN_TOKEN, BillingCluster, Rng, account, balance, connect, full_trail, open_account,
-    with_token,
+    ADMIN_TOKEN, BillingCluster, Rng, account, balance, completion, connect, full_trail,
+    open_account, with_token,
 };
 use common::billing_checker::{Attempt, Completion, check_bank, check_exactly_once};
 use quotamesh::api::proto::quotamesh::billing::v1 as pb;
-use quotamesh::core::billing::{AccountId, AuditEntry, Decision};
+use quotamesh::core::billing::{AccountId, AuditEntry};
 use tokio::sync::Mutex;
 
 const CLIENTS: u64 = 4;
@@ -71,34 +71,6 @@ fn fill(directory: &Path) -> anyhow::Result<PathBuf> {
     }
     let _ = file.sync_all();
     Ok(path)
-}
-
-fn completion(result: &Result<tonic::Response<pb::OperationReply>, tonic::Status>) -> Completion {
-    match result {
-        Ok(reply) => {
-            let reply = reply.get_ref();
-            let decision = match reply.original_decision() {
-                pb::Decision::InsufficientFunds => Decision::InsufficientFunds,
-                _ => Decision::Approved,
-            };
-            Completion::Ok {
-                decision,
-                duplicate: reply.decision() == pb::Decision::Duplicate,
-                ledger_index: reply.ledger_index,
-                balance_after: reply.balance,
-            }
-        }
-        Err(status) => match status.code() {
-            tonic::Code::InvalidArgument
-            | tonic::Code::NotFound
-            | tonic::Code::AlreadyExists
-            | tonic::Code::FailedPrecondition
-            | tonic::Code::PermissionDenied
-            | tonic::Code::Unauthenticated
-            | tonic::Code::ResourceExhausted => Completion::Fail(status.code()),
-            _ => Completion::Info(format!("{:?}: {}", status.code(), status.message())),
-        },
-    }
 }
 
 /// Clients debiting through random nodes until `stop`, each key retried while its outcome

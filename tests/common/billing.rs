@@ -9,9 +9,10 @@ use anyhow::{Context, bail};
 use quotamesh::api::billing::auth::token_sha256_hex;
 use quotamesh::api::billing::{METADATA_LEADER, entry_from_pb};
 use quotamesh::api::proto::quotamesh::billing::v1 as pb;
-use quotamesh::core::billing::AuditEntry;
+use quotamesh::core::billing::{AuditEntry, Decision};
 use tonic::transport::Channel;
 
+use super::billing_checker::Completion;
 use super::tls::TestCa;
 use super::{NodeProcess, free_port};
 
@@ -342,5 +343,38 @@ impl Rng {
     /// Uniform in `low..=high`.
     pub fn between(&mut self, low: u64, high: u64) -> u64 {
         low + self.next() % (high - low + 1)
+    }
+}
+
+/// How a billing operation's reply reads in the fault-testing vocabulary: `Ok` with what it
+/// decided, `Fail` for a definite refusal (not applied), `Info` when it may have applied.
+pub fn completion(
+    result: &Result<tonic::Response<pb::OperationReply>, tonic::Status>,
+) -> Completion {
+    match result {
+        Ok(reply) => {
+            let reply = reply.get_ref();
+            let decision = match reply.original_decision() {
+                pb::Decision::InsufficientFunds => Decision::InsufficientFunds,
+                _ => Decision::Approved,
+            };
+            Completion::Ok {
+                decision,
+                duplicate: reply.decision() == pb::Decision::Duplicate,
+                ledger_index: reply.ledger_index,
+                balance_after: reply.balance,
+            }
+        }
+        Err(status) => match status.code() {
+            tonic::Code::InvalidArgument
+            | tonic::Code::NotFound
+            | tonic::Code::AlreadyExists
+            | tonic::Code::FailedPrecondition
+            | tonic::Code::PermissionDenied
+            | tonic::Code::Unauthenticated
+            | tonic::Code::ResourceExhausted => Completion::Fail(status.code()),
+            // UNAVAILABLE, DEADLINE_EXCEEDED, transport errors: may have applied.
+            _ => Completion::Info(format!("{:?}: {}", status.code(), status.message())),
+        },
     }
 }
