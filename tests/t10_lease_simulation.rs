@@ -109,6 +109,12 @@ struct SimNode {
     failures_in_row: u32,
     next_sweep_ms: u64,
     down_until_ms: u64,
+    /// Most one-way latency of its reports and answers, ms (the leader's own node answers
+    /// fastest; a follower or gateway forwards).
+    latency_ms_max: u64,
+    /// Reports sent and hits admitted since [`World::measure_from_ms`].
+    reports_sent: u64,
+    admitted_hits: u64,
 }
 
 impl SimNode {
@@ -130,6 +136,8 @@ struct World {
     /// Per 1 s window: hits admitted, of them from the fallback, and what dead nodes left
     /// uncharged.
     windows: BTreeMap<u64, (u64, u64, u64)>,
+    /// Nodes count their reports and admissions from this simulated time on.
+    measure_from_ms: u64,
 }
 
 /// The faults a run injects, per million per simulated ms.
@@ -167,6 +175,9 @@ impl World {
                     failures_in_row: 0,
                     next_sweep_ms: 0,
                     down_until_ms: 0,
+                    latency_ms_max: 30,
+                    reports_sent: 0,
+                    admitted_hits: 0,
                 }
             })
             .collect();
@@ -181,7 +192,41 @@ impl World {
             outage_until_ms: 0,
             incarnations: 1,
             windows: BTreeMap::new(),
+            measure_from_ms: 0,
         }
+    }
+
+    /// A key of `limit` offered `offered_per_second` by each of
+    /// `node_count` nodes; node 0 answers within 2 ms (it leads), the others within
+    /// `latency_ms_max`; node clocks are offset by `offsets_ms` (missing: 0).
+    fn contended(
+        seed: u64,
+        node_count: usize,
+        limit: LimitSpec,
+        offered_per_second: u64,
+        latency_ms_max: u64,
+        offsets_ms: &[i64],
+    ) -> Self {
+        let mut world = Self::new(seed);
+        world.limit = limit;
+        let rate = limit.capacity_tokens();
+        world.nodes = (0..node_count)
+            .map(|index| SimNode {
+                id: NodeId(index as u64 + 1),
+                offset_ms: offsets_ms.get(index).copied().unwrap_or(0),
+                lease: KeyLease::new(rate, size_cap_tokens(rate, node_count as u64)),
+                epoch: LeaseEpoch { incarnation: 1, serial: index as u64 },
+                offered_per_million: offered_per_second * 1_000,
+                fallback: None,
+                failures_in_row: 0,
+                next_sweep_ms: 0,
+                down_until_ms: 0,
+                latency_ms_max: if index == 0 { 2 } else { latency_ms_max },
+                reports_sent: 0,
+                admitted_hits: 0,
+            })
+            .collect();
+        world
     }
 
     fn node_count(&self) -> u64 {
@@ -196,12 +241,16 @@ impl World {
         } else {
             Fate::Answered
         };
+        let latency_ms_max = self.nodes[node].latency_ms_max;
+        if now_ms >= self.measure_from_ms {
+            self.nodes[node].reports_sent += 1;
+        }
         let message = Message {
             node,
             epoch: self.nodes[node].epoch,
             draft,
-            arrives_at_ms: now_ms + 1 + self.rng.below(30),
-            answer_latency_ms: 1 + self.rng.below(30),
+            arrives_at_ms: now_ms + 1 + self.rng.below(latency_ms_max),
+            answer_latency_ms: 1 + self.rng.below(latency_ms_max),
             fate,
         };
         self.in_air.push(message);
@@ -329,6 +378,9 @@ impl World {
                 Spend::Short => None,
             };
             if let Some(from_fallback) = admitted_from {
+                if now_ms >= self.measure_from_ms {
+                    node.admitted_hits += hits;
+                }
                 let entry = self.windows.entry(window).or_default();
                 entry.0 += hits;
                 entry.1 += if from_fallback { hits } else { 0 };
@@ -518,4 +570,113 @@ fn regression_a_lost_answer_is_settled() {
 #[test]
 fn regression_a_key_made_anew_by_another_node() {
     simulate(154);
+}
+
+/// What a contended run measured per node once the burst was gone.
+struct AtLimit {
+    /// Each node's share of the admissions.
+    shares: Vec<f64>,
+    /// Each node's reports (ledger writes) per second.
+    writes_per_second: Vec<f64>,
+    /// Admissions per second, all nodes.
+    admitted_per_second: f64,
+    /// How long it measured.
+    seconds: f64,
+}
+
+/// Runs `world` without faults for `duration_ms`, measuring from `measure_from_ms`.
+fn at_limit(mut world: World, seed: u64, measure_from_ms: u64, duration_ms: u64) -> AtLimit {
+    world.measure_from_ms = measure_from_ms;
+    world.run(seed, duration_ms, NO_FAULTS);
+    let seconds = (duration_ms - measure_from_ms) as f64 / 1_000.0;
+    let admitted: u64 = world.nodes.iter().map(|node| node.admitted_hits).sum();
+    AtLimit {
+        shares: world
+            .nodes
+            .iter()
+            .map(|node| node.admitted_hits as f64 / admitted.max(1) as f64)
+            .collect(),
+        writes_per_second: world
+            .nodes
+            .iter()
+            .map(|node| node.reports_sent as f64 / seconds)
+            .collect(),
+        admitted_per_second: admitted as f64 / seconds,
+        seconds,
+    }
+}
+
+/// The targets for a key at its limit: each node's admitted share within 10 % of its
+/// fair share, at most 4 ledger writes per second per node (one more write in the whole
+/// measurement is the fence post: writes 250 ms apart fit `T / 250 ms + 1` times in `T`),
+/// and the limit used (no more than 1 % under it).
+fn assert_fair_and_cheap(case: &str, measured: &AtLimit, limit_per_second: f64) {
+    let fair = 1.0 / measured.shares.len() as f64;
+    eprintln!(
+        "{case}: shares {:?}, writes/s {:?}, admitted {:.1}/s of {limit_per_second:.1}/s",
+        measured.shares, measured.writes_per_second, measured.admitted_per_second
+    );
+    for (node, share) in measured.shares.iter().enumerate() {
+        assert!(
+            (share - fair).abs() <= fair * 0.10,
+            "{case}: node {node} got share {share:.3}, fair {fair:.3}"
+        );
+    }
+    for (node, writes) in measured.writes_per_second.iter().enumerate() {
+        assert!(
+            *writes <= 4.0 + 1.0 / measured.seconds,
+            "{case}: node {node} made {writes:.2} ledger writes/s"
+        );
+    }
+    assert!(
+        measured.admitted_per_second >= limit_per_second * 0.99,
+        "{case}: admitted {:.1}/s, under the limit of {limit_per_second:.1}/s",
+        measured.admitted_per_second
+    );
+}
+
+/// Proves that a key at its limit is shared fairly and cheaply: five nodes offering three
+/// times a 1,000/s limit between them, the leader's node answered fastest, each get a fifth
+/// within 10 % for at most 4 ledger writes per second.
+#[test]
+fn a_key_at_its_limit_is_shared_fairly_for_few_writes() {
+    for seed in 0..4 {
+        let limit = LimitSpec::new(Algorithm::TokenBucket, 1_000, 1_000, Some(1_000))
+            .expect("a valid limit");
+        let world = World::contended(seed, 5, limit, 600, 30, &[]);
+        assert_fair_and_cheap("1,000/s at 3x", &at_limit(world, seed, 3_000, 13_000), 1_000.0);
+    }
+}
+
+/// Proves that a node whose clock runs 50 ms ahead takes no more than its fair share.
+#[test]
+fn a_clock_ahead_takes_no_more_than_its_share() {
+    for seed in 0..4 {
+        let limit = LimitSpec::new(Algorithm::TokenBucket, 1_000, 1_000, Some(1_000))
+            .expect("a valid limit");
+        let world = World::contended(seed, 5, limit, 600, 30, &[0, 50]);
+        assert_fair_and_cheap(
+            "one clock 50 ms ahead",
+            &at_limit(world, seed, 3_000, 13_000),
+            1_000.0,
+        );
+    }
+}
+
+/// Proves the enterprise tier (50,000 per minute) at twice its rate over five nodes, once its
+/// burst is drained, is shared fairly and cheaply.
+#[test]
+fn the_enterprise_tier_at_twice_its_rate_is_shared_fairly() {
+    for seed in 0..2 {
+        let limit = LimitSpec::new(Algorithm::TokenBucket, 50_000, 60_000, Some(50_000))
+            .expect("a valid limit");
+        let rate = 50_000.0 / 60.0;
+        // 2x the rate in total, so the 50,000 burst drains in about a minute.
+        let world = World::contended(seed, 5, limit, 333, 30, &[]);
+        assert_fair_and_cheap(
+            "enterprise tier at 2x",
+            &at_limit(world, seed, 70_000, 90_000),
+            rate,
+        );
+    }
 }

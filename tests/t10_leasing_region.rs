@@ -104,7 +104,9 @@ fn window_bound_tokens(span: Duration, drift_bound_tokens: u64, bypassed: u64) -
 // total is at least the limit times the elapsed time less 2 %, and at most capacity + rate *
 // elapsed + N * (1 + watermark) * max_lease; and in every run of consecutive 1 s windows
 // (requests bucketed by when the client sent them) the admitted count is within capacity +
-// rate * W + the drift bound, W running from the window's start to its last answer.
+// rate * W + the drift bound, W running from the window's start to its last answer. Once the
+// burst is gone, each node's share of the admissions is within 10 % of a fifth, whichever node
+// leads the ledger, for at most 4 ledger writes per second per node.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_key_on_five_nodes_stays_within_the_drift_bound() -> Result<()> {
     let _serial = SERIAL.lock().await;
@@ -190,6 +192,7 @@ async fn a_hot_key_on_five_nodes_stays_within_the_drift_bound() -> Result<()> {
     let steady_admitted =
         steady.iter().filter(|answer| answer.outcome == Outcome::Admitted).count();
     let fair = 1.0 / senders.len() as f64;
+    let mut shares = Vec::with_capacity(senders.len());
     for (id, (from, to)) in senders.iter().zip(calls_from.iter().zip(&calls_to)) {
         let mine = steady
             .iter()
@@ -197,13 +200,23 @@ async fn a_hot_key_on_five_nodes_stays_within_the_drift_bound() -> Result<()> {
             .count();
         let share = mine as f64 / steady_admitted.max(1) as f64;
         let writes_per_second = (to - from) / measured.as_secs_f64();
-        // Reported, not yet asserted: real processes do not meet the issue's targets yet (see
-        // the leasing issue's note).
         eprintln!(
             "node {id}: {mine} of {steady_admitted} admitted after the burst (share {share:.3}, \
              fair {fair:.3}, target within {:.0} %); {writes_per_second:.1} ledger writes/s at \
              the limit (target at most {WRITES_PER_SECOND_AT_LIMIT_TARGET})",
             FAIR_SHARE_TARGET * 100.0
+        );
+        shares.push((*id, share, writes_per_second));
+    }
+    for (id, share, writes_per_second) in shares {
+        assert!(
+            (share - fair).abs() <= fair * FAIR_SHARE_TARGET,
+            "node {id}: share {share:.3} of the admissions, fair {fair:.3}"
+        );
+        // One write more over the measurement is the fence post of writes a lookahead apart.
+        assert!(
+            writes_per_second <= WRITES_PER_SECOND_AT_LIMIT_TARGET + 1.0 / measured.as_secs_f64(),
+            "node {id}: {writes_per_second:.2} ledger writes/s at the limit"
         );
     }
 

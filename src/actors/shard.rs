@@ -874,7 +874,8 @@ impl ShardSet {
         let mut missing: Vec<Vec<ColdKey>> = Vec::new();
         let mut short: SmallVec<[(usize, usize); 2]> = SmallVec::new();
         let mut refills: SmallVec<[(usize, usize); 2]> = SmallVec::new();
-        let mut outcomes = Vec::with_capacity(probes.len());
+        let mut outcomes: Vec<ProbeOutcome> = Vec::with_capacity(probes.len());
+        let mut judged: SmallVec<[(usize, usize); 4]> = SmallVec::new();
         // States this request would write, in order: a counter met twice in one request
         // (two identical descriptors) is decided against its already-consumed state.
         let mut pending: SmallVec<[(usize, usize, Staged); 4]> = SmallVec::new();
@@ -911,8 +912,11 @@ impl ShardSet {
                     || Staged { lease: slot.lease, fallback: slot.fallback.as_deref().copied() },
                     |(_, _, staged)| *staged,
                 );
-                let judged = self.judge(&current, spec, probe, now_ms, short_keys);
-                match judged {
+                let verdict = self.judge(&current, spec, probe, now_ms, short_keys);
+                if !matches!(verdict, Judged::Short) {
+                    judged.push((probe_index, counter_index));
+                }
+                match verdict {
                     Judged::Decided { verdict, staged, bypass: paid_by, failed_closed: closed } => {
                         verdicts.push(verdict);
                         staged_here.push((counter_index, staged));
@@ -974,6 +978,21 @@ impl ShardSet {
                 {
                     asks.push((probe.stripe, self.ask(probe, key, slot, draft)));
                 }
+            }
+        }
+        // Demand is the offered traffic: a counter whose state was not written (a rejection
+        // consumes nothing) still counts the hits in its rate estimate, which is what the
+        // ledger divides a contended key's rate by. Without it a node would report only
+        // what it admitted, and a key at its limit would look uncontended.
+        for (probe_index, counter_index) in judged {
+            if admitted && outcomes[probe_index].admitted {
+                continue;
+            }
+            let probe = &probes[probe_index];
+            let (key, _) = probe.counters[counter_index];
+            let stripe = &mut guards[guard_of(probe.stripe)];
+            if let Some(slot) = stripe.get_mut(&key) {
+                slot.lease.observe_demand(probe.lease, now_ms, probe.hits);
             }
         }
         drop(guards);

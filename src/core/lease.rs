@@ -442,6 +442,13 @@ impl KeyLease {
         Spend::Short
     }
 
+    /// Counts `hits` offered at `now_ms` in the traffic estimate without spending anything:
+    /// a rejected request's hits are demand too (the caller keeps a rejection's state
+    /// unwritten, since rejected hits consume nothing).
+    pub fn observe_demand(&mut self, tuning: &LeaseTuning, now_ms: u64, hits: u64) {
+        self.rate.observe(now_ms, hits, tuning.rate_half_life_ms);
+    }
+
     /// Admits `hits` that no lease pays (the fallback bucket decided): the balance pays what
     /// it can and the rest is debt, charged by the next report.
     pub fn pay_beyond_lease(&mut self, hits: u64) {
