@@ -39,7 +39,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use prometheus::core::Metric as _;
-use quotamesh::actors::shard::{BypassReason, Decision, ShardError, ShardSet};
+use quotamesh::actors::shard::{Decision, ShardError, ShardSet};
+use quotamesh::core::admission::BypassReason;
 use quotamesh::core::lease::LeaseTuning;
 use quotamesh::core::policy::FailureMode;
 use quotamesh::core::rate::{Algorithm, LimitSpec};

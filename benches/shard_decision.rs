@@ -126,7 +126,7 @@ fn main() -> anyhow::Result<()> {
         let local_hot = probe(&local, "hot", &roomy, &hot_lease);
         let opened = tokio::time::Instant::now() + Duration::from_secs(10);
         while local.decide(&local_hot, quotamesh::clock::now_ms()).await?.bypass
-            != Some(quotamesh::actors::shard::BypassReason::CircuitOpen)
+            != Some(quotamesh::core::admission::BypassReason::CircuitOpen)
         {
             anyhow::ensure!(tokio::time::Instant::now() < opened, "the circuit never opened");
         }

@@ -1,6 +1,6 @@
-//! A deterministic, seeded simulation of the mesh's leasing: N nodes running the node-side
-//! lease machine (`core::lease::KeyLease`) against the ledger's state machine
-//! (`core::ledger::QuotaLedger`), with random message latencies, reports lost before the
+//! A deterministic, seeded simulation of the mesh's leasing: N nodes running the node's own
+//! admission procedure (`core::admission::judge`, as the shard actors do) and lease machine
+//! (`core::lease::KeyLease`) against the ledger's state machine (`core::ledger::QuotaLedger`), with random message latencies, reports lost before the
 //! ledger applied them, answers lost after it did, late answers, lease expiries, node
 //! restarts, ledger outages and node clocks offset from the ledger's.
 //!
@@ -26,14 +26,15 @@
 
 use std::collections::BTreeMap;
 
-use quotamesh::core::lease::{
-    Credit, KeyLease, LeaseTuning, ReportAnswer, ReportDraft, Spend, fallback_limit,
-    fallback_start, size_cap_tokens,
+use quotamesh::core::admission::{
+    BypassReason, Counter, Fallback, Judged, Region, ShortKeys, Staged, judge, record_rejected,
 };
+use quotamesh::core::lease::{KeyLease, LeaseTuning, ReportAnswer, ReportDraft, size_cap_tokens};
 use quotamesh::core::ledger::{
     LeaseEpoch, LeaseReport, NodeId, QuotaCommand, QuotaLedger, QuotaResponse, ReportOutcome,
 };
-use quotamesh::core::rate::{Algorithm, LimitSpec, LimitState};
+use quotamesh::core::policy::FailureMode;
+use quotamesh::core::rate::{Algorithm, LimitSpec};
 
 const KEY: &str = "rl:sim:key";
 /// How long a node waits for an answer before taking the report as not applied.
@@ -105,7 +106,7 @@ struct SimNode {
     epoch: LeaseEpoch,
     /// Offered hits per million per ms.
     offered_per_million: u64,
-    fallback: Option<LimitState>,
+    fallback: Option<Fallback>,
     failures_in_row: u32,
     next_sweep_ms: u64,
     down_until_ms: u64,
@@ -343,39 +344,41 @@ impl World {
         let node_ms = node.clock(now_ms);
         let hits = u64::from(offered && self.rng.chance(node.offered_per_million));
         if hits > 0 {
+            // The node's own admission procedure: the shard actors call the same function.
             let circuit_open = node.failures_in_row >= FAILURES_TO_OPEN;
-            let credit = if circuit_open {
-                Credit::NONE
-            } else {
-                Credit::fail_open(&self.tuning, self.limit.capacity_tokens(), node_count)
+            let counter = Counter {
+                spec: &self.limit,
+                hits,
+                tuning: &self.tuning,
+                failure_mode: FailureMode::Open,
             };
-            let admitted_from = match node.lease.spend(&self.tuning, credit, node_ms, hits) {
-                Spend::Admitted | Spend::AdmittedOnCredit => Some(false),
-                Spend::Blocked { .. } => None,
-                Spend::Short if node.lease.at_limit(node_ms) => None,
-                // A request that waited out its budget (half of them here) or finds the
-                // circuit open decides from the fallback.
-                Spend::Short if circuit_open || self.rng.chance(500_000) => {
-                    let spec = fallback_limit(&self.limit, FALLBACK_PERMILLE, node_count);
-                    let state = node.fallback.unwrap_or_else(|| {
-                        fallback_start(
-                            &spec,
-                            node.lease
-                                .ledger_remaining_tokens()
-                                .saturating_sub(node.lease.debt_tokens()),
-                            FALLBACK_PERMILLE,
-                            node_count,
-                            node_ms,
-                        )
-                    });
-                    let evaluation = spec.evaluate(&state, node_ms, hits);
-                    node.fallback = Some(evaluation.next);
-                    evaluation.admitted.then(|| {
-                        node.lease.pay_beyond_lease(hits);
-                        true
-                    })
+            let region = Region {
+                nodes_in_region: node_count,
+                fallback_multiplier_permille: FALLBACK_PERMILLE,
+            };
+            let current = Staged { lease: node.lease, fallback: node.fallback };
+            let short_keys = if circuit_open {
+                ShortKeys::Fallback(BypassReason::CircuitOpen)
+            } else {
+                ShortKeys::Wait
+            };
+            let mut judged = judge(&current, &counter, &region, node_ms, short_keys);
+            // A request that waited out its budget (half of them here) decides from the
+            // fallback; the others are still waiting when their lease comes, and retry.
+            if judged == Judged::Short && self.rng.chance(500_000) {
+                let late = ShortKeys::Fallback(BypassReason::LedgerTimeout);
+                judged = judge(&current, &counter, &region, node_ms, late);
+            }
+            let admitted_from = match judged {
+                Judged::Decided { verdict, staged, bypass, .. } if verdict.admitted => {
+                    node.lease = staged.lease;
+                    node.fallback = staged.fallback;
+                    Some(bypass.is_some())
                 }
-                Spend::Short => None,
+                Judged::Decided { .. } | Judged::AtLimit { .. } | Judged::Short => {
+                    record_rejected(&mut node.lease, &counter, node_ms);
+                    None
+                }
             };
             if let Some(from_fallback) = admitted_from {
                 if now_ms >= self.measure_from_ms {

@@ -9,7 +9,8 @@
 
 use std::time::Duration;
 
-use quotamesh::actors::shard::{BypassReason, FAIL_CLOSED_RETRY_AFTER_MS, ShardSet};
+use quotamesh::actors::shard::ShardSet;
+use quotamesh::core::admission::{BypassReason, FAIL_CLOSED_RETRY_AFTER_MS};
 use quotamesh::core::lease::LeaseTuning;
 use quotamesh::core::lease_key::LeaseKey;
 use quotamesh::core::ledger::NodeId;

@@ -27,8 +27,9 @@
 //! ```
 //!
 //! A request's descriptors may live in several stripes. The handler locks all of them in
-//! ascending order (no deadlock), decides every limit, and writes the new states back only
-//! if the whole request is admitted: rejected hits never consume quota.
+//! ascending order (no deadlock), decides every limit with the pure admission procedure
+//! (`crate::core::admission::judge`), and writes the new states back only if the whole
+//! request is admitted: rejected hits never consume quota, but count as the keys' demand.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher, RandomState};
@@ -47,14 +48,14 @@ use ractor::DerivedActorRef;
 
 use crate::actors::lease_broker::LeaseBroker;
 use crate::actors::lease_protocol::{CounterKey, LeaseAnswers, LeaseAsk};
-use crate::core::lease::{
-    Credit, KeyLease, LeaseTuning, ReportAnswer, ReportDraft, Spend, fallback_limit,
-    fallback_start, size_cap_tokens,
+use crate::core::admission::{
+    self, BypassReason, Counter, Fallback, Judged, Region, ShortKeys, Staged, Verdict,
 };
+use crate::core::lease::{KeyLease, LeaseTuning, ReportAnswer, ReportDraft, size_cap_tokens};
 use crate::core::lease_key::LeaseKey;
 use crate::core::ledger::LeaseEpoch;
 use crate::core::policy::{FailureMode, PolicySet, RuleId};
-use crate::core::rate::{LimitSpec, LimitState};
+use crate::core::rate::LimitSpec;
 use crate::metrics::Metrics;
 
 /// Stripes per shard: enough that handlers on different cores rarely meet on one lock.
@@ -73,12 +74,6 @@ pub const COLD_ROUNDS_MAX: usize = 3;
 /// A freshly created key is kept at least this long, so the sweep cannot remove it before
 /// the request that created it has used it.
 pub const FRESH_KEY_GRACE_MS: u64 = 5_000;
-/// What a fail-closed rule tells a client to wait while the ledger is out of reach: the
-/// circuit breaker's probe interval, the soonest the ledger can be back.
-pub const FAIL_CLOSED_RETRY_AFTER_MS: u64 = 1_000;
-/// The longest a request rejected by the fallback after its lease was late is told to wait:
-/// the lease is on its way.
-pub const LATE_LEASE_RETRY_AFTER_MS: u64 = 1_000;
 /// Keys sampled when a full shard must evict one (approximate LRU, as Redis does).
 const EVICTION_SAMPLE: usize = 16;
 /// `Slot::rule` of a counter that no policy rule owns (a request's `limit` override).
@@ -141,21 +136,6 @@ pub struct Probe<'p> {
     pub name: LedgerName<'p>,
 }
 
-/// What one limit said about a probe's hits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Verdict {
-    /// Whether all the hits were admitted (never a part of them).
-    pub admitted: bool,
-    /// Hits still available: this node's balance plus what the ledger had left at its last
-    /// grant (or the fallback bucket's count while deciding without the ledger).
-    pub remaining: u64,
-    /// Milliseconds until the limit is fully reset.
-    pub reset_ms: u64,
-    /// 0 when admitted; otherwise ms until the hits could be admitted, `u64::MAX` when they
-    /// never can be at once.
-    pub retry_after_ms: u64,
-}
-
 /// What the limits of one probe said.
 #[derive(Debug, Clone)]
 pub struct ProbeOutcome {
@@ -163,29 +143,6 @@ pub struct ProbeOutcome {
     pub verdicts: Vec<Verdict>,
     /// True when every limit admits the hits.
     pub admitted: bool,
-}
-
-/// Why a decision was paid from the fallback bucket instead of a ledger lease.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BypassReason {
-    /// The circuit breaker is open: the ledger failed repeatedly.
-    CircuitOpen,
-    /// The key's lease did not arrive within `wait_budget_ms` (the request's share of
-    /// Envoy's RLS timeout); what the fallback admitted is charged by the key's next report.
-    LedgerTimeout,
-    /// Too many requests were already waiting for leases.
-    Overloaded,
-}
-
-impl BypassReason {
-    /// The `reason` label of `rate_limit_bypassed_total`.
-    pub fn label(self) -> &'static str {
-        match self {
-            Self::CircuitOpen => "circuit_open",
-            Self::LedgerTimeout => "ledger_timeout",
-            Self::Overloaded => "overloaded",
-        }
-    }
 }
 
 /// The decision for a whole request.
@@ -215,14 +172,6 @@ pub enum ShardError {
     Churn,
 }
 
-/// A local bucket that pays decisions while the ledger is out of reach.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Fallback {
-    /// The rule's limit scaled to this node's share.
-    spec: LimitSpec,
-    state: LimitState,
-}
-
 /// Per-key state in a stripe.
 #[derive(Debug)]
 struct Slot {
@@ -238,13 +187,6 @@ struct Slot {
     rule: u32,
     /// The sweep keeps the key at least until then.
     keep_until_ms: u64,
-}
-
-/// The part of a slot a decision changes, staged until the whole request is decided.
-#[derive(Debug, Clone, Copy)]
-struct Staged {
-    lease: KeyLease,
-    fallback: Option<Fallback>,
 }
 
 type Stripe = HashMap<CounterKey, Slot, BuildHasherDefault<FingerprintHasher>>;
@@ -653,30 +595,6 @@ enum Pending {
     Leasing,
 }
 
-/// How a pass treats a key whose balance does not cover its hits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ShortKeys {
-    /// Ask a lease and wait for it.
-    Wait,
-    /// Decide now without the ledger.
-    Fallback(BypassReason),
-}
-
-/// What one counter came to in a pass.
-enum Judged {
-    Decided {
-        verdict: Verdict,
-        staged: Staged,
-        bypass: Option<BypassReason>,
-        failed_closed: bool,
-    },
-    /// Rejected: the ledger answers but its bucket is empty; ask for what refills.
-    AtLimit {
-        verdict: Verdict,
-    },
-    Short,
-}
-
 impl ShardSet {
     /// Spawns the shard actors and their sweep timer. Leases come from `broker`; `policy`
     /// gives the sweep each rule's lease tuning and gauge labels.
@@ -860,6 +778,10 @@ impl ShardSet {
         now_ms: u64,
         short_keys: ShortKeys,
     ) -> Result<Decision, Pending> {
+        let region = Region {
+            nodes_in_region: self.options.nodes_in_region,
+            fallback_multiplier_permille: self.options.fallback_multiplier_permille,
+        };
         // Requests carry a few descriptors: keep the bookkeeping on the stack.
         let mut order: SmallVec<[StripeId; 4]> = probes.iter().map(|probe| probe.stripe).collect();
         order.sort_unstable();
@@ -912,12 +834,22 @@ impl ShardSet {
                     || Staged { lease: slot.lease, fallback: slot.fallback.as_deref().copied() },
                     |(_, _, staged)| *staged,
                 );
-                let verdict = self.judge(&current, spec, probe, now_ms, short_keys);
-                if !matches!(verdict, Judged::Short) {
+                let counter = Self::counter(probe, spec);
+                let judgement = admission::judge(&current, &counter, &region, now_ms, short_keys);
+                if !matches!(judgement, Judged::Short) {
                     judged.push((probe_index, counter_index));
                 }
-                match verdict {
-                    Judged::Decided { verdict, staged, bypass: paid_by, failed_closed: closed } => {
+                match judgement {
+                    Judged::Decided {
+                        verdict,
+                        staged,
+                        bypass: paid_by,
+                        failed_closed: closed,
+                        on_credit,
+                    } => {
+                        if on_credit {
+                            self.metrics.lease_credit_admissions.inc();
+                        }
                         verdicts.push(verdict);
                         staged_here.push((counter_index, staged));
                         if verdict.admitted && bypass.is_none() {
@@ -980,19 +912,17 @@ impl ShardSet {
                 }
             }
         }
-        // Demand is the offered traffic: a counter whose state was not written (a rejection
-        // consumes nothing) still counts the hits in its rate estimate, which is what the
-        // ledger divides a contended key's rate by. Without it a node would report only
-        // what it admitted, and a key at its limit would look uncontended.
+        // A counter whose state was not written (a rejection consumes nothing) still counts
+        // its hits as demand: without them a key at its limit would look uncontended.
         for (probe_index, counter_index) in judged {
             if admitted && outcomes[probe_index].admitted {
                 continue;
             }
             let probe = &probes[probe_index];
-            let (key, _) = probe.counters[counter_index];
+            let (key, spec) = probe.counters[counter_index];
             let stripe = &mut guards[guard_of(probe.stripe)];
             if let Some(slot) = stripe.get_mut(&key) {
-                slot.lease.observe_demand(probe.lease, now_ms, probe.hits);
+                admission::record_rejected(&mut slot.lease, &Self::counter(probe, spec), now_ms);
             }
         }
         drop(guards);
@@ -1000,141 +930,9 @@ impl ShardSet {
         Ok(Decision { outcomes, admitted, bypass, failed_closed })
     }
 
-    /// Decides one counter from its staged state.
-    fn judge(
-        &self,
-        current: &Staged,
-        spec: &LimitSpec,
-        probe: &Probe<'_>,
-        now_ms: u64,
-        short_keys: ShortKeys,
-    ) -> Judged {
-        let hits = probe.hits;
-        let capacity_tokens = spec.capacity_tokens();
-        if hits > capacity_tokens {
-            // More than the limit can ever admit at once: no lease would cover it.
-            let verdict =
-                Verdict { admitted: false, remaining: 0, reset_ms: 0, retry_after_ms: u64::MAX };
-            return Judged::Decided {
-                verdict,
-                staged: *current,
-                bypass: None,
-                failed_closed: false,
-            };
-        }
-        // Credit is charged by the key's next report: none while the ledger is out of reach
-        // (the fallback bucket is the allowance then), none for fail-closed rules.
-        let credit = match (probe.failure_mode, short_keys) {
-            (FailureMode::Open, ShortKeys::Wait) => {
-                Credit::fail_open(probe.lease, capacity_tokens, self.options.nodes_in_region)
-            }
-            _ => Credit::NONE,
-        };
-        let mut staged = *current;
-        let ledger_remaining_tokens = staged.lease.ledger_remaining_tokens();
-        let admitted = |staged: Staged| {
-            let remaining = staged
-                .lease
-                .balance_tokens(now_ms)
-                .saturating_add(ledger_remaining_tokens)
-                .saturating_sub(staged.lease.debt_tokens())
-                .min(capacity_tokens);
-            let verdict = Verdict {
-                admitted: true,
-                remaining,
-                reset_ms: spec.reset_ms_estimate(remaining, now_ms),
-                retry_after_ms: 0,
-            };
-            Judged::Decided { verdict, staged, bypass: None, failed_closed: false }
-        };
-        match staged.lease.spend(probe.lease, credit, now_ms, hits) {
-            Spend::Admitted => admitted(staged),
-            Spend::AdmittedOnCredit => {
-                self.metrics.lease_credit_admissions.inc();
-                admitted(staged)
-            }
-            Spend::Blocked { retry_after_ms } => {
-                let verdict = Verdict {
-                    admitted: false,
-                    remaining: 0,
-                    reset_ms: spec.reset_ms_estimate(0, now_ms),
-                    retry_after_ms,
-                };
-                Judged::Decided { verdict, staged, bypass: None, failed_closed: false }
-            }
-            // The ledger's bucket was empty after this node's last grant, which is still
-            // live: the ledger answers and the key is at its limit. Reject as the ledger
-            // would, and ask for what refills (a fallback here would admit above the limit,
-            // a wait would hold requests the ledger cannot pay).
-            Spend::Short if staged.lease.at_limit(now_ms) => {
-                let verdict = Verdict {
-                    admitted: false,
-                    remaining: 0,
-                    reset_ms: spec.reset_ms_estimate(0, now_ms),
-                    retry_after_ms: spec
-                        .reset_ms_estimate(capacity_tokens.saturating_sub(hits), now_ms)
-                        .max(1),
-                };
-                Judged::AtLimit { verdict }
-            }
-            Spend::Short => match (short_keys, probe.failure_mode) {
-                (ShortKeys::Wait, _) => Judged::Short,
-                (ShortKeys::Fallback(_), FailureMode::Closed) => {
-                    let verdict = Verdict {
-                        admitted: false,
-                        remaining: 0,
-                        reset_ms: 0,
-                        retry_after_ms: FAIL_CLOSED_RETRY_AFTER_MS,
-                    };
-                    Judged::Decided { verdict, staged, bypass: None, failed_closed: true }
-                }
-                (ShortKeys::Fallback(reason), FailureMode::Open) => {
-                    let fallback_spec = fallback_limit(
-                        spec,
-                        self.options.fallback_multiplier_permille,
-                        self.options.nodes_in_region,
-                    );
-                    let state = staged
-                        .fallback
-                        .filter(|fallback| fallback.spec == fallback_spec)
-                        .map_or_else(
-                            || {
-                                fallback_start(
-                                    &fallback_spec,
-                                    ledger_remaining_tokens
-                                        .saturating_sub(staged.lease.debt_tokens()),
-                                    self.options.fallback_multiplier_permille,
-                                    self.options.nodes_in_region,
-                                    now_ms,
-                                )
-                            },
-                            |f| f.state,
-                        );
-                    let evaluation = fallback_spec.evaluate(&state, now_ms, hits);
-                    staged.fallback =
-                        Some(Fallback { spec: fallback_spec, state: evaluation.next });
-                    if evaluation.admitted {
-                        // Paid without a lease: debt, charged by the key's next report.
-                        staged.lease.pay_beyond_lease(hits);
-                    }
-                    // A lease that was merely late is on its way: the fallback's own wait (a
-                    // small key's share may refill in half an hour) would mislead the client.
-                    let retry_after_ms = match reason {
-                        BypassReason::CircuitOpen => evaluation.retry_after_ms,
-                        BypassReason::LedgerTimeout | BypassReason::Overloaded => {
-                            evaluation.retry_after_ms.min(LATE_LEASE_RETRY_AFTER_MS)
-                        }
-                    };
-                    let verdict = Verdict {
-                        admitted: evaluation.admitted,
-                        remaining: evaluation.remaining,
-                        reset_ms: evaluation.reset_ms,
-                        retry_after_ms,
-                    };
-                    Judged::Decided { verdict, staged, bypass: Some(reason), failed_closed: false }
-                }
-            },
-        }
+    /// One counter of `probe`, as admission sees it.
+    fn counter<'c>(probe: &'c Probe<'_>, spec: &'c LimitSpec) -> Counter<'c> {
+        Counter { spec, hits: probe.hits, tuning: probe.lease, failure_mode: probe.failure_mode }
     }
 
     fn ask(

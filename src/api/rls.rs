@@ -20,7 +20,7 @@ use arc_swap::ArcSwap;
 use smallvec::{SmallVec, smallvec};
 use tonic::{Request, Response, Status};
 
-use crate::actors::shard::{Decision, LedgerName, Probe, ShardSet, Verdict};
+use crate::actors::shard::{Decision, LedgerName, Probe, ShardSet};
 use crate::api::proto::envoy::config::core::v3::HeaderValue;
 use crate::api::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use crate::api::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
@@ -32,6 +32,7 @@ use crate::api::proto::envoy::service::ratelimit::v3::rate_limit_service_server:
 use crate::api::proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use crate::api::proto::envoy::r#type::v3::RateLimitUnit;
 use crate::api::status::InvalidRequest;
+use crate::core::admission::Verdict;
 use crate::core::headers::{HeaderOptions, LimitReport, format_headers};
 use crate::core::lease::LeaseTuning;
 use crate::core::policy::FailureMode;

@@ -10,6 +10,7 @@
 //! - [`policy`]: policy YAML with located errors, descriptor matching.
 //! - [`headers`]: RateLimit response header fields.
 //! - [`lease`]: node-side lease sizing, refill, expiry and the drift bound.
+//! - [`admission`]: one counter's decision on the abuse path (lease, credit, fallback).
 //! - [`lease_key`]: a counter's name in the ledger, alike on every node.
 //! - [`circuit`]: the circuit breaker around ledger calls.
 //! - [`ledger`]: the regional quota ledger's deterministic state machine.
@@ -17,6 +18,7 @@
 //! - [`readiness`]: whether a node should take traffic (`/readyz`).
 //! - [`fair_share`]: max-min fair division of a contended key's rate between nodes.
 
+pub mod admission;
 pub mod billing;
 pub mod circuit;
 pub mod digest;

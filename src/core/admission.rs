@@ -1,0 +1,426 @@
+//! The per-request admission procedure of the abuse path, as a pure function of one
+//! counter's state and `now_ms` (DESIGN section 3).
+//!
+//! [`judge`] decides one counter of one descriptor: spend from the leased balance, on credit
+//! while the ledger can still pay, reject while the ledger said to wait or the key is at its
+//! limit, and, once a lease is late or the ledger is out of reach, pay from a fallback bucket
+//! (fail-open, charged to the ledger as debt) or deny (fail-closed). It returns the state the
+//! counter would have after the decision ([`Staged`]) without writing anything: a request is
+//! admitted only if every enforced counter admits it, and only then are the staged states
+//! written. A rejected request consumes nothing, but its hits are still demand: the caller
+//! counts them with [`record_rejected`], so a key at its limit reports its offered traffic,
+//! which is what the ledger divides between nodes.
+//!
+//! The shard actors (`crate::actors::shard`) hold the states under their stripe locks and do
+//! the IO (asking leases, waiting for them); the leasing simulation
+//! (`tests/t10_lease_simulation.rs`) drives this same function against the ledger's state
+//! machine. Nothing here does IO or reads a clock.
+
+use crate::core::lease::{Credit, KeyLease, LeaseTuning, Spend, fallback_limit, fallback_start};
+use crate::core::policy::FailureMode;
+use crate::core::rate::{LimitSpec, LimitState};
+
+/// What a fail-closed rule tells a client to wait while the ledger is out of reach: the
+/// circuit breaker's probe interval, the soonest the ledger can be back.
+pub const FAIL_CLOSED_RETRY_AFTER_MS: u64 = 1_000;
+/// The longest a request rejected by the fallback after its lease was late is told to wait:
+/// the lease is on its way.
+pub const LATE_LEASE_RETRY_AFTER_MS: u64 = 1_000;
+
+/// Why a decision was paid from the fallback bucket instead of a ledger lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BypassReason {
+    /// The circuit breaker is open: the ledger failed repeatedly.
+    CircuitOpen,
+    /// The key's lease did not arrive within `wait_budget_ms` (the request's share of
+    /// Envoy's RLS timeout); what the fallback admitted is charged by the key's next report.
+    LedgerTimeout,
+    /// Too many requests were already waiting for leases.
+    Overloaded,
+}
+
+impl BypassReason {
+    /// The `reason` label of `rate_limit_bypassed_total`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::CircuitOpen => "circuit_open",
+            Self::LedgerTimeout => "ledger_timeout",
+            Self::Overloaded => "overloaded",
+        }
+    }
+}
+
+/// What one limit said about a probe's hits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Verdict {
+    /// Whether all the hits were admitted (never a part of them).
+    pub admitted: bool,
+    /// Hits still available: this node's balance plus what the ledger had left at its last
+    /// grant (or the fallback bucket's count while deciding without the ledger).
+    pub remaining: u64,
+    /// Milliseconds until the limit is fully reset.
+    pub reset_ms: u64,
+    /// 0 when admitted; otherwise ms until the hits could be admitted, `u64::MAX` when they
+    /// never can be at once.
+    pub retry_after_ms: u64,
+}
+
+/// A local bucket that pays decisions while the ledger is out of reach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fallback {
+    /// The rule's limit scaled to this node's share.
+    pub spec: LimitSpec,
+    /// Its bucket or window.
+    pub state: LimitState,
+}
+
+/// The part of a counter's state a decision changes, staged until the whole request is
+/// decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Staged {
+    /// The key's lease and settlement counts.
+    pub lease: KeyLease,
+    /// Its fallback bucket, only while the ledger is or was recently out of reach.
+    pub fallback: Option<Fallback>,
+}
+
+/// How a decision treats a counter whose balance and credit do not cover its hits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShortKeys {
+    /// Ask a lease and wait for it (the circuit is closed or half-open).
+    Wait,
+    /// Decide now without the ledger, for this reason.
+    Fallback(BypassReason),
+}
+
+/// One counter of one descriptor, as a request meets it.
+#[derive(Debug, Clone, Copy)]
+pub struct Counter<'c> {
+    /// The limit the counter follows.
+    pub spec: &'c LimitSpec,
+    /// Hits the request adds (at least 1).
+    pub hits: u64,
+    /// The rule's lease sizes and TTL.
+    pub tuning: &'c LeaseTuning,
+    /// What to do when no lease can be had.
+    pub failure_mode: FailureMode,
+}
+
+/// The region around a node, as admission needs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Region {
+    /// Nodes leasing from the region's ledger (sizes credit and fallback shares).
+    pub nodes_in_region: u64,
+    /// The fallback buckets' multiplier of the limit, per mille.
+    pub fallback_multiplier_permille: u64,
+}
+
+/// What one counter came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Judged {
+    /// Decided: write `staged` if the whole request is admitted.
+    Decided {
+        /// The answer for this counter.
+        verdict: Verdict,
+        /// The counter's state after the decision.
+        staged: Staged,
+        /// Set when admitted without a lease.
+        bypass: Option<BypassReason>,
+        /// True when a fail-closed rule denied because the ledger was out of reach.
+        failed_closed: bool,
+        /// True when admitted on credit (the next report charges it).
+        on_credit: bool,
+    },
+    /// Rejected: the ledger answers but its bucket is empty; ask for what refills.
+    AtLimit {
+        /// The answer for this counter.
+        verdict: Verdict,
+    },
+    /// The balance and credit do not cover the hits: ask a lease, then decide again (or
+    /// decide with [`ShortKeys::Fallback`] once the lease is late).
+    Short,
+}
+
+/// Decides `counter` from its `current` state at `now_ms`; writes nothing (module docs).
+pub fn judge(
+    current: &Staged,
+    counter: &Counter<'_>,
+    region: &Region,
+    now_ms: u64,
+    short_keys: ShortKeys,
+) -> Judged {
+    let Counter { spec, hits, tuning, failure_mode } = *counter;
+    let capacity_tokens = spec.capacity_tokens();
+    if hits > capacity_tokens {
+        // More than the limit can ever admit at once: no lease would cover it.
+        let verdict =
+            Verdict { admitted: false, remaining: 0, reset_ms: 0, retry_after_ms: u64::MAX };
+        return Judged::Decided {
+            verdict,
+            staged: *current,
+            bypass: None,
+            failed_closed: false,
+            on_credit: false,
+        };
+    }
+    // Credit is charged by the key's next report: none while the ledger is out of reach
+    // (the fallback bucket is the allowance then), none for fail-closed rules.
+    let credit = match (failure_mode, short_keys) {
+        (FailureMode::Open, ShortKeys::Wait) => {
+            Credit::fail_open(tuning, capacity_tokens, region.nodes_in_region)
+        }
+        _ => Credit::NONE,
+    };
+    let mut staged = *current;
+    let ledger_remaining_tokens = staged.lease.ledger_remaining_tokens();
+    let admitted = |staged: Staged, on_credit: bool| {
+        let remaining = staged
+            .lease
+            .balance_tokens(now_ms)
+            .saturating_add(ledger_remaining_tokens)
+            .saturating_sub(staged.lease.debt_tokens())
+            .min(capacity_tokens);
+        let verdict = Verdict {
+            admitted: true,
+            remaining,
+            reset_ms: spec.reset_ms_estimate(remaining, now_ms),
+            retry_after_ms: 0,
+        };
+        Judged::Decided { verdict, staged, bypass: None, failed_closed: false, on_credit }
+    };
+    let rejected = |retry_after_ms: u64| Verdict {
+        admitted: false,
+        remaining: 0,
+        reset_ms: spec.reset_ms_estimate(0, now_ms),
+        retry_after_ms,
+    };
+    match staged.lease.spend(tuning, credit, now_ms, hits) {
+        Spend::Admitted => admitted(staged, false),
+        Spend::AdmittedOnCredit => admitted(staged, true),
+        Spend::Blocked { retry_after_ms } => Judged::Decided {
+            verdict: rejected(retry_after_ms),
+            staged,
+            bypass: None,
+            failed_closed: false,
+            on_credit: false,
+        },
+        // The ledger's bucket was empty after this node's last grant, which is still live:
+        // the ledger answers and the key is at its limit. Reject as the ledger would, and
+        // ask for what refills (a fallback here would admit above the limit, a wait would
+        // hold requests the ledger cannot pay).
+        Spend::Short if staged.lease.at_limit(now_ms) => Judged::AtLimit {
+            verdict: rejected(
+                spec.reset_ms_estimate(capacity_tokens.saturating_sub(hits), now_ms).max(1),
+            ),
+        },
+        Spend::Short => match (short_keys, failure_mode) {
+            (ShortKeys::Wait, _) => Judged::Short,
+            (ShortKeys::Fallback(_), FailureMode::Closed) => {
+                let verdict = Verdict {
+                    admitted: false,
+                    remaining: 0,
+                    reset_ms: 0,
+                    retry_after_ms: FAIL_CLOSED_RETRY_AFTER_MS,
+                };
+                Judged::Decided {
+                    verdict,
+                    staged,
+                    bypass: None,
+                    failed_closed: true,
+                    on_credit: false,
+                }
+            }
+            (ShortKeys::Fallback(reason), FailureMode::Open) => {
+                let fallback_spec = fallback_limit(
+                    spec,
+                    region.fallback_multiplier_permille,
+                    region.nodes_in_region,
+                );
+                let state =
+                    staged.fallback.filter(|fallback| fallback.spec == fallback_spec).map_or_else(
+                        || {
+                            fallback_start(
+                                &fallback_spec,
+                                ledger_remaining_tokens.saturating_sub(staged.lease.debt_tokens()),
+                                region.fallback_multiplier_permille,
+                                region.nodes_in_region,
+                                now_ms,
+                            )
+                        },
+                        |fallback| fallback.state,
+                    );
+                let evaluation = fallback_spec.evaluate(&state, now_ms, hits);
+                staged.fallback = Some(Fallback { spec: fallback_spec, state: evaluation.next });
+                if evaluation.admitted {
+                    // Paid without a lease: debt, charged by the key's next report.
+                    staged.lease.pay_beyond_lease(hits);
+                }
+                // A lease that was merely late is on its way: the fallback's own wait (a
+                // small key's share may refill in half an hour) would mislead the client.
+                let retry_after_ms = match reason {
+                    BypassReason::CircuitOpen => evaluation.retry_after_ms,
+                    BypassReason::LedgerTimeout | BypassReason::Overloaded => {
+                        evaluation.retry_after_ms.min(LATE_LEASE_RETRY_AFTER_MS)
+                    }
+                };
+                let verdict = Verdict {
+                    admitted: evaluation.admitted,
+                    remaining: evaluation.remaining,
+                    reset_ms: evaluation.reset_ms,
+                    retry_after_ms,
+                };
+                Judged::Decided {
+                    verdict,
+                    staged,
+                    bypass: Some(reason),
+                    failed_closed: false,
+                    on_credit: false,
+                }
+            }
+        },
+    }
+}
+
+/// Records a decided counter whose request was rejected: nothing is consumed (its staged
+/// state is dropped), but its hits count as the key's demand.
+pub fn record_rejected(lease: &mut KeyLease, counter: &Counter<'_>, now_ms: u64) {
+    lease.observe_demand(counter.tuning, now_ms, counter.hits);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::lease::{Credit, size_cap_tokens};
+    use crate::core::rate::Algorithm;
+    use proptest::prelude::*;
+
+    const REGION: Region = Region { nodes_in_region: 5, fallback_multiplier_permille: 1_000 };
+
+    fn limit(per_second: u64) -> LimitSpec {
+        LimitSpec::new(Algorithm::TokenBucket, per_second, 1_000, None).expect("a valid limit")
+    }
+
+    fn fresh(spec: &LimitSpec) -> Staged {
+        let capacity = spec.capacity_tokens();
+        Staged {
+            lease: KeyLease::new(capacity, size_cap_tokens(capacity, REGION.nodes_in_region)),
+            fallback: None,
+        }
+    }
+
+    /// Proves that a fail-closed rule denies, and says when to come back, once the ledger is
+    /// out of reach: it never admits what the ledger has not granted.
+    #[test]
+    fn fail_closed_denies_without_the_ledger() {
+        let spec = limit(100);
+        let tuning = LeaseTuning::default();
+        let counter =
+            Counter { spec: &spec, hits: 1, tuning: &tuning, failure_mode: FailureMode::Closed };
+        let short = ShortKeys::Fallback(BypassReason::CircuitOpen);
+        let Judged::Decided { verdict, failed_closed, bypass, .. } =
+            judge(&fresh(&spec), &counter, &REGION, 1_000, short)
+        else {
+            panic!("decided without the ledger");
+        };
+        assert!(!verdict.admitted && failed_closed && bypass.is_none());
+        assert_eq!(verdict.retry_after_ms, FAIL_CLOSED_RETRY_AFTER_MS);
+        // With the ledger in reach, the same key waits for its lease: no credit.
+        assert_eq!(judge(&fresh(&spec), &counter, &REGION, 1_000, ShortKeys::Wait), Judged::Short);
+    }
+
+    /// Proves that a fail-open rule's fallback admission is debt for the next report, and
+    /// that a late lease tells the client to retry within a second.
+    #[test]
+    fn the_fallback_admits_as_debt() {
+        let spec = limit(1_000);
+        let tuning = LeaseTuning::default();
+        let counter =
+            Counter { spec: &spec, hits: 3, tuning: &tuning, failure_mode: FailureMode::Open };
+        let late = ShortKeys::Fallback(BypassReason::LedgerTimeout);
+        let Judged::Decided { verdict, staged, bypass, .. } =
+            judge(&fresh(&spec), &counter, &REGION, 1_000, late)
+        else {
+            panic!("decided from the fallback");
+        };
+        assert!(verdict.admitted);
+        assert_eq!(bypass, Some(BypassReason::LedgerTimeout));
+        assert_eq!(staged.lease.debt_tokens(), 3);
+        assert_eq!(staged.lease.spent_tokens(), 3);
+        assert!(staged.fallback.is_some());
+    }
+
+    /// Proves that more hits than the limit's capacity are rejected for good, fallback or not.
+    #[test]
+    fn hits_beyond_capacity_are_never_admitted() {
+        let spec = limit(10);
+        let tuning = LeaseTuning::default();
+        let counter =
+            Counter { spec: &spec, hits: 11, tuning: &tuning, failure_mode: FailureMode::Open };
+        for short in [ShortKeys::Wait, ShortKeys::Fallback(BypassReason::CircuitOpen)] {
+            let Judged::Decided { verdict, .. } = judge(&fresh(&spec), &counter, &REGION, 0, short)
+            else {
+                panic!("decided at once");
+            };
+            assert!(!verdict.admitted);
+            assert_eq!(verdict.retry_after_ms, u64::MAX);
+        }
+    }
+
+    /// Proves that a rejected request's hits are the key's demand: the report a key at its
+    /// limit sends says what it is offered, not what it admitted.
+    #[test]
+    fn rejected_hits_count_as_demand() {
+        let spec = limit(1_000);
+        let tuning = LeaseTuning::default();
+        let counter =
+            Counter { spec: &spec, hits: 1, tuning: &tuning, failure_mode: FailureMode::Open };
+        let mut lease = fresh(&spec).lease;
+        for now_ms in 0..5_000 {
+            record_rejected(&mut lease, &counter, now_ms);
+        }
+        let draft = lease.poll_lease_for(&tuning, 5_000, 1).expect("a short key asks");
+        // 1,000 hits a second for five half-lives of the estimate: within 1/32 of the rate,
+        // less the estimate's integer decay steps.
+        assert!(
+            (900_000..=1_000_000).contains(&draft.demand_milli_per_second),
+            "demand {}",
+            draft.demand_milli_per_second
+        );
+    }
+
+    proptest! {
+        /// Proves that before any answer from the ledger a node admits at most its credit on
+        /// a fail-open key and nothing on a fail-closed one, whatever the hits and times.
+        #[test]
+        fn without_an_answer_a_node_admits_at_most_its_credit(
+            per_second in 1_u64..5_000,
+            fail_open in any::<bool>(),
+            requests in proptest::collection::vec((1_u64..4, 0_u64..50), 1..200),
+        ) {
+            let spec = limit(per_second);
+            let tuning = LeaseTuning::default();
+            let failure_mode = if fail_open { FailureMode::Open } else { FailureMode::Closed };
+            let credit = if fail_open {
+                Credit::fail_open(&tuning, spec.capacity_tokens(), REGION.nodes_in_region)
+            } else {
+                Credit::NONE
+            };
+            let mut state = fresh(&spec);
+            let mut now_ms = 0;
+            let mut admitted_hits = 0;
+            for (hits, step_ms) in requests {
+                now_ms += step_ms;
+                let counter = Counter { spec: &spec, hits, tuning: &tuning, failure_mode };
+                match judge(&state, &counter, &REGION, now_ms, ShortKeys::Wait) {
+                    Judged::Decided { verdict, staged, .. } if verdict.admitted => {
+                        admitted_hits += hits;
+                        state = staged;
+                    }
+                    _ => record_rejected(&mut state.lease, &counter, now_ms),
+                }
+            }
+            prop_assert!(admitted_hits <= credit.tokens_max);
+            prop_assert_eq!(state.lease.debt_tokens(), admitted_hits);
+        }
+    }
+}
