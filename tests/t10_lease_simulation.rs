@@ -666,6 +666,41 @@ fn a_clock_ahead_takes_no_more_than_its_share() {
     }
 }
 
+/// Proves that a key drained at once by one large request from one node (its demand estimate
+/// inflated by those hits) is then shared fairly, at its rate.
+#[test]
+fn a_key_drained_by_one_large_request_is_shared_at_its_rate() {
+    let limit = LimitSpec::new(Algorithm::TokenBucket, 50_000, 60_000, Some(50_000))
+        .expect("a valid limit");
+    let mut world = World::contended(7, 5, limit, 333, 30, &[]);
+    let tuning = world.tuning;
+    let counter =
+        Counter { spec: &limit, hits: 50_000, tuning: &tuning, failure_mode: FailureMode::Open };
+    // Another node leases the whole bucket and spends it; node 1's estimate counts the
+    // 50,000 hits of its own first, refused, try.
+    record_rejected(&mut world.nodes[0].lease, &counter, 0);
+    for (seq, spent_tokens, tokens_wanted) in [(1, 0, 50_000), (2, 50_000, 0)] {
+        let report = LeaseReport {
+            key: KEY.to_owned(),
+            limit,
+            epoch: LeaseEpoch::default(),
+            seq,
+            spent_tokens,
+            held_tokens: 0,
+            settled_tokens: 0,
+            tokens_wanted,
+            demand_milli_per_second: 0,
+            lookahead_ms: tuning.lookahead_ms,
+            lease_ttl_ms: tuning.lease_ttl_ms,
+        };
+        let command =
+            QuotaCommand::SettleLeases { now_ms: 0, node_id: NodeId(99), reports: vec![report] };
+        world.ledger.apply(&command);
+    }
+    let measured = at_limit(world, 7, 3_000, 23_000);
+    assert_fair_and_cheap("drained by one request", &measured, 50_000.0 / 60.0);
+}
+
 /// Proves the enterprise tier (50,000 per minute) at twice its rate over five nodes, once its
 /// burst is drained, is shared fairly and cheaply.
 #[test]

@@ -32,7 +32,8 @@ pub const DOMAIN: &str = "lease-test";
 /// - `tenant`: 100,000/s, so a steady 2,000/s is never rejected (coordination cost);
 /// - `idle`: hit once, then left alone (what an idle key strands);
 /// - `job`: 5 per minute, fixed window (a blocked key stays local);
-/// - `scarce`: 2 per hour, a limit small against the region (a small key).
+/// - `scarce`: 2 per hour, a limit small against the region (a small key);
+/// - `enterprise`: 50,000 per minute, the enterprise tier of the leasing issue.
 pub const POLICY: &str = "\
 domain: lease-test
 descriptors:
@@ -49,6 +50,8 @@ descriptors:
     rate_limit: {unit: minute, requests_per_unit: 5, algorithm: fixed_window}
   - key: scarce
     rate_limit: {unit: hour, requests_per_unit: 2}
+  - key: enterprise
+    rate_limit: {unit: minute, requests_per_unit: 50000}
 ";
 
 /// The `user` and `payment` rules' rate, per second, and their bucket capacity.
