@@ -297,6 +297,14 @@ async fn billing_voters_go_three_five_three_while_debits_flow() -> Result<()> {
     for id in [1, 2, 3, 4, 5] {
         billing_voters_are(&cluster, id, &[1, 2, 3, 4, 5]).await?;
     }
+    let mut status = admin_client(cluster.nodes[2].admin_addr.parse()?).await?;
+    let billing_leader = status
+        .status(call(admin::StatusRequest {}))
+        .await?
+        .into_inner()
+        .billing
+        .and_then(|billing| billing.leader_id);
+    eprintln!("billing leader before the removals: {billing_leader:?}");
     for id in [1, 2] {
         remove_node(&admin_addrs(&cluster, &[1, 2, 3, 4, 5]), id, "all").await?;
         eprintln!("removed {id} at {:?}", changes_started.elapsed());
