@@ -193,7 +193,7 @@ async fn stream_debits(
             let unknown = matches!(completion, Completion::Info(_));
             history.lock().await.push(Attempt {
                 key: key.clone(),
-                account: AccountId::new("t1", &meter(client)),
+                account: AccountId::new("t1", meter(client)),
                 amount,
                 completion,
             });
@@ -330,7 +330,7 @@ async fn billing_voters_go_three_five_three_while_debits_flow() -> Result<()> {
     let trail = agreed_trail(&cluster, &[3, 4, 5]).await?;
     let mut client = cluster.client(cluster.index_of(4)).await?;
     for client_id in 0..BILLING_CLIENTS {
-        let account = AccountId::new("t1", &meter(client_id));
+        let account = AccountId::new("t1", meter(client_id));
         let of_account: Vec<Attempt> =
             history.iter().filter(|attempt| attempt.account == account).cloned().collect();
         let final_balance = balance(&mut client, "t1", &meter(client_id)).await?.balance;
