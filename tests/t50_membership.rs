@@ -228,6 +228,20 @@ async fn billing_voters_are(cluster: &BillingCluster, id: u64, voters: &[u64]) -
     }
 }
 
+/// Runs `call` until it succeeds, for 30 s at most: on a loaded machine a billing call may
+/// miss its 1 s commit deadline (UNAVAILABLE, outcome unknown). Only for calls that are safe
+/// to repeat: reads, and writes with fixed idempotency keys.
+async fn patiently<T, F: AsyncFnMut() -> Result<T>>(mut call: F) -> Result<T> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match call().await {
+            Ok(value) => return Ok(value),
+            Err(error) if Instant::now() > deadline => return Err(error),
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
 /// The trail as the nodes `ids` read it, once they all hold the same one.
 async fn agreed_trail(
     cluster: &BillingCluster,
@@ -238,7 +252,7 @@ async fn agreed_trail(
         let mut trails = Vec::new();
         for id in ids {
             let mut client = cluster.client(cluster.index_of(*id)).await?;
-            trails.push(full_trail(&mut client).await?);
+            trails.push(patiently(async || full_trail(&mut client).await).await?);
         }
         if trails.iter().all(|trail| *trail == trails[0]) {
             return Ok(trails.swap_remove(0));
@@ -262,7 +276,9 @@ async fn billing_voters_go_three_five_three_while_debits_flow() -> Result<()> {
     cluster.wait_for_leader(2).await?;
     let mut opener = cluster.client(2).await?;
     for client in 0..BILLING_CLIENTS {
-        open_account(&mut opener, "t1", &meter(client), 0, OPENING_BALANCE).await?;
+        let meter = meter(client);
+        patiently(async || open_account(&mut opener, "t1", &meter, 0, OPENING_BALANCE).await)
+            .await?;
     }
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let history = Arc::new(tokio::sync::Mutex::new(Vec::new()));
@@ -333,7 +349,9 @@ async fn billing_voters_go_three_five_three_while_debits_flow() -> Result<()> {
         let account = AccountId::new("t1", meter(client_id));
         let of_account: Vec<Attempt> =
             history.iter().filter(|attempt| attempt.account == account).cloned().collect();
-        let final_balance = balance(&mut client, "t1", &meter(client_id)).await?.balance;
+        let meter = meter(client_id);
+        let final_balance =
+            patiently(async || balance(&mut client, "t1", &meter).await).await?.balance;
         check_bank(&account, OPENING_BALANCE, 0, &of_account, &trail, final_balance)
             .map_err(anyhow::Error::msg)?;
     }
