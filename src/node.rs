@@ -2,19 +2,19 @@
 //!
 //! ```text
 //! start:    config ─▶ data dir lock ─▶ metrics ─▶ policy ─▶ listeners ─▶ Raft groups
-//!           (identity, quota group, Raft peer listener) ─▶ lease broker ─▶ shard actors
-//!           ─▶ billing group (node/billing.rs) ─▶ group watches (raft_health.rs) ─▶ servers
-//!           ─▶ ready
-//! shutdown: not ready ─▶ stop accepting, drain calls (RLS, HTTP, admin) ─▶ stop billing
-//!           group ─▶ stop watchers ─▶ stop shard actors ─▶ stop lease broker ─▶ stop Raft
-//!           groups, then the Raft peer listener ─▶ unlock
+//!           (identity, quota and billing groups, Raft peer listener) ─▶ lease broker ─▶ shard
+//!           actors ─▶ servers (RLS, admin, billing API in node/billing.rs) ─▶ group watches
+//!           (raft_health.rs) ─▶ ready
+//! shutdown: not ready ─▶ stop accepting, drain calls (RLS, HTTP, admin, billing) ─▶ stop
+//!           watchers ─▶ stop shard actors ─▶ stop lease broker ─▶ stop Raft groups, then the
+//!           Raft peer listener ─▶ unlock
 //! ```
 //!
 //! A group that stops on an error (a storage failure) resolves [`Node::failed`]; `quotamesh
 //! serve` then shuts the node down and exits non-zero (crash-only, `crate::raft_health`).
 //!
-//! A gateway (`role = "gateway"`) starts the same way without the billing part: the billing
-//! group has voters only, so a gateway neither opens it nor binds `billing_addr`.
+//! A gateway (`role = "gateway"`) starts the same way without billing: the billing group has
+//! voters only, so a gateway neither opens it nor binds `billing_addr`.
 //!
 //! The Raft groups are `crate::raft_host`'s; the admin API over them is `crate::api::admin`.
 
@@ -32,8 +32,9 @@ use tonic::transport::server::TcpIncoming;
 use crate::actors::lease_broker::{BrokerSettings, LeaseBroker};
 use crate::actors::shard::{ShardSet, ShardSetOptions, ShardSpawnError};
 use crate::api::admin::{AdminNode, AdminService};
+use crate::api::grpc_limits::{self, Bounded};
 use crate::api::proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
-use crate::api::rls::{GRPC_MESSAGE_BYTES_MAX, RlsService};
+use crate::api::rls::{REQUEST_BYTES_MAX, RlsService};
 use crate::config::{ConfigError, NodeConfig};
 use crate::core::circuit::BreakerSettings;
 use crate::core::headers::HeaderOptions;
@@ -102,7 +103,6 @@ pub struct Node {
     admin_addr: SocketAddr,
     billing_addr: Option<SocketAddr>,
     raft: RaftHost,
-    billing: Option<billing::BillingPart>,
     ready: Arc<AtomicBool>,
     stop: watch::Sender<bool>,
     servers: Vec<JoinHandle<()>>,
@@ -177,6 +177,7 @@ impl Node {
                 peers: raft.peers().clone(),
             },
             raft.quota().clone(),
+            raft.billing().cloned(),
             policy.active(),
             crate::api::operators::Operators::new(&config.admin),
         );
@@ -201,32 +202,28 @@ impl Node {
                 }
             })
         };
-        // The billing group shares the node's Raft peer service and channels.
-        let billing = match billing_listener {
-            None => None,
-            Some((listener, _)) => match billing::start(
-                &config,
-                raft.advertise_addr(),
-                raft.peer_service(),
-                raft.channels().clone(),
-                raft.clock_offsets().clone(),
-                &metrics,
-                listener,
-                until_stopped(stopped.clone()),
-            )
-            .await
-            {
-                Ok(billing) => Some(billing),
-                Err(error) => {
-                    unwind(&stop, vec![grpc, admin_server], shards, broker, raft).await;
-                    return Err(error);
+        let billing_server = match (billing_listener, raft.billing()) {
+            (Some((listener, _)), Some(group)) => {
+                match billing::serve(
+                    &config,
+                    group,
+                    &metrics,
+                    listener,
+                    until_stopped(stopped.clone()),
+                ) {
+                    Ok(server) => Some(server),
+                    Err(error) => {
+                        unwind(&stop, vec![grpc, admin_server], shards, broker, raft).await;
+                        return Err(error);
+                    }
                 }
-            },
+            }
+            _ => None,
         };
         // Each group's health: its series, its view for /readyz, and a failure that stops
         // the node (crate::raft_health).
         let group_names: Vec<&'static str> = std::iter::once(crate::ledger::QUOTA_GROUP_NAME)
-            .chain(billing.as_ref().map(|_| crate::ledger::BILLING_GROUP_NAME))
+            .chain(raft.billing().map(|_| crate::ledger::BILLING_GROUP_NAME))
             .collect();
         let views = GroupViews::expecting(&group_names);
         let failures = Failures::default();
@@ -238,10 +235,10 @@ impl Node {
             failures.clone(),
             stopped.clone(),
         )];
-        if let Some(billing) = &billing {
+        if let Some(billing) = raft.billing() {
             group_watches.push(crate::raft_health::watch_group(
                 crate::ledger::BILLING_GROUP_NAME,
-                billing.group().clone(),
+                billing.clone(),
                 metrics.clone(),
                 views.clone(),
                 failures.clone(),
@@ -266,17 +263,16 @@ impl Node {
         let watcher = match Arc::clone(&policy).watch(until_stopped(stopped)) {
             Ok(watcher) => watcher,
             Err(error) => {
-                let _ = stop.send(true);
-                if let Some(billing) = billing {
-                    billing.shutdown(SHUTDOWN_DRAIN_TIMEOUT).await;
-                }
                 let mut servers = vec![grpc, admin_server, http];
+                servers.extend(billing_server);
                 servers.extend(group_watches);
                 unwind(&stop, servers, shards, broker, raft).await;
                 return Err(NodeError::Setup { what: "policy watch", reason: error.to_string() });
             }
         };
 
+        let mut servers = vec![grpc, http, admin_server];
+        servers.extend(billing_server);
         ready.store(true, Ordering::Release);
         tracing::info!(%rls_addr, %metrics_addr, %admin_addr, ?billing_addr, raft_addr = %raft.raft_addr(), node_id = %config.node_id, region = %config.region, role = %config.role, "quotamesh node ready");
         Ok(Self {
@@ -285,10 +281,9 @@ impl Node {
             admin_addr,
             billing_addr,
             raft,
-            billing,
             ready,
             stop,
-            servers: vec![grpc, http, admin_server],
+            servers,
             watcher,
             shards,
             broker,
@@ -336,8 +331,8 @@ impl Node {
         &self.policy
     }
 
-    /// Stops in order: readiness, listeners (draining calls), billing group, policy watch,
-    /// shard actors, Raft groups and their peer listener.
+    /// Stops in order: readiness, listeners (draining calls), policy watch, shard actors, Raft
+    /// groups and their peer listener.
     pub async fn shutdown(self) {
         self.ready.store(false, Ordering::Release);
         let _ = self.stop.send(true);
@@ -350,9 +345,6 @@ impl Node {
                 server.abort();
                 let _ = server.await;
             }
-        }
-        if let Some(billing) = self.billing {
-            billing.shutdown(SHUTDOWN_DRAIN_TIMEOUT).await;
         }
         let _ = self.watcher.await;
         for watch in self.group_watches {
@@ -486,15 +478,17 @@ async fn grpc_server(
         .register_encoded_file_descriptor_set(crate::api::proto::FILE_DESCRIPTOR_SET)
         .build_v1()
         .map_err(|error| NodeError::Setup { what: "gRPC reflection", reason: error.to_string() })?;
-    let rls = RateLimitServiceServer::new(rls).max_decoding_message_size(GRPC_MESSAGE_BYTES_MAX);
+    // Envoy's requests are a few KiB; tonic refuses a larger one before decoding it.
+    let rls = RateLimitServiceServer::new(rls).max_decoding_message_size(REQUEST_BYTES_MAX);
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let router = Server::builder()
         // No per-call server timer: a decision never waits except for a cold key, which is
         // bounded by the shard's own admission timeout, and Envoy sets its own deadline.
         .max_concurrent_streams(GRPC_STREAMS_PER_CONNECTION_MAX)
+        .http2_max_header_list_size(grpc_limits::HEADER_LIST_BYTES_MAX)
         .add_service(health_service)
         .add_service(reflection)
-        .add_service(rls);
+        .add_service(Bounded::new(rls));
     Ok(tokio::spawn(async move {
         if let Err(error) = router.serve_with_incoming_shutdown(incoming, shutdown).await {
             tracing::error!(%error, "gRPC server stopped");

@@ -1,15 +1,21 @@
 //! The Raft side of one node: the data directory's identity, the Raft groups the node runs
-//! (the quota group; the billing group joins it), and the Raft peer listener they share.
+//! (quota, and billing on a voter), and the Raft peer listener they share.
 //!
 //! ```text
 //! start:    claim data_dir (identity.json; a voter claims <data_dir>/quota and
 //!           <data_dir>/billing, a gateway quota only) ─▶ load the TLS files ([tls], crate::tls)
-//!           ─▶ open <data_dir>/quota (seeds: the voters)
-//!           ─▶ register with the RaftPeer service ─▶ listen on raft_addr (mTLS with [tls])
-//!           ─▶ single-node region (a voter without peers)? form the group
+//!           ─▶ open <data_dir>/quota (seeds: the voters) ─▶ a voter: open <data_dir>/billing
+//!           ─▶ register both with the RaftPeer service ─▶ listen on raft_addr (mTLS with [tls])
+//!           ─▶ form what this node forms: a single-node region (a voter without peers) both
+//!              groups; with peers, the billing group on the node with billing.bootstrap
 //! shutdown: stop every group (storage released) ─▶ stop the RaftPeer listener and the
 //!           TLS file poll
 //! ```
+//!
+//! The billing group has the quota group's voters when formed (`raft_node_id`, `[[peers]]`);
+//! after that each group's membership changes on its own, through the admin API
+//! (`crate::api::admin`), so the two can differ while a change is half done. A group whose
+//! storage already holds a membership is never formed again.
 //!
 //! With `[tls]` every link to and from this node is mutual TLS: the listener accepts only
 //! nodes of this cluster and tells the service who each caller is; the channels to peers
@@ -39,8 +45,8 @@ use crate::identity::{Claim, IdentityError, NodeIdentity};
 use crate::ledger::ledger_time::ClockOffsets;
 use crate::ledger::service::RegisterError;
 use crate::ledger::{
-    BILLING_GROUP_NAME, BasicNode, GroupSettings, MembershipError, NodeId, OpenError, PeerChannels,
-    QUOTA_GROUP_NAME, QuotaGroup, RaftGroup, RaftPeerService,
+    BILLING_GROUP_NAME, BasicNode, BillingGroup, GroupSettings, MembershipError, NodeId, OpenError,
+    PeerChannels, QUOTA_GROUP_NAME, QuotaGroup, RaftGroup, RaftPeerService,
 };
 use crate::metrics::Metrics;
 use crate::tls::credentials::{Accept, Credentials, CredentialsError};
@@ -75,8 +81,8 @@ pub enum RaftHostError {
     /// A group could not be registered with the peer service.
     #[error(transparent)]
     Register(#[from] RegisterError),
-    /// The single-node group could not be formed.
-    #[error("cannot form the single-node {group} group: {source}")]
+    /// A group this node forms could not be formed.
+    #[error("cannot form the {group} group: {source}")]
     Initialize {
         /// The group.
         group: &'static str,
@@ -94,9 +100,10 @@ pub struct RaftHost {
     raft_addr: SocketAddr,
     advertise_addr: String,
     peers: BTreeMap<NodeId, BasicNode>,
-    channels: PeerChannels,
     service: RaftPeerService,
     quota: RaftGroup<QuotaGroup>,
+    /// `None` on a gateway: the billing group has voters only.
+    billing: Option<RaftGroup<BillingGroup>>,
     stop: watch::Sender<bool>,
     server: JoinHandle<()>,
     credentials: Option<std::sync::Arc<Credentials>>,
@@ -105,9 +112,10 @@ pub struct RaftHost {
 
 impl RaftHost {
     /// Claims the data directory, opens the quota group in `<data_dir>/quota` with the
-    /// configured voters as its seeds, serves the Raft peer service on `raft_addr`, and forms
-    /// a single-node group when a voter has no peers configured and the group was never
-    /// formed. A gateway never forms a group.
+    /// configured voters as its seeds and, on a voter, the billing group in
+    /// `<data_dir>/billing`, serves the Raft peer service on `raft_addr`, and forms the groups
+    /// this node forms (see the module's documentation) unless they were formed before. A
+    /// gateway never forms a group.
     ///
     /// # Errors
     /// [`RaftHostError`] naming the step that failed; nothing is left running.
@@ -147,10 +155,39 @@ impl RaftHost {
             RaftGroup::<QuotaGroup>::open(&settings, channels.clone()).await.map_err(|source| {
                 RaftHostError::Open { group: QUOTA_GROUP_NAME, source: Box::new(source) }
             })?;
-        match Self::serve(config, channels, credentials, quota.clone(), claim).await {
+        let billing = match config.role {
+            Role::Gateway => Ok(None),
+            Role::Voter => {
+                let mut settings = GroupSettings::new(
+                    BILLING_GROUP_NAME,
+                    config.raft_node_id,
+                    config.data_dir.join(BILLING_GROUP_NAME),
+                );
+                settings.clock_offsets = quota.clock_offsets().clone();
+                RaftGroup::<BillingGroup>::open(&settings, channels.clone())
+                    .await
+                    .map(Some)
+                    .map_err(|source| RaftHostError::Open {
+                        group: BILLING_GROUP_NAME,
+                        source: Box::new(source),
+                    })
+            }
+        };
+        let served = match billing {
+            Ok(billing) => Self::serve(config, credentials, quota.clone(), billing.clone(), claim)
+                .await
+                .map_err(|error| (error, billing)),
+            Err(error) => Err((error, None)),
+        };
+        match served {
             Ok(host) => Ok(host),
-            Err(error) => {
+            Err((error, billing)) => {
                 // Release the storage so a retry in this process can open it again.
+                if let Some(billing) = billing
+                    && let Err(shutdown) = billing.shutdown().await
+                {
+                    tracing::warn!(%shutdown, "billing group did not stop cleanly");
+                }
                 if let Err(shutdown) = quota.shutdown().await {
                     tracing::warn!(%shutdown, "quota group did not stop cleanly");
                 }
@@ -161,13 +198,16 @@ impl RaftHost {
 
     async fn serve(
         config: &NodeConfig,
-        channels: PeerChannels,
         credentials: Option<std::sync::Arc<Credentials>>,
         quota: RaftGroup<QuotaGroup>,
+        billing: Option<RaftGroup<BillingGroup>>,
         claim: Claim,
     ) -> Result<Self, RaftHostError> {
         let service = RaftPeerService::new(credentials.is_some());
         service.register_group(&quota)?;
+        if let Some(billing) = &billing {
+            service.register_group(billing)?;
+        }
         let listener = tokio::net::TcpListener::bind(config.raft_addr)
             .await
             .map_err(|source| RaftHostError::Bind { address: config.raft_addr, source })?;
@@ -192,6 +232,9 @@ impl RaftHost {
                 })?;
                 tracing::info!(node = %config.raft_node_id, ?claim, "formed a single-node quota group");
             }
+        }
+        if let Some(billing) = &billing {
+            form_billing(config, &advertise_addr, billing).await?;
         }
         let (stop, mut stopped) = watch::channel(false);
         let tls = credentials
@@ -235,9 +278,9 @@ impl RaftHost {
             raft_addr,
             advertise_addr,
             peers,
-            channels,
             service,
             quota,
+            billing,
             stop,
             server,
             credentials,
@@ -281,14 +324,9 @@ impl RaftHost {
         &self.quota
     }
 
-    /// The clock offsets seen while leading, for another group to share.
-    pub fn clock_offsets(&self) -> &ClockOffsets {
-        self.quota.clock_offsets()
-    }
-
-    /// The channels to peers, for another group to share.
-    pub fn channels(&self) -> &PeerChannels {
-        &self.channels
+    /// The billing group; `None` on a gateway, which holds no billing replica.
+    pub fn billing(&self) -> Option<&RaftGroup<BillingGroup>> {
+        self.billing.as_ref()
     }
 
     /// The node's TLS credentials (`[tls]`), for the other ports that use them.
@@ -296,15 +334,16 @@ impl RaftHost {
         self.credentials.as_ref()
     }
 
-    /// The peer service, for another group to register with.
-    pub fn peer_service(&self) -> &RaftPeerService {
-        &self.service
-    }
-
     /// Stops every group (releasing their storage), then the peer listener: peers keep
     /// reaching this node until its groups have stopped, so a leader's last heartbeats and a
     /// follower's last acknowledgements still flow.
     pub async fn shutdown(self) {
+        if let Some(billing) = &self.billing {
+            if let Err(error) = billing.shutdown().await {
+                tracing::error!(%error, "the billing group did not stop cleanly");
+            }
+            self.service.unregister(BILLING_GROUP_NAME);
+        }
         if let Err(error) = self.quota.shutdown().await {
             tracing::error!(%error, "the quota group did not stop cleanly");
         }
@@ -319,6 +358,32 @@ impl RaftHost {
         if let Some(reload) = self.tls_reload {
             let _ = reload.await;
         }
+    }
+}
+
+/// Forms the billing group when this node is the one to: alone in a single-node region, with
+/// every configured voter when it has `billing.bootstrap`. Others wait to be contacted by the
+/// leader (formed by the bootstrapping node, or added with `cluster add-node`).
+async fn form_billing(
+    config: &NodeConfig,
+    advertise_addr: &str,
+    billing: &RaftGroup<BillingGroup>,
+) -> Result<(), RaftHostError> {
+    let node_id = config.raft_node_id;
+    let members: BTreeMap<NodeId, BasicNode> = if config.peers.is_empty() {
+        BTreeMap::from([(node_id, BasicNode::new(advertise_addr))])
+    } else if config.billing.bootstrap {
+        config.peers.iter().map(|peer| (peer.id, BasicNode::new(peer.raft_addr.clone()))).collect()
+    } else {
+        return Ok(());
+    };
+    match billing.initialize(members).await {
+        Ok(()) => {
+            tracing::info!(%node_id, "billing group formed");
+            Ok(())
+        }
+        Err(MembershipError::AlreadyInitialized) => Ok(()),
+        Err(source) => Err(RaftHostError::Initialize { group: BILLING_GROUP_NAME, source }),
     }
 }
 

@@ -1,6 +1,7 @@
 //! Bad input to the billing API gets a clear gRPC error and changes nothing: zero and
 //! negative-looking amounts, overflowing credits, unknown accounts and holds, oversized or
-//! empty keys, missing fields, missing or wrong tokens, another tenant's account.
+//! empty keys, missing fields, missing or wrong tokens, another tenant's account, a message
+//! or an authorization header past the port's limits.
 
 mod common;
 
@@ -162,6 +163,18 @@ async fn bad_requests_get_clear_errors_and_change_nothing() -> anyhow::Result<()
         c.list_entries(with_token(pb::ListEntriesRequest::default(), T1_TOKEN)).await?.into_inner();
     assert!(own.entries.iter().all(|e| e.account.as_ref().is_some_and(|a| a.tenant == "t1")));
     assert!(!own.entries.is_empty());
+
+    // Past the port's limits: RESOURCE_EXHAUSTED naming the sizes, not UNKNOWN or OUT_OF_RANGE.
+    let mut big = c.clone().max_encoding_message_size(4 * 1024 * 1024);
+    let oversized = debit("t1", 1, &"k".repeat(2 * 1024 * 1024));
+    let status = big.debit(with_token(oversized, ADMIN_TOKEN)).await.expect_err("2 MiB");
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains("message length too large"), "{status:?}");
+    let long_token = "t".repeat(60 * 1024);
+    let status =
+        c.debit(with_token(debit("t1", 1, "long-token"), &long_token)).await.expect_err("60 KiB");
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains("request metadata is"), "{status:?}");
 
     assert_eq!(snapshot(&mut client).await?, before);
     Ok(())

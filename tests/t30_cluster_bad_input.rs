@@ -137,7 +137,7 @@ async fn bad_requests_get_clear_errors_and_change_nothing() -> Result<()> {
         (
             "message over the size limit",
             request(huge_message),
-            Code::OutOfRange,
+            Code::ResourceExhausted,
             "message length too large".into(),
         ),
     ];
@@ -161,7 +161,7 @@ async fn bad_requests_get_clear_errors_and_change_nothing() -> Result<()> {
         let add = |node_id, raft_addr: &str| admin::AddNodeRequest {
             node_id,
             raft_addr: raft_addr.to_owned(),
-            learner_only: false,
+            ..Default::default()
         };
         let status = client.add_node(call(add(0, "127.0.0.9:1"))).await.expect_err("id 0");
         assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
@@ -169,10 +169,24 @@ async fn bad_requests_get_clear_errors_and_change_nothing() -> Result<()> {
         assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
         assert!(status.message().contains("not host:port"), "{status:?}");
         let status = client
-            .remove_node(call(admin::RemoveNodeRequest { node_id: 42 }))
+            .remove_node(call(admin::RemoveNodeRequest { node_id: 42, ..Default::default() }))
             .await
             .expect_err("not a member");
         assert_eq!(status.code(), Code::NotFound, "{status:?}");
+        let billing = admin::RemoveNodeRequest { node_id: 42, group: admin::Group::Billing as i32 };
+        let status = client.remove_node(call(billing)).await.expect_err("not a billing member");
+        assert_eq!(status.code(), Code::NotFound, "{status:?}");
+        assert!(status.message().contains("billing group"), "{status:?}");
+        let unknown = admin::RemoveNodeRequest { node_id: 42, group: 7 };
+        let status = client.remove_node(call(unknown)).await.expect_err("unknown group");
+        assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+        let mut long_token = tonic::Request::new(admin::StatusRequest {});
+        long_token
+            .metadata_mut()
+            .insert("authorization", format!("Bearer {}", "t".repeat(60 * 1024)).parse()?);
+        let status = client.status(long_token).await.expect_err("60 KiB token");
+        assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+        assert!(status.message().contains("request metadata is"), "{status:?}");
         let status = client.init(call(admin::InitRequest {})).await.expect_err("formed already");
         assert_eq!(status.code(), Code::AlreadyExists, "{status:?}");
     }
@@ -180,7 +194,7 @@ async fn bad_requests_get_clear_errors_and_change_nothing() -> Result<()> {
     let status = cluster
         .admin(follower)
         .await?
-        .remove_node(call(admin::RemoveNodeRequest { node_id: follower }))
+        .remove_node(call(admin::RemoveNodeRequest { node_id: follower, ..Default::default() }))
         .await
         .expect_err("not the leader");
     assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");

@@ -322,7 +322,10 @@ async fn admin_calls_need_the_operator_token() -> Result<()> {
             .expect_err("a grant without the token");
         assert_eq!(grant.code(), tonic::Code::Unauthenticated, "{grant:?}");
         let remove = client
-            .remove_node(with_token(token, admin::RemoveNodeRequest { node_id: 3 }))
+            .remove_node(with_token(
+                token,
+                admin::RemoveNodeRequest { node_id: 3, ..Default::default() },
+            ))
             .await
             .expect_err("a removal without the token");
         assert_eq!(remove.code(), tonic::Code::Unauthenticated, "{remove:?}");

@@ -1,5 +1,5 @@
-//! Malformed ShouldRateLimit requests get INVALID_ARGUMENT with a clear message, and no
-//! per-key state is allocated for them.
+//! Malformed ShouldRateLimit requests get INVALID_ARGUMENT with a clear message, oversized
+//! ones RESOURCE_EXHAUSTED, and no per-key state is allocated for them.
 
 mod common;
 
@@ -13,7 +13,8 @@ use tonic::Code as GrpcCode;
 const POLICY: &str =
     "domain: t30\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 5}\n";
 
-/// Every kind of malformed request is refused with INVALID_ARGUMENT naming the problem.
+/// Every kind of malformed request is refused with INVALID_ARGUMENT naming the problem, and a
+/// request or metadata past the port's limits with RESOURCE_EXHAUSTED naming the sizes.
 #[tokio::test]
 async fn malformed_requests_are_refused() -> anyhow::Result<()> {
     let directory = tempfile::tempdir()?;
@@ -51,16 +52,27 @@ async fn malformed_requests_are_refused() -> anyhow::Result<()> {
             status.message()
         );
     }
-    // Just over 1 MiB in total while every field is within its own bound.
+    // Just over 1 MiB in total while every field is within its own bound, and 3 MiB (between
+    // the README's 1 MiB and tonic's default 4 MiB): refused before decoding.
     let big_value = "v".repeat(1000);
-    let big: Vec<_> = (0..64).map(|_| descriptor(&[("k", big_value.as_str()); 17])).collect();
-    let status = client.should_rate_limit(request("t30", big)).await.expect_err("refused");
-    assert_eq!(status.code(), GrpcCode::InvalidArgument, "{status:?}");
-    assert!(status.message().contains("at most 1048576"), "{}", status.message());
+    for descriptors in [64, 190] {
+        let big: Vec<_> =
+            (0..descriptors).map(|_| descriptor(&[("k", big_value.as_str()); 17])).collect();
+        let status = client.should_rate_limit(request("t30", big)).await.expect_err("refused");
+        assert_eq!(status.code(), GrpcCode::ResourceExhausted, "{status:?}");
+        assert!(status.message().contains("the limit is: 1048576 bytes"), "{}", status.message());
+    }
+    // Metadata past the limit, such as a 60 KiB header.
+    let mut long_header = tonic::Request::new(request("t30", vec![descriptor(&[("k", "v")])]));
+    long_header.metadata_mut().insert("x-padding", "p".repeat(60 * 1024).parse()?);
+    let status = client.should_rate_limit(long_header).await.expect_err("60 KiB header");
+    assert_eq!(status.code(), GrpcCode::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains("request metadata is"), "{}", status.message());
 
     let metrics = node.metrics()?;
     assert_eq!(metric_sum(&metrics, "quotamesh_shard_keys"), 0.0, "no state allocated:\n{metrics}");
-    assert_eq!(metric_sum(&metrics, "quotamesh_rls_rejected_requests_total"), 11.0);
+    // The malformed ones; the oversized ones never reach the service.
+    assert_eq!(metric_sum(&metrics, "quotamesh_rls_rejected_requests_total"), 10.0);
 
     // The node still answers good requests.
     let good = client

@@ -1,13 +1,22 @@
-//! The admin gRPC service (`quotamesh.admin.v1.Admin`, default port 8083): forms and changes
-//! the region's quota group, reports its status, and takes lease grants by hand.
+//! The admin gRPC service (`quotamesh.admin.v1.Admin`, default port 8083): forms the region's
+//! quota group, changes the membership of its quota and billing groups, reports their
+//! status, and takes lease grants by hand.
 //!
 //! ```text
 //!  quotamesh cluster ... ──gRPC──▶ AdminService ──▶ RaftGroup<QuotaGroup> (crate::ledger)
+//!                                       │    └─────▶ RaftGroup<BillingGroup>: AddNode,
+//!                                       │            RemoveNode with group = BILLING, Status
 //!                                       │ AcquireLeases: validate every item, resolve its
 //!                                       │ rule in the node's policy, then ONE AcquireLeases
 //!                                       ▼ command, forwarded to the leader by the group
 //!                                  policy (ArcSwap)
 //! ```
+//!
+//! A membership change names one group and runs on that group's leader: adding a node makes
+//! it a learner, waits until it has caught up with the log (a snapshot transfer if need be),
+//! then makes it a voter through joint consensus; removing one refuses the group's last
+//! voter. The two groups elect their leaders apart, so `quotamesh cluster` sends each group's
+//! change to its own leader (`crate::cli::cluster`).
 //!
 //! On a gateway (`role = "gateway"`, no member of the group) the membership calls and
 //! `ReadKeys` are refused (it has no membership to change and no replica to read), `Status`
@@ -31,6 +40,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use tonic::{Request, Response, Status};
 
+use crate::api::grpc_limits::{self, Bounded};
 use crate::api::operators::{Access, Operators};
 use crate::api::proto::quotamesh::admin::v1 as proto;
 use crate::api::proto::quotamesh::admin::v1::admin_server::{Admin, AdminServer};
@@ -41,7 +51,10 @@ use crate::core::ledger::{
     LeaseRequest, QuotaCommand, QuotaLedger, QuotaResponse, check_lease_request,
 };
 use crate::core::policy::{DESCRIPTOR_DEPTH_MAX, Entry, Match, PolicySet};
-use crate::ledger::{BasicNode, MembershipError, NodeId, QuotaGroup, RaftGroup};
+use crate::ledger::{
+    BasicNode, BillingGroup, GroupConfig, GroupMachine, MembershipError, NodeId, QuotaGroup,
+    RaftGroup,
+};
 
 /// Deadline of a call that sent none.
 pub const ADMIN_DEADLINE_DEFAULT: Duration = Duration::from_secs(10);
@@ -87,20 +100,22 @@ pub struct AdminNode {
 pub struct AdminService {
     node: Arc<AdminNode>,
     quota: RaftGroup<QuotaGroup>,
+    billing: Option<RaftGroup<BillingGroup>>,
     policy: Arc<ArcSwap<PolicySet>>,
     operators: Arc<Operators>,
 }
 
 impl AdminService {
-    /// The service over this node's quota group, resolving rules in `policy`, serving the
-    /// callers `operators` lets in.
+    /// The service over this node's quota group and billing group (`None` on a gateway),
+    /// resolving rules in `policy`, serving the callers `operators` lets in.
     pub fn new(
         node: AdminNode,
         quota: RaftGroup<QuotaGroup>,
+        billing: Option<RaftGroup<BillingGroup>>,
         policy: Arc<ArcSwap<PolicySet>>,
         operators: Operators,
     ) -> Self {
-        Self { node: Arc::new(node), quota, policy, operators: Arc::new(operators) }
+        Self { node: Arc::new(node), quota, billing, policy, operators: Arc::new(operators) }
     }
 
     /// Checks the caller's token for `access`; logs who asks for a change.
@@ -144,7 +159,8 @@ impl AdminService {
             // A backstop: each handler bounds its own work by the caller's deadline.
             .timeout(ADMIN_DEADLINE_MAX + Duration::from_secs(5))
             .concurrency_limit_per_connection(ADMIN_CONCURRENT_REQUESTS_PER_CONNECTION_MAX)
-            .add_service(self.into_server());
+            .http2_max_header_list_size(grpc_limits::HEADER_LIST_BYTES_MAX)
+            .add_service(Bounded::new(self.into_server()));
         match tls {
             Some(tls) => {
                 let incoming = crate::tls::transport::incoming(listener, tls);
@@ -159,17 +175,18 @@ impl AdminService {
     }
 
     fn members(&self) -> Vec<proto::Member> {
-        let metrics = self.quota.metrics();
-        let membership = metrics.membership_config.membership();
-        let voters: std::collections::BTreeSet<NodeId> = membership.voter_ids().collect();
-        membership
-            .nodes()
-            .map(|(id, node)| proto::Member {
-                node_id: id.0,
-                raft_addr: node.addr.clone(),
-                voter: voters.contains(id),
-            })
-            .collect()
+        members_of(&self.quota)
+    }
+
+    /// The billing group, or why this node has none (a gateway).
+    fn billing(&self) -> Result<&RaftGroup<BillingGroup>, Status> {
+        self.refuse_on_gateway("change the billing group")?;
+        self.billing.as_ref().ok_or_else(|| {
+            Status::failed_precondition(format!(
+                "node {} runs no billing group",
+                self.node.raft_node_id
+            ))
+        })
     }
 
     /// Refuses a call that needs a member of the group (a replica, a membership) on a gateway.
@@ -184,22 +201,9 @@ impl AdminService {
         )))
     }
 
-    /// A membership error as a status, naming the leader's address when this is not it.
+    /// A membership error as a status (`crate::api::status`).
     fn membership_status(&self, error: MembershipError) -> Status {
-        if let MembershipError::NotLeader { leader: Some(leader) } = &error {
-            let metrics = self.quota.metrics();
-            let address = metrics
-                .membership_config
-                .membership()
-                .get_node(leader)
-                .map_or_else(|| "unknown address".to_owned(), |node| node.addr.clone());
-            return Status::failed_precondition(format!(
-                "node {} is not the leader of the quota group; node {leader} is (Raft address \
-                 {address}): send membership changes to its admin address",
-                self.node.raft_node_id
-            ));
-        }
-        crate::api::status::membership_status(error)
+        membership_status_of(&self.quota, error)
     }
 
     /// Checks every item, resolves its rule, and builds the ledger's lease requests.
@@ -286,6 +290,168 @@ impl AdminService {
         }
         Ok((items, requests))
     }
+}
+
+/// The group a membership call names.
+fn group_of(group: i32) -> Result<proto::Group, Status> {
+    proto::Group::try_from(group).map_err(|_| {
+        Status::invalid_argument(format!(
+            "unknown group {group}: {} (quota) or {} (billing)",
+            proto::Group::Quota as i32,
+            proto::Group::Billing as i32
+        ))
+    })
+}
+
+/// A group's members as this node sees them.
+fn members_of<C: GroupConfig>(group: &RaftGroup<C>) -> Vec<proto::Member> {
+    let metrics = group.metrics();
+    let membership = metrics.membership_config.membership();
+    let voters: std::collections::BTreeSet<NodeId> = membership.voter_ids().collect();
+    membership
+        .nodes()
+        .map(|(id, node)| proto::Member {
+            node_id: id.0,
+            raft_addr: node.addr.clone(),
+            voter: voters.contains(id),
+        })
+        .collect()
+}
+
+/// A membership error as a status, naming the group's leader and its address when this node
+/// is not it.
+fn membership_status_of<C: GroupConfig>(group: &RaftGroup<C>, error: MembershipError) -> Status {
+    if let MembershipError::NotLeader { leader: Some(leader) } = &error {
+        let metrics = group.metrics();
+        let address = metrics
+            .membership_config
+            .membership()
+            .get_node(leader)
+            .map_or_else(|| "unknown address".to_owned(), |node| node.addr.clone());
+        return Status::failed_precondition(format!(
+            "node {} is not the leader of the {} group; node {leader} is (Raft address \
+             {address}): send membership changes to its admin address",
+            group.node_id(),
+            group.name()
+        ));
+    }
+    crate::api::status::membership_status(error)
+}
+
+/// Adds `request`'s node to `group` as a learner, waits until it has caught up, then (unless
+/// learner-only) makes it a voter; returns the members after. A voter already at that
+/// address is left as it is, so a retry after a lost answer finishes or changes nothing.
+async fn add_member<C: GroupConfig>(
+    group: &RaftGroup<C>,
+    request: &proto::AddNodeRequest,
+    budget: Duration,
+) -> Result<Vec<proto::Member>, Status> {
+    let started = tokio::time::Instant::now();
+    let name = group.name();
+    let node_id = NodeId(request.node_id);
+    let (known, is_voter) = {
+        let metrics = group.metrics();
+        let membership = metrics.membership_config.membership();
+        let known = membership.get_node(&node_id).map(|node| node.addr.clone());
+        (known, membership.voter_ids().any(|voter| voter == node_id))
+    };
+    if let Some(address) = &known
+        && *address != request.raft_addr
+    {
+        return Err(Status::failed_precondition(format!(
+            "node {node_id} is a member of the {name} group already, at {address}; remove it \
+             first to move it"
+        )));
+    }
+    if is_voter {
+        if request.learner_only {
+            return Err(Status::failed_precondition(format!(
+                "node {node_id} is a voter of the {name} group already; remove it first to make \
+                 it a learner"
+            )));
+        }
+        return Ok(members_of(group));
+    }
+    let learner = group.add_learner(node_id, BasicNode::new(request.raft_addr.clone()));
+    tokio::time::timeout(budget, learner)
+        .await
+        .map_err(|_| {
+            Status::deadline_exceeded(format!(
+                "node {node_id} may have been added to the {name} group as a learner but has \
+                 not caught up in time; run add-node again to finish"
+            ))
+        })?
+        .map_err(|error| membership_status_of(group, error))?;
+    tracing::info!(group = name, %node_id, raft_addr = %request.raft_addr, "learner added and caught up");
+    if !request.learner_only {
+        let remaining = budget.saturating_sub(started.elapsed());
+        tokio::time::timeout(remaining, group.promote_voter(node_id))
+            .await
+            .map_err(|_| {
+                Status::deadline_exceeded(format!(
+                    "node {node_id} is a learner of the {name} group; making it a voter did not \
+                     finish in time (it may still); run add-node again to finish"
+                ))
+            })?
+            .map_err(|error| membership_status_of(group, error))?;
+        tracing::info!(group = name, %node_id, "learner promoted to voter");
+    }
+    Ok(members_of(group))
+}
+
+/// Removes `node_id` from `group`'s voters and members; returns the members after. The
+/// group's last voter is refused: a group without voters can never commit again.
+async fn remove_member<C: GroupConfig>(
+    group: &RaftGroup<C>,
+    node_id: NodeId,
+    budget: Duration,
+) -> Result<Vec<proto::Member>, Status> {
+    let name = group.name();
+    let (member, voters) = {
+        let metrics = group.metrics();
+        let membership = metrics.membership_config.membership();
+        let voters: Vec<NodeId> = membership.voter_ids().collect();
+        (membership.get_node(&node_id).is_some(), voters)
+    };
+    if !member {
+        return Err(Status::not_found(format!(
+            "node {node_id} is not a member of the {name} group"
+        )));
+    }
+    if voters == [node_id] {
+        return Err(Status::failed_precondition(format!(
+            "node {node_id} is the only voter of the {name} group; the group cannot lose it"
+        )));
+    }
+    tokio::time::timeout(budget, group.remove_member(node_id))
+        .await
+        .map_err(|_| {
+            Status::deadline_exceeded(format!(
+                "removing node {node_id} from the {name} group did not finish in time (it may \
+                 still)"
+            ))
+        })?
+        .map_err(|error| membership_status_of(group, error))?;
+    tracing::info!(group = name, %node_id, "node removed");
+    Ok(members_of(group))
+}
+
+/// A group's state as this node sees it, for `Status`.
+async fn group_status<C: GroupConfig>(group: &RaftGroup<C>) -> Result<proto::GroupStatus, Status> {
+    let commit_index =
+        group.committed_index().await.map_err(crate::api::status::membership_status)?;
+    let metrics = group.metrics();
+    let (state_digest, applied_index) = group.read_at_applied(GroupMachine::digest);
+    Ok(proto::GroupStatus {
+        state: format!("{:?}", metrics.state),
+        leader_id: metrics.current_leader.map(|id| id.0),
+        term: metrics.current_term,
+        last_log_index: metrics.last_log_index,
+        commit_index,
+        applied_index,
+        members: members_of(group),
+        state_digest,
+    })
 }
 
 /// Checks the fields of one item that need no policy.
@@ -409,7 +575,6 @@ impl Admin for AdminService {
     ) -> Result<Response<proto::MembershipReply>, Status> {
         self.authorize(&request, Access::Change, "add_node")?;
         let budget = work_budget(deadline(&request));
-        let started = tokio::time::Instant::now();
         self.refuse_on_gateway("change the membership")?;
         let request = request.into_inner();
         if request.node_id == 0 {
@@ -417,53 +582,11 @@ impl Admin for AdminService {
         }
         crate::config::check_peer_addr(&request.raft_addr)
             .map_err(|reason| Status::invalid_argument(format!("raft_addr {reason}")))?;
-        let node_id = NodeId(request.node_id);
-        let (known, is_voter) = {
-            let metrics = self.quota.metrics();
-            let membership = metrics.membership_config.membership();
-            let known = membership.get_node(&node_id).map(|node| node.addr.clone());
-            (known, membership.voter_ids().any(|voter| voter == node_id))
+        let members = match group_of(request.group)? {
+            proto::Group::Quota => add_member(&self.quota, &request, budget).await?,
+            proto::Group::Billing => add_member(self.billing()?, &request, budget).await?,
         };
-        if let Some(address) = &known
-            && *address != request.raft_addr
-        {
-            return Err(Status::failed_precondition(format!(
-                "node {node_id} is a member already, at {address}; remove it first to move it"
-            )));
-        }
-        if is_voter {
-            if request.learner_only {
-                return Err(Status::failed_precondition(format!(
-                    "node {node_id} is a voter already; remove it first to make it a learner"
-                )));
-            }
-            return Ok(Response::new(proto::MembershipReply { members: self.members() }));
-        }
-        let learner = self.quota.add_learner(node_id, BasicNode::new(request.raft_addr.clone()));
-        tokio::time::timeout(budget, learner)
-            .await
-            .map_err(|_| {
-                Status::deadline_exceeded(format!(
-                    "node {node_id} may have been added as a learner but has not caught up in \
-                     time; run add-node again to finish"
-                ))
-            })?
-            .map_err(|error| self.membership_status(error))?;
-        tracing::info!(%node_id, raft_addr = %request.raft_addr, "learner added and caught up");
-        if !request.learner_only {
-            let remaining = budget.saturating_sub(started.elapsed());
-            tokio::time::timeout(remaining, self.quota.promote_voter(node_id))
-                .await
-                .map_err(|_| {
-                    Status::deadline_exceeded(format!(
-                        "node {node_id} is a learner; making it a voter did not finish in time \
-                         (it may still); run add-node again to finish"
-                    ))
-                })?
-                .map_err(|error| self.membership_status(error))?;
-            tracing::info!(%node_id, "learner promoted to voter");
-        }
-        Ok(Response::new(proto::MembershipReply { members: self.members() }))
+        Ok(Response::new(proto::MembershipReply { members }))
     }
 
     async fn remove_node(
@@ -473,33 +596,13 @@ impl Admin for AdminService {
         self.authorize(&request, Access::Change, "remove_node")?;
         let budget = work_budget(deadline(&request));
         self.refuse_on_gateway("change the membership")?;
-        let node_id = NodeId(request.into_inner().node_id);
-        let (member, voters) = {
-            let metrics = self.quota.metrics();
-            let membership = metrics.membership_config.membership();
-            let voters: Vec<NodeId> = membership.voter_ids().collect();
-            (membership.get_node(&node_id).is_some(), voters)
+        let request = request.into_inner();
+        let node_id = NodeId(request.node_id);
+        let members = match group_of(request.group)? {
+            proto::Group::Quota => remove_member(&self.quota, node_id, budget).await?,
+            proto::Group::Billing => remove_member(self.billing()?, node_id, budget).await?,
         };
-        if !member {
-            return Err(Status::not_found(format!(
-                "node {node_id} is not a member of the quota group"
-            )));
-        }
-        if voters == [node_id] {
-            return Err(Status::failed_precondition(format!(
-                "node {node_id} is the only voter; the group cannot lose it"
-            )));
-        }
-        tokio::time::timeout(budget, self.quota.remove_member(node_id))
-            .await
-            .map_err(|_| {
-                Status::deadline_exceeded(format!(
-                    "removing node {node_id} did not finish in time (it may still)"
-                ))
-            })?
-            .map_err(|error| self.membership_status(error))?;
-        tracing::info!(%node_id, "node removed from the quota group");
-        Ok(Response::new(proto::MembershipReply { members: self.members() }))
+        Ok(Response::new(proto::MembershipReply { members }))
     }
 
     async fn status(
@@ -584,6 +687,10 @@ impl Admin for AdminService {
                 })
                 .collect(),
             max_clock_offset_ms: self.quota.clock_offsets().max_clock_offset_ms(),
+            billing: match &self.billing {
+                Some(billing) => Some(group_status(billing).await?),
+                None => None,
+            },
         }))
     }
 

@@ -2,8 +2,10 @@
 //! endpoints for Prometheus and health checks. No rate-limit rule lives here.
 //!
 //! - [`rls`]: Envoy Rate Limit Service v3 (`ShouldRateLimit`).
-//! - [`admin`]: the admin API (`quotamesh.admin.v1.Admin`): the quota group's membership and
+//! - [`admin`]: the admin API (`quotamesh.admin.v1.Admin`): the groups' membership and
 //!   status, lease grants by hand.
+//! - [`grpc_limits`]: the metadata and message limits of the RLS, billing and admin ports,
+//!   and the status past them.
 //! - [`operators`]: who may call the admin API (operator tokens).
 //! - [`billing`]: the billing-debit API (`quotamesh.billing.v1.Billing`).
 //! - [`status`]: the one mapping from domain and operating errors to `tonic::Status`.
@@ -12,6 +14,7 @@
 
 pub mod admin;
 pub mod billing;
+pub mod grpc_limits;
 pub mod http;
 pub mod operators;
 pub mod proto;

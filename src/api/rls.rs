@@ -46,11 +46,9 @@ pub const DESCRIPTORS_MAX: usize = 64;
 pub const ENTRIES_MAX: usize = 64;
 /// Longest domain, entry key or entry value.
 pub const FIELD_BYTES_MAX: usize = 1024;
-/// Largest request accepted; tonic refuses anything above [`GRPC_MESSAGE_BYTES_MAX`] before
-/// decoding, this service refuses anything above this after.
+/// Largest request accepted: tonic refuses a larger one before decoding it, and the client
+/// gets `RESOURCE_EXHAUSTED` (`crate::api::grpc_limits`).
 pub const REQUEST_BYTES_MAX: usize = 1024 * 1024;
-/// Hard bound on a decoded gRPC message, set on the server.
-pub const GRPC_MESSAGE_BYTES_MAX: usize = 4 * REQUEST_BYTES_MAX;
 
 /// Lease settings of a request's own `limit` override, which names no rule.
 static DEFAULT_LEASE: LeaseTuning = LeaseTuning::DESIGN;
@@ -357,7 +355,6 @@ impl RateLimitService for RlsService {
 
 /// Refuses malformed requests before any state is allocated.
 fn validate(request: &RateLimitRequest) -> Result<(), InvalidRequest> {
-    use prost::Message;
     if request.domain.is_empty() {
         return Err(InvalidRequest::EmptyDomain);
     }
@@ -398,10 +395,6 @@ fn validate(request: &RateLimitRequest) -> Result<(), InvalidRequest> {
                 }
             }
         }
-    }
-    let encoded_bytes = request.encoded_len();
-    if encoded_bytes > REQUEST_BYTES_MAX {
-        return Err(InvalidRequest::TooLarge(encoded_bytes));
     }
     Ok(())
 }

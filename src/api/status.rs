@@ -64,9 +64,6 @@ pub enum InvalidRequest {
         /// Its length.
         length: usize,
     },
-    /// The encoded request is too large.
-    #[error("request is {0} bytes; at most {max} allowed", max = super::rls::REQUEST_BYTES_MAX)]
-    TooLarge(usize),
     /// A descriptor's limit override cannot be applied.
     #[error("descriptor {descriptor}: limit override {reason}")]
     BadOverride {
@@ -85,7 +82,6 @@ impl InvalidRequest {
             Self::NoDescriptors | Self::TooManyDescriptors(_) => "bad_descriptor_count",
             Self::EmptyDescriptor(_) | Self::TooManyEntries { .. } => "bad_entry_count",
             Self::EmptyKey { .. } | Self::FieldTooLong { .. } => "bad_entry",
-            Self::TooLarge(_) => "too_large",
             Self::BadOverride { .. } => "bad_override",
         }
     }

@@ -7,15 +7,19 @@
 //! served with `admin.tls`, `--ca-cert` (and an operator's `--client-cert`, `--client-key`
 //! instead of a token) makes the connection TLS.
 //!
-//! Membership changes run on the quota group's leader. Give `--admin-addr` every node of the
-//! region (comma-separated or repeated) and the command finds the leader by asking each for
-//! its status; with one address, that node must lead. Output is readable text, or one JSON
-//! document with `--json`.
+//! Membership changes run on the changed group's leader. A voter is a member of both of the
+//! region's groups, so `add-node` and `remove-node` change both (`--group all`, the default):
+//! the quota group first, then the billing group, each at its own leader; `--group quota` or
+//! `--group billing` changes one, e.g. to finish a change that stopped half way. Give
+//! `--admin-addr` every node of the region (comma-separated or repeated) and the command
+//! finds each group's leader by asking each node for its status; with one address, that node
+//! must lead. Running a change again after a lost answer finishes it or changes nothing.
+//! Output is readable text, or one JSON document with `--json`.
 
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use clap::{Args, Subcommand};
+use clap::{Args, Subcommand, ValueEnum};
 use tonic::transport::Channel;
 
 use crate::api::proto::quotamesh::admin::v1 as proto;
@@ -84,6 +88,35 @@ impl Target {
     }
 }
 
+/// The groups a membership command changes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum GroupChoice {
+    /// Both of the region's groups (a voter is a member of both): quota, then billing.
+    All,
+    /// The quota group only (leases, policies).
+    Quota,
+    /// The billing group only (accounts, debits).
+    Billing,
+}
+
+impl GroupChoice {
+    fn groups(self) -> &'static [proto::Group] {
+        match self {
+            Self::All => &[proto::Group::Quota, proto::Group::Billing],
+            Self::Quota => &[proto::Group::Quota],
+            Self::Billing => &[proto::Group::Billing],
+        }
+    }
+}
+
+/// A group's name as the nodes log it.
+fn group_name(group: proto::Group) -> &'static str {
+    match group {
+        proto::Group::Quota => crate::ledger::QUOTA_GROUP_NAME,
+        proto::Group::Billing => crate::ledger::BILLING_GROUP_NAME,
+    }
+}
+
 /// Cluster subcommands.
 #[derive(Debug, Subcommand)]
 pub enum ClusterCommand {
@@ -93,7 +126,8 @@ pub enum ClusterCommand {
         #[command(flatten)]
         target: Target,
     },
-    /// Add a node: as a learner, wait until it caught up, then make it a voter.
+    /// Add a node to the region's groups: as a learner, wait until it caught up, then make it
+    /// a voter; the quota group, then the billing group.
     AddNode {
         #[command(flatten)]
         target: Target,
@@ -107,14 +141,22 @@ pub enum ClusterCommand {
         /// add-node: it is no member.
         #[arg(long)]
         learner_only: bool,
+        /// Which groups to add it to.
+        #[arg(long, value_enum, default_value = "all")]
+        group: GroupChoice,
     },
-    /// Remove a node from the voters and the members.
+    /// Remove a node from the voters and the members of the region's groups. A group's last
+    /// voter is refused.
     RemoveNode {
         #[command(flatten)]
         target: Target,
         /// The node's `raft_node_id`.
         #[arg(long)]
         node_id: u64,
+        /// Which groups to remove it from; with `all`, a group the node is no member of is
+        /// left as it is (a change finished by an earlier run).
+        #[arg(long, value_enum, default_value = "all")]
+        group: GroupChoice,
     },
     /// Show each node's view: role, leader, term, commit and applied index, members, lag per
     /// follower, ledger digest (a gateway: the leader it last reached and its voters).
@@ -160,30 +202,52 @@ pub async fn run(mut command: ClusterCommand) -> anyhow::Result<()> {
     match command {
         ClusterCommand::Certs(command) => crate::cli::certs::run(command),
         ClusterCommand::Init { target } => init(&target).await,
-        ClusterCommand::AddNode { target, node_id, raft_addr, learner_only } => {
-            let mut client = leader(&target).await?;
-            if !target.json {
-                eprintln!(
-                    "adding node {node_id} ({raft_addr}) as a learner; waiting until it has caught up..."
-                );
+        ClusterCommand::AddNode { target, node_id, raft_addr, learner_only, group } => {
+            let mut changed = Vec::new();
+            for &group in group.groups() {
+                let mut client = leader(&target, group).await?;
+                if !target.json {
+                    eprintln!(
+                        "adding node {node_id} ({raft_addr}) to the {} group as a learner; \
+                         waiting until it has caught up...",
+                        group_name(group)
+                    );
+                }
+                let request = proto::AddNodeRequest {
+                    node_id,
+                    raft_addr: raft_addr.clone(),
+                    learner_only,
+                    group: group as i32,
+                };
+                let reply = client
+                    .add_node(with_deadline(request, &target))
+                    .await
+                    .map_err(|status| group_error(group, status))?
+                    .into_inner();
+                changed.push((group, Some(reply)));
             }
-            let request = proto::AddNodeRequest { node_id, raft_addr, learner_only };
-            let reply = client
-                .add_node(with_deadline(request, &target))
-                .await
-                .map_err(rpc_error)?
-                .into_inner();
-            print_members(&target, "node added", &reply)
+            print_members(&target, "node added", &changed)
         }
-        ClusterCommand::RemoveNode { target, node_id } => {
-            let mut client = leader(&target).await?;
-            let request = proto::RemoveNodeRequest { node_id };
-            let reply = client
-                .remove_node(with_deadline(request, &target))
-                .await
-                .map_err(rpc_error)?
-                .into_inner();
-            print_members(&target, "node removed", &reply)
+        ClusterCommand::RemoveNode { target, node_id, group: choice } => {
+            let mut changed = Vec::new();
+            for &group in choice.groups() {
+                let mut client = leader(&target, group).await?;
+                let request = proto::RemoveNodeRequest { node_id, group: group as i32 };
+                match client.remove_node(with_deadline(request, &target)).await {
+                    Ok(reply) => changed.push((group, Some(reply.into_inner()))),
+                    // An earlier run removed it from this group already.
+                    Err(status)
+                        if choice == GroupChoice::All && status.code() == tonic::Code::NotFound =>
+                    {
+                        changed.push((group, None));
+                    }
+                    Err(status) => return Err(group_error(group, status)),
+                }
+            }
+            if changed.iter().all(|(_, reply)| reply.is_none()) {
+                bail!("NotFound: node {node_id} is a member of neither group");
+            }
+            print_members(&target, "node removed", &changed)
         }
         ClusterCommand::Status { target } => status(&target).await,
         ClusterCommand::AcquireLeases { target, domain, entries, tokens, lease_ttl_ms } => {
@@ -236,6 +300,11 @@ fn rpc_error(status: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{:?}: {}", status.code(), status.message())
 }
 
+/// A refused membership change, naming the group it was for.
+fn group_error(group: proto::Group, status: tonic::Status) -> anyhow::Error {
+    anyhow::anyhow!("{} group: {:?}: {}", group_name(group), status.code(), status.message())
+}
+
 fn with_deadline<T>(message: T, target: &Target) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
     request.set_timeout(Duration::from_millis(target.timeout_ms));
@@ -271,8 +340,8 @@ async fn connect(address: &str, target: &Target) -> anyhow::Result<AdminClient<C
         .max_encoding_message_size(crate::api::admin::ADMIN_MESSAGE_BYTES_MAX))
 }
 
-/// The client of the node that leads the quota group among the given ones.
-async fn leader(target: &Target) -> anyhow::Result<AdminClient<Channel>> {
+/// The client of the node that leads `group` among the given ones.
+async fn leader(target: &Target, group: proto::Group) -> anyhow::Result<AdminClient<Channel>> {
     if let [only] = target.admin_addrs.as_slice() {
         // One address: send it there; a follower answers with the leader's name.
         return connect(only, target).await;
@@ -289,24 +358,37 @@ async fn leader(target: &Target) -> anyhow::Result<AdminClient<Channel>> {
             anyhow::Ok((client, status))
         }
         .await;
-        match reply {
-            Ok((client, status)) if status.state == "Leader" => return Ok(client),
-            Ok((_, status)) if status.role == "gateway" => seen.push(format!(
+        let view = reply.map(|(client, status)| {
+            let (state, leader) = match group {
+                proto::Group::Quota => (status.state.clone(), status.leader_id),
+                proto::Group::Billing => status.billing.as_ref().map_or_else(
+                    || ("no billing group".to_owned(), None),
+                    |billing| (billing.state.clone(), billing.leader_id),
+                ),
+            };
+            (client, status, state, leader)
+        });
+        match view {
+            Ok((client, _, state, _)) if state == "Leader" => return Ok(client),
+            Ok((_, status, _, _)) if status.role == "gateway" => seen.push(format!(
                 "{address}: node {} is a gateway, no member of the group (last leader it \
                  reached: {})",
                 status.node_id,
                 index(status.cached_leader_id)
             )),
-            Ok((_, status)) => seen.push(format!(
-                "{address}: node {} is {} (leader: {})",
+            Ok((_, status, state, leader)) => seen.push(format!(
+                "{address}: node {} is {state} (leader: {})",
                 status.node_id,
-                status.state,
-                status.leader_id.map_or_else(|| "none".to_owned(), |id| id.to_string())
+                leader.map_or_else(|| "none".to_owned(), |id| id.to_string())
             )),
             Err(error) => seen.push(format!("{address}: {error:#}")),
         }
     }
-    bail!("no node among the given admin addresses leads the quota group:\n  {}", seen.join("\n  "))
+    bail!(
+        "no node among the given admin addresses leads the {} group:\n  {}",
+        group_name(group),
+        seen.join("\n  ")
+    )
 }
 
 async fn init(target: &Target) -> anyhow::Result<()> {
@@ -449,6 +531,16 @@ fn status_json(address: &str, status: &proto::StatusReply) -> serde_json::Value 
         "seeds": members_json(&status.seeds),
         "clock_offsets": clock_offsets_json(status),
         "max_clock_offset_ms": status.max_clock_offset_ms,
+        "billing": status.billing.as_ref().map(|billing| serde_json::json!({
+            "state": billing.state,
+            "leader_id": billing.leader_id,
+            "term": billing.term,
+            "last_log_index": billing.last_log_index,
+            "commit_index": billing.commit_index,
+            "applied_index": billing.applied_index,
+            "members": members_json(&billing.members),
+            "state_digest": format!("{:016x}", billing.state_digest),
+        })),
     })
 }
 
@@ -514,6 +606,21 @@ fn print_status(address: &str, status: &proto::StatusReply) {
         status.ledger_keys, status.state_digest, status.ledger_time_ms
     );
     print_member_lines(&status.members);
+    if let Some(billing) = &status.billing {
+        println!(
+            "  billing group: {}, leader {}, term {}, committed {}, applied {}, digest {:016x}",
+            billing.state,
+            index(billing.leader_id),
+            billing.term,
+            index(billing.commit_index),
+            index(billing.applied_index),
+            billing.state_digest
+        );
+        for member in &billing.members {
+            let role = if member.voter { "voter" } else { "learner" };
+            println!("    member {} {role} at {}", member.node_id, member.raft_addr);
+        }
+    }
     for lag in &status.followers {
         println!(
             "  follower {}: matched {}, {} entries behind",
@@ -546,14 +653,27 @@ fn print_member_lines(members: &[proto::Member]) {
 fn print_members(
     target: &Target,
     what: &str,
-    reply: &proto::MembershipReply,
+    changed: &[(proto::Group, Option<proto::MembershipReply>)],
 ) -> anyhow::Result<()> {
     if target.json {
-        let answer = serde_json::json!({ "members": members_json(&reply.members) });
-        println!("{}", serde_json::to_string_pretty(&answer)?);
+        let groups: serde_json::Map<String, serde_json::Value> = changed
+            .iter()
+            .map(|(group, reply)| {
+                let members = reply.as_ref().map(|reply| members_json(&reply.members));
+                (group_name(*group).to_owned(), serde_json::json!({ "members": members }))
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "groups": groups }))?);
     } else {
-        println!("{what}; members now:");
-        print_member_lines(&reply.members);
+        for (group, reply) in changed {
+            match reply {
+                Some(reply) => {
+                    println!("{} group: {what}; members now:", group_name(*group));
+                    print_member_lines(&reply.members);
+                }
+                None => println!("{} group: not a member (removed before)", group_name(*group)),
+            }
+        }
     }
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! Billing test harness: real `quotamesh` processes forming a billing group (one node, or
-//! three voters with node 1 bootstrapping), clients with tokens, reading the leader from
-//! reply metadata, and collecting the whole audit trail.
+//! three voters with node 1 bootstrapping; newcomers that wait to be added), clients with
+//! tokens, reading the leader from reply metadata, and collecting the whole audit trail.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -48,6 +48,48 @@ pub struct BillingNode {
 }
 
 impl BillingNode {
+    /// Node `id` with fresh ports, its files under `root`, serving `policy` (else [`policy`]).
+    fn new(
+        root: &Path,
+        id: u64,
+        policy_path: Option<&Path>,
+        environment: Vec<(&'static str, String)>,
+    ) -> Self {
+        Self {
+            id,
+            billing_addr: format!("127.0.0.1:{}", free_port()),
+            raft_addr: format!("127.0.0.1:{}", free_port()),
+            admin_addr: format!("127.0.0.1:{}", free_port()),
+            data_dir: root.join(format!("node{id}")),
+            config: root.join(format!("node{id}.toml")),
+            policy: policy_path.map_or_else(policy, Path::to_owned),
+            environment,
+            process: None,
+        }
+    }
+
+    /// Writes the node's TOML: addresses, `peers` (TOML `[[peers]]` tables), its certificate
+    /// when the group has a CA, `[billing]` (forming the group with `bootstrap`), `trailer`.
+    fn write_config(
+        &self,
+        peers: &str,
+        bootstrap: bool,
+        ca: Option<&TestCa>,
+        trailer: &str,
+    ) -> anyhow::Result<()> {
+        let tls = match ca {
+            Some(ca) => ca.node_section(self.id, "127.0.0.1", false)?,
+            None => String::new(),
+        };
+        let text = format!(
+            "billing_addr = \"{}\"\nraft_addr = \"{}\"\nraft_node_id = {}\n\n{peers}\n{tls}\n\
+             [billing]\nbootstrap = {bootstrap}\ndeadline_ms = {DEADLINE_MS}\n{trailer}",
+            self.billing_addr, self.raft_addr, self.id,
+        );
+        std::fs::write(&self.config, text)?;
+        Ok(())
+    }
+
     /// Starts (or restarts) the process on its data directory and ports.
     pub fn start(&mut self) -> anyhow::Result<()> {
         let config = self.config.to_string_lossy().into_owned();
@@ -94,7 +136,11 @@ impl BillingNode {
 /// A billing group of real processes.
 pub struct BillingCluster {
     pub nodes: Vec<BillingNode>,
-    _scratch: tempfile::TempDir,
+    /// What every node's config ends with, after its `[billing]` table and tokens.
+    trailer: String,
+    /// The group's CA when it has several nodes (mTLS between them).
+    ca: Option<TestCa>,
+    scratch: tempfile::TempDir,
 }
 
 fn tokens_toml() -> String {
@@ -149,20 +195,9 @@ impl BillingCluster {
         prepare: &dyn Fn(&BillingNode) -> anyhow::Result<()>,
     ) -> anyhow::Result<Self> {
         let scratch = tempfile::tempdir()?;
-        let mut nodes = Vec::new();
-        for id in 1..=count as u64 {
-            nodes.push(BillingNode {
-                id,
-                billing_addr: format!("127.0.0.1:{}", free_port()),
-                raft_addr: format!("127.0.0.1:{}", free_port()),
-                admin_addr: format!("127.0.0.1:{}", free_port()),
-                data_dir: scratch.path().join(format!("node{id}")),
-                config: scratch.path().join(format!("node{id}.toml")),
-                policy: policy_path.map_or_else(policy, Path::to_owned),
-                environment: environment(id),
-                process: None,
-            });
-        }
+        let nodes: Vec<BillingNode> = (1..=count as u64)
+            .map(|id| BillingNode::new(scratch.path(), id, policy_path, environment(id)))
+            .collect();
         // The billing group has the quota group's members: `raft_node_id` and `[[peers]]`.
         let peers: String = if count > 1 {
             nodes
@@ -176,28 +211,31 @@ impl BillingCluster {
         };
         // Several nodes run as shipped: mTLS between them, with a CA of the group's own.
         let ca = if count > 1 { Some(TestCa::new(scratch.path(), "local")?) } else { None };
+        let trailer = format!("{extra_toml}\n{}\n{trailer}", tokens_toml());
         for node in &nodes {
-            let tls = match &ca {
-                Some(ca) => ca.node_section(node.id, "127.0.0.1", false)?,
-                None => String::new(),
-            };
-            let text = format!(
-                "billing_addr = \"{}\"\nraft_addr = \"{}\"\nraft_node_id = {}\n\n{peers}\n{tls}\n\
-                 [billing]\nbootstrap = {}\ndeadline_ms = {DEADLINE_MS}\n{extra_toml}\n{}\n{trailer}",
-                node.billing_addr,
-                node.raft_addr,
-                node.id,
-                node.id == 1,
-                tokens_toml()
-            );
-            std::fs::write(&node.config, text)?;
+            node.write_config(&peers, node.id == 1, ca.as_ref(), &trailer)?;
             prepare(node)?;
         }
-        let mut cluster = Self { nodes, _scratch: scratch };
+        let mut cluster = Self { nodes, trailer, ca, scratch };
         for node in &mut cluster.nodes {
             node.start()?;
         }
         Ok(cluster)
+    }
+
+    /// Creates node `id` as a newcomer, with only itself in `[[peers]]` so it waits to be
+    /// added (`quotamesh cluster add-node`) rather than forming a region of its own, and
+    /// starts it. Needs a cluster of several nodes (their CA).
+    pub fn start_newcomer(&mut self, id: u64) -> anyhow::Result<&BillingNode> {
+        let ca = self.ca.as_ref().context("a newcomer joins a cluster of several nodes")?;
+        let policy = self.nodes[0].policy.clone();
+        let environment = self.nodes[0].environment.clone();
+        let mut node = BillingNode::new(self.scratch.path(), id, Some(&policy), environment);
+        let peers = format!("[[peers]]\nid = {id}\nraft_addr = \"{}\"\n", node.raft_addr);
+        node.write_config(&peers, false, Some(ca), &self.trailer)?;
+        node.start()?;
+        self.nodes.push(node);
+        Ok(&self.nodes[self.nodes.len() - 1])
     }
 
     /// A client of node `index` (0-based).

@@ -309,24 +309,9 @@ impl Cluster {
         Ok(&self.nodes[&id])
     }
 
-    /// Runs the `quotamesh` binary (e.g. `cluster status`) and returns its stdout; fails with
-    /// its stderr when it exits non-zero.
+    /// Runs the `quotamesh` binary with the test operator token ([`cli`]).
     pub fn cli(&self, arguments: &[&str]) -> anyhow::Result<String> {
-        let output = Command::new(env!("CARGO_BIN_EXE_quotamesh"))
-            .args(arguments)
-            .env("RUST_BACKTRACE", "0")
-            .env("QUOTAMESH_ADMIN_TOKEN", ADMIN_TOKEN)
-            .output()
-            .context("run quotamesh")?;
-        if !output.status.success() {
-            bail!(
-                "quotamesh {} failed ({}): {}",
-                arguments.join(" "),
-                output.status,
-                String::from_utf8_lossy(&output.stderr)
-            );
-        }
-        Ok(String::from_utf8(output.stdout)?)
+        cli(arguments)
     }
 
     /// Comma-separated admin addresses of the given nodes, for the CLI.
@@ -445,6 +430,26 @@ impl Cluster {
             .map(|member| member.node_id)
             .collect())
     }
+}
+
+/// Runs the `quotamesh` binary (e.g. `cluster status`) with the test operator token and
+/// returns its stdout; fails with its stderr when it exits non-zero.
+pub fn cli(arguments: &[&str]) -> anyhow::Result<String> {
+    let output = Command::new(env!("CARGO_BIN_EXE_quotamesh"))
+        .args(arguments)
+        .env("RUST_BACKTRACE", "0")
+        .env("QUOTAMESH_ADMIN_TOKEN", ADMIN_TOKEN)
+        .output()
+        .context("run quotamesh")?;
+    if !output.status.success() {
+        bail!(
+            "quotamesh {} failed ({}): {}",
+            arguments.join(" "),
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    Ok(String::from_utf8(output.stdout)?)
 }
 
 /// An admin client with a connect timeout; each call carries [`CALL_TIMEOUT`] via [`call`].
