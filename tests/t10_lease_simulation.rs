@@ -139,6 +139,9 @@ struct World {
     windows: BTreeMap<u64, (u64, u64, u64)>,
     /// Nodes count their reports and admissions from this simulated time on.
     measure_from_ms: u64,
+    /// At this simulated time, all of one node's offered traffic moves to another:
+    /// `(at_ms, from, to)`.
+    traffic_shift: Option<(u64, usize, usize)>,
 }
 
 /// The faults a run injects, per million per simulated ms.
@@ -194,6 +197,7 @@ impl World {
             incarnations: 1,
             windows: BTreeMap::new(),
             measure_from_ms: 0,
+            traffic_shift: None,
         }
     }
 
@@ -478,6 +482,12 @@ impl World {
 
     fn run(&mut self, seed: u64, duration_ms: u64, faults: Faults) {
         for now_ms in 0..duration_ms {
+            if let Some((at_ms, from, to)) = self.traffic_shift
+                && at_ms == now_ms
+            {
+                let moved = std::mem::take(&mut self.nodes[from].offered_per_million);
+                self.nodes[to].offered_per_million += moved;
+            }
             self.faults(now_ms, faults);
             self.deliver(now_ms);
             for index in 0..self.nodes.len() {
@@ -699,6 +709,35 @@ fn a_key_drained_by_one_large_request_is_shared_at_its_rate() {
     }
     let measured = at_limit(world, 7, 3_000, 23_000);
     assert_fair_and_cheap("drained by one request", &measured, 50_000.0 / 60.0);
+}
+
+/// Proves that when all of one node's traffic moves to another (a skewed key: a client
+/// reconnects elsewhere), the key still admits its rate, the idle node's share goes to the
+/// others, and writes stay bounded.
+#[test]
+fn traffic_that_moves_between_nodes_keeps_the_key_at_its_rate() {
+    for seed in 0..4 {
+        let limit = LimitSpec::new(Algorithm::TokenBucket, 1_000, 1_000, Some(1_000))
+            .expect("a valid limit");
+        let mut world = World::contended(seed, 5, limit, 600, 30, &[]);
+        world.traffic_shift = Some((5_000, 1, 2));
+        let measured = at_limit(world, seed, 8_000, 18_000);
+        eprintln!("skewed: {:?}, {:?}", measured.shares, measured.writes_per_second);
+        assert!(measured.shares[1] == 0.0, "the node without traffic admitted nothing");
+        // Node 2 now offers twice what the others do; max-min gives every busy node a
+        // quarter of the rate, which both of node 2's streams share.
+        for node in [0, 2, 3, 4] {
+            assert!(
+                (measured.shares[node] - 0.25).abs() <= 0.025,
+                "seed {seed}: node {node} got share {:.3}",
+                measured.shares[node]
+            );
+        }
+        assert!(measured.admitted_per_second >= 990.0, "{}", measured.admitted_per_second);
+        for writes in &measured.writes_per_second {
+            assert!(*writes <= 4.0 + 1.0 / measured.seconds, "{writes} writes/s");
+        }
+    }
 }
 
 /// Proves the enterprise tier (50,000 per minute) at twice its rate over five nodes, once its
