@@ -28,7 +28,8 @@
 //!
 //! A request's descriptors may live in several stripes. The handler locks all of them in
 //! ascending order (no deadlock), decides every limit, and writes the new states back only
-//! if the whole request is admitted: rejected hits never consume quota.
+//! if the whole request is admitted: rejected hits never consume quota. A check-only probe
+//! is decided like the others and never written back.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher, RandomState};
@@ -129,8 +130,13 @@ pub struct Probe<'p> {
     pub counters: SmallVec<[(CounterKey, &'p LimitSpec); 2]>,
     /// Hits this descriptor adds.
     pub hits: u64,
+    /// Decide `hits` but never consume them (a descriptor's `hits_addend` of 0: a check).
+    pub check_only: bool,
     /// False for shadow-mode rules: evaluated and reported, never a reason to reject.
     pub enforced: bool,
+    /// An enforced quota-mode probe rejects the request only when every quota-mode probe of
+    /// the request rejects (upstream's `quota_mode`).
+    pub quota_mode: bool,
     /// The rule's lease sizes and TTL.
     pub lease: &'p LeaseTuning,
     /// What to do when no lease can be had.
@@ -879,6 +885,8 @@ impl ShardSet {
         // (two identical descriptors) is decided against its already-consumed state.
         let mut pending: SmallVec<[(usize, usize, Staged); 4]> = SmallVec::new();
         let mut admitted = true;
+        // Quota-mode probes: whether there were any, and whether one admitted.
+        let (mut quota_probes, mut quota_admitted) = (false, false);
         let mut bypass = None;
         let mut failed_closed = false;
         for (probe_index, probe) in probes.iter().enumerate() {
@@ -929,14 +937,32 @@ impl ShardSet {
                 }
             }
             let probe_admitted = verdicts.iter().all(|verdict| verdict.admitted);
-            admitted &= probe_admitted || !probe.enforced;
-            // A shadow rule that would have rejected keeps its quota, like a real rejection.
-            if probe_admitted {
+            if probe.enforced && probe.quota_mode {
+                quota_probes = true;
+                quota_admitted |= probe_admitted;
+            } else {
+                admitted &= probe_admitted || !probe.enforced;
+            }
+            if probe.check_only {
+                // The check's hit was never taken: what is left includes it.
+                for (verdict, (_, spec)) in verdicts.iter_mut().zip(&probe.counters) {
+                    if verdict.admitted {
+                        verdict.remaining = verdict
+                            .remaining
+                            .saturating_add(probe.hits)
+                            .min(spec.capacity_tokens());
+                    }
+                }
+            } else if probe_admitted {
+                // A shadow rule that would have rejected keeps its quota, like a real rejection.
                 pending.extend(
                     staged_here.into_iter().map(|(counter, staged)| (probe_index, counter, staged)),
                 );
             }
             outcomes.push(ProbeOutcome { verdicts, admitted: probe_admitted });
+        }
+        if quota_probes && !quota_admitted {
+            admitted = false;
         }
         if !missing.is_empty() {
             return Err(Pending::Missing(missing));
