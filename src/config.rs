@@ -1014,6 +1014,30 @@ mod tests {
         assert_eq!(config, NodeConfig::default());
     }
 
+    /// `policy` is a path or a `[policy]` table with the loader's settings; a bad algorithm,
+    /// an unknown key or a ratio outside 0..=1 is refused.
+    #[test]
+    fn policy_is_a_path_or_a_table() {
+        let path = NodeConfig::from_toml("policy = \"p.yaml\"").expect("parses");
+        assert_eq!(path.policy.path, Some(PathBuf::from("p.yaml")));
+        assert_eq!(path.policy.load_options(), LoadOptions::default());
+        let table = NodeConfig::from_toml(
+            "[policy]\npath = \"dir\"\nmerge_domains = true\ndefault_algorithm = \"fixed_window\"\n\
+             near_limit_ratio = 0.5\n",
+        )
+        .expect("parses");
+        assert_eq!(table.policy.path, Some(PathBuf::from("dir")));
+        assert_eq!(
+            table.policy.load_options(),
+            LoadOptions { merge_domains: true, default_algorithm: Algorithm::FixedWindow }
+        );
+        assert_eq!(table.policy.near_limit_ratio_permille(), 500);
+        assert!(NodeConfig::from_toml("[policy]\ndefault_algorithm = \"leaky\"").is_err());
+        assert!(NodeConfig::from_toml("[policy]\nmerge_domain = true").is_err());
+        let ratio = NodeConfig::from_toml("[policy]\nnear_limit_ratio = 1.5").expect("parses");
+        assert!(ratio.validate().is_err());
+    }
+
     /// A billing section with a token parses and validates; a malformed token digest or an
     /// unknown key is refused.
     #[test]

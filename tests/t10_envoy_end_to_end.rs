@@ -221,3 +221,66 @@ fn envoy_serves_upstream_example_config() -> anyhow::Result<()> {
     assert_eq!(other.status, 200, "each value of a key-only rule has its own counter");
     Ok(())
 }
+
+/// Envoy's token-quota pattern: each request checks its quota with a descriptor
+/// `hits_addend` of 0 and is charged its 2 tokens at stream end (`apply_on_stream_done`).
+/// Against 10 tokens a minute exactly 5 requests pass and the 6th is refused: the checks
+/// consume nothing (before, a check counted as one hit and the 5th was refused).
+#[test]
+fn envoy_token_quota_checks_without_consuming() -> anyhow::Result<()> {
+    let directory = tempfile::tempdir()?;
+    let policy = write_file(
+        directory.path(),
+        "policy.yaml",
+        "domain: quotamesh-example\ndescriptors:\n  - key: api_key\n    rate_limit: {unit: minute, requests_per_unit: 10}\n",
+    );
+    let node = NodeProcess::start_with(
+        &policy,
+        &directory.path().join("data"),
+        &["--default-algorithm", "fixed_window"],
+    )?;
+    let check_then_charge = r#"                            rate_limits:
+                              - actions:
+                                  - request_headers:
+                                      header_name: x-api-key
+                                      descriptor_key: api_key
+                                hits_addend:
+                                  number: 0
+                              - actions:
+                                  - request_headers:
+                                      header_name: x-api-key
+                                      descriptor_key: api_key
+                                apply_on_stream_done: true
+                                hits_addend:
+                                  number: 2"#;
+    let api_key_action = r#"                            rate_limits:
+                              - actions:
+                                  - request_headers:
+                                      header_name: x-api-key
+                                      descriptor_key: api_key"#;
+    let template = include_str!("../cluster/envoy.yaml");
+    anyhow::ensure!(template.contains(api_key_action), "the example's api_key action");
+    let template = template.replace(api_key_action, check_then_charge);
+    let envoy = start_envoy_on(&template, node.rls_addr, directory.path())?;
+    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis();
+    if 60_000 - now_ms % 60_000 < 20_000 {
+        std::thread::sleep(Duration::from_millis(u64::try_from(60_000 - now_ms % 60_000)? + 50));
+    }
+    let key = format!("tokens-{now_ms}");
+    let charged =
+        "quotamesh_ratelimit_total_hits_total{domain=\"quotamesh-example\",key=\"api_key\"}";
+    for request in 1..=5_u32 {
+        let response = http_request(envoy.listener, "/", &[("x-api-key", key.as_str())])?;
+        assert_eq!(response.status, 200, "request {request}: {response:?}");
+        // The charge is sent after the response: wait for it before the next check.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while metric_value(&node.metrics()?, charged) < f64::from(2 * request) {
+            anyhow::ensure!(Instant::now() < deadline, "request {request} was not charged");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    assert_eq!(metric_value(&node.metrics()?, charged), 10.0, "checks count no hit");
+    let refused = http_request(envoy.listener, "/", &[("x-api-key", key.as_str())])?;
+    assert_eq!(refused.status, 429, "10 tokens spent: {refused:?}");
+    Ok(())
+}

@@ -55,7 +55,7 @@ use crate::core::lease::{
 use crate::core::lease_key::LeaseKey;
 use crate::core::ledger::LeaseEpoch;
 use crate::core::policy::{FailureMode, PolicySet, RuleId};
-use crate::core::rate::{LimitSpec, LimitState};
+use crate::core::rate::{Algorithm, LimitSpec, LimitState};
 use crate::metrics::Metrics;
 
 /// Stripes per shard: enough that handlers on different cores rarely meet on one lock.
@@ -465,6 +465,12 @@ impl ShardActorState {
             if let Some(slot) = stripe.get_mut(&ask.counter).filter(|slot| slot.epoch == ask.epoch)
             {
                 slot.lease.apply_answer(&ask.tuning, &ask.draft, answer, now_ms);
+                if slot.spec.algorithm != Algorithm::TokenBucket {
+                    // A window's tokens are spent in that window or not at all (the window
+                    // of the answer: the grant came between the send and now).
+                    let window_ms = slot.spec.window_ms.max(1);
+                    slot.lease.expire_by((now_ms / window_ms + 1).saturating_mul(window_ms));
+                }
                 if matches!(answer, ReportAnswer::Settled { .. }) {
                     // The ledger answers again: a later fallback starts from its new count,
                     // not from a bucket filled while it was out of reach.
