@@ -30,6 +30,9 @@ pub const STATS_KEYS_MAX: usize = 10_000;
 /// The statistics key of requests' own `limit` overrides once [`STATS_KEYS_MAX`] is reached.
 pub const STATS_KEY_OVERRIDE: &str = "override";
 
+/// A statistics key named by runtime values, with its domain: `(domain, key)`.
+type StatsKey = (Box<str>, Box<str>);
+
 /// envoyproxy/ratelimit's per-descriptor statistics, one counter per upstream name, labelled
 /// `{domain, key}` where `key` is upstream's statistics key without the domain: upstream's
 /// `ratelimit.service.rate_limit.<domain>.<key>.<name>`.
@@ -50,8 +53,8 @@ pub struct RateLimitStats {
     /// `quotamesh_ratelimit_stats_keys_capped_total`: hits counted under their rule's path
     /// because [`STATS_KEYS_MAX`] runtime-valued keys were already exported.
     pub keys_capped: IntCounter,
-    /// The runtime-valued keys exported so far, `(domain, key)`.
-    runtime_keys: Arc<Mutex<HashSet<(Box<str>, Box<str>)>>>,
+    /// The runtime-valued keys exported so far.
+    runtime_keys: Arc<Mutex<HashSet<StatsKey>>>,
 }
 
 /// The node's metrics and the registry that exports them.

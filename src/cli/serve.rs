@@ -174,6 +174,18 @@ async fn wait_for_termination() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A `--default-algorithm` value, named as in policy files.
+pub(crate) fn parse_algorithm(text: &str) -> Result<Algorithm, String> {
+    match text {
+        "token_bucket" => Ok(Algorithm::TokenBucket),
+        "fixed_window" => Ok(Algorithm::FixedWindow),
+        "sliding_window" => Ok(Algorithm::SlidingWindow),
+        other => Err(format!(
+            "unknown algorithm `{other}`; expected token_bucket, fixed_window or sliding_window"
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use clap::Parser;
@@ -245,17 +257,5 @@ mod tests {
             .to_string();
         assert!(error.contains("observer") && error.contains("gateway"), "{error}");
         Ok(())
-    }
-}
-
-/// A `--default-algorithm` value, named as in policy files.
-pub(crate) fn parse_algorithm(text: &str) -> Result<Algorithm, String> {
-    match text {
-        "token_bucket" => Ok(Algorithm::TokenBucket),
-        "fixed_window" => Ok(Algorithm::FixedWindow),
-        "sliding_window" => Ok(Algorithm::SlidingWindow),
-        other => Err(format!(
-            "unknown algorithm `{other}`; expected token_bucket, fixed_window or sliding_window"
-        )),
     }
 }
