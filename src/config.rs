@@ -7,6 +7,7 @@
 //! region = "local"
 //! data_dir = "./quotamesh-data"
 //! policy = "cluster/policies"      # a YAML file or a directory of them; absent = embedded example
+//!                                  # (or `path` in a [policy] table, with the settings below)
 //! rls_addr = "0.0.0.0:8081"
 //! metrics_addr = "0.0.0.0:6070"
 //! raft_node_id = 1                 # this node in its region's Raft groups; never changes
@@ -45,6 +46,14 @@
 //! election_timeout_max_ms = 600
 //! snapshot_every_logs = 10000
 //! logs_kept_after_snapshot = 1000
+//!
+//! [policy]                         # instead of `policy = "..."` above, when settings are needed
+//! path = "cluster/policies"
+//! merge_domains = false            # true: several files may declare one domain (upstream's
+//!                                  # MERGE_DOMAIN_CONFIG)
+//! default_algorithm = "token_bucket" # or "fixed_window" (counts as envoyproxy/ratelimit) or
+//!                                  # "sliding_window": limits that name no algorithm
+//! near_limit_ratio = 0.8           # upstream's NEAR_LIMIT_RATIO, for the near_limit statistic
 //!
 //! [shards]
 //! count = 0                        # 0 = one per core
@@ -89,6 +98,8 @@ use std::str::FromStr;
 use serde::Deserialize;
 
 use crate::core::ledger::NodeId;
+use crate::core::policy::LoadOptions;
+use crate::core::rate::Algorithm;
 
 /// Default RLS gRPC address: envoyproxy/ratelimit's port, so Envoy configs carry over.
 pub const RLS_ADDR_DEFAULT: &str = "0.0.0.0:8081";
@@ -139,8 +150,10 @@ pub struct NodeConfig {
     pub region: String,
     /// Directory for the node's durable state.
     pub data_dir: PathBuf,
-    /// Policy file or directory; `None` serves the embedded example policy.
-    pub policy: Option<PathBuf>,
+    /// Where the policy comes from and how it is read: `policy = "path"`, or a `[policy]`
+    /// table.
+    #[serde(deserialize_with = "policy_field")]
+    pub policy: PolicyConfig,
     /// Envoy RLS v3 gRPC listen address.
     pub rls_addr: SocketAddr,
     /// Prometheus `/metrics`, `/healthz` and `/readyz` listen address.
@@ -420,6 +433,68 @@ pub struct ShardConfig {
     pub sweep_interval_ms: u64,
 }
 
+/// The policy files and the node-wide settings for reading them.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PolicyConfig {
+    /// Policy file or directory; `None` serves the embedded example policy.
+    pub path: Option<PathBuf>,
+    /// Several files may declare one domain (upstream's `MERGE_DOMAIN_CONFIG=true`).
+    pub merge_domains: bool,
+    /// The algorithm of limits that name none (`fixed_window` counts as upstream does).
+    pub default_algorithm: Algorithm,
+    /// Past this share of a limit hits count as `near_limit` (upstream's `NEAR_LIMIT_RATIO`).
+    pub near_limit_ratio: f64,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        Self {
+            path: None,
+            merge_domains: false,
+            default_algorithm: Algorithm::default(),
+            near_limit_ratio: 0.8,
+        }
+    }
+}
+
+impl PolicyConfig {
+    /// The loader's view of these settings.
+    #[must_use]
+    pub fn load_options(&self) -> LoadOptions {
+        LoadOptions { merge_domains: self.merge_domains, default_algorithm: self.default_algorithm }
+    }
+
+    /// `near_limit_ratio` in thousandths, as the RLS service counts it.
+    #[must_use]
+    pub fn near_limit_ratio_permille(&self) -> u64 {
+        // Validated to lie in 0..=1, so the product fits.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let permille = (self.near_limit_ratio * 1_000.0).round() as u64;
+        permille
+    }
+}
+
+/// `policy` is either a path (the older form) or a `[policy]` table.
+fn policy_field<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<PolicyConfig, D::Error> {
+    struct Field;
+    impl<'de> serde::de::Visitor<'de> for Field {
+        type Value = PolicyConfig;
+        fn expecting(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            formatter.write_str("a policy path or a [policy] table")
+        }
+        fn visit_str<E: serde::de::Error>(self, path: &str) -> Result<PolicyConfig, E> {
+            Ok(PolicyConfig { path: Some(PathBuf::from(path)), ..PolicyConfig::default() })
+        }
+        fn visit_map<M: serde::de::MapAccess<'de>>(self, map: M) -> Result<PolicyConfig, M::Error> {
+            PolicyConfig::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+        }
+    }
+    deserializer.deserialize_any(Field)
+}
+
 /// Which rate-limit header generations the RLS answer carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -529,7 +604,7 @@ impl Default for NodeConfig {
             node_id: "node-1".to_owned(),
             region: "local".to_owned(),
             data_dir: PathBuf::from(DATA_DIR_DEFAULT),
-            policy: None,
+            policy: PolicyConfig::default(),
             rls_addr: RLS_ADDR_DEFAULT.parse().expect("constant address parses"),
             metrics_addr: METRICS_ADDR_DEFAULT.parse().expect("constant address parses"),
             billing_addr: BILLING_ADDR_DEFAULT.parse().expect("constant address parses"),
@@ -663,6 +738,11 @@ impl NodeConfig {
         }
         if !(10..=3_600_000).contains(&self.shards.sweep_interval_ms) {
             return invalid("shards.sweep_interval_ms must be between 10 and 3600000".to_owned());
+        }
+        if !(self.policy.near_limit_ratio.is_finite()
+            && (0.0..=1.0).contains(&self.policy.near_limit_ratio))
+        {
+            return invalid("policy.near_limit_ratio must be between 0 and 1".to_owned());
         }
         self.validate_cluster()?;
         self.leasing.validate()?;
@@ -932,6 +1012,30 @@ mod tests {
         let config = NodeConfig::from_toml(include_str!("../cluster/node.toml")).expect("parses");
         assert!(config.validate().is_ok());
         assert_eq!(config, NodeConfig::default());
+    }
+
+    /// `policy` is a path or a `[policy]` table with the loader's settings; a bad algorithm,
+    /// an unknown key or a ratio outside 0..=1 is refused.
+    #[test]
+    fn policy_is_a_path_or_a_table() {
+        let path = NodeConfig::from_toml("policy = \"p.yaml\"").expect("parses");
+        assert_eq!(path.policy.path, Some(PathBuf::from("p.yaml")));
+        assert_eq!(path.policy.load_options(), LoadOptions::default());
+        let table = NodeConfig::from_toml(
+            "[policy]\npath = \"dir\"\nmerge_domains = true\ndefault_algorithm = \"fixed_window\"\n\
+             near_limit_ratio = 0.5\n",
+        )
+        .expect("parses");
+        assert_eq!(table.policy.path, Some(PathBuf::from("dir")));
+        assert_eq!(
+            table.policy.load_options(),
+            LoadOptions { merge_domains: true, default_algorithm: Algorithm::FixedWindow }
+        );
+        assert_eq!(table.policy.near_limit_ratio_permille(), 500);
+        assert!(NodeConfig::from_toml("[policy]\ndefault_algorithm = \"leaky\"").is_err());
+        assert!(NodeConfig::from_toml("[policy]\nmerge_domain = true").is_err());
+        let ratio = NodeConfig::from_toml("[policy]\nnear_limit_ratio = 1.5").expect("parses");
+        assert!(ratio.validate().is_err());
     }
 
     /// A billing section with a token parses and validates; a malformed token digest or an

@@ -2,8 +2,16 @@
 //! [`Metrics`] handle and record into it; `crate::api::http` serves [`Metrics::encode`].
 //!
 //! Label sets are bounded: domains appear as labels only when the policy defines them
-//! (anything else is `unknown`), rules by their configured path, shards by index.
+//! (anything else is `unknown`), rules by their configured path, shards by index. The one
+//! family keyed by runtime values, upstream's statistics under `detailed_metric`,
+//! `value_to_metric` or a request's own `limit`, is capped at [`STATS_KEYS_MAX`] keys; past
+//! it a new key is counted under its rule's path ([`Metrics::stats_key_label`]).
 
+use std::borrow::Cow;
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use prometheus::{
     Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
@@ -14,6 +22,40 @@ pub const DOMAIN_UNKNOWN: &str = "unknown";
 
 /// The `reason` labels of `quotamesh_rate_limit_bypassed_total`.
 pub const BYPASS_REASONS: [&str; 3] = ["circuit_open", "ledger_timeout", "overloaded"];
+
+/// Most statistics keys named by runtime values (`detailed_metric`, `value_to_metric`, a
+/// request's `limit` override) exported at once; one key costs five series.
+pub const STATS_KEYS_MAX: usize = 10_000;
+
+/// The statistics key of requests' own `limit` overrides once [`STATS_KEYS_MAX`] is reached.
+pub const STATS_KEY_OVERRIDE: &str = "override";
+
+/// A statistics key named by runtime values, with its domain: `(domain, key)`.
+type StatsKey = (Box<str>, Box<str>);
+
+/// envoyproxy/ratelimit's per-descriptor statistics, one counter per upstream name, labelled
+/// `{domain, key}` where `key` is upstream's statistics key without the domain: upstream's
+/// `ratelimit.service.rate_limit.<domain>.<key>.<name>`.
+#[derive(Clone)]
+pub struct RateLimitStats {
+    /// `quotamesh_ratelimit_total_hits_total`: every hit.
+    pub total_hits: IntCounterVec,
+    /// `quotamesh_ratelimit_over_limit_total`: hits past the limit.
+    pub over_limit: IntCounterVec,
+    /// `quotamesh_ratelimit_near_limit_total`: hits past `near_limit_ratio` of the limit,
+    /// within it.
+    pub near_limit: IntCounterVec,
+    /// `quotamesh_ratelimit_within_limit_total`: hits of admitted descriptors.
+    pub within_limit: IntCounterVec,
+    /// `quotamesh_ratelimit_shadow_mode_total`: hits a shadow-mode rule let through past
+    /// its limit.
+    pub shadow_mode: IntCounterVec,
+    /// `quotamesh_ratelimit_stats_keys_capped_total`: hits counted under their rule's path
+    /// because [`STATS_KEYS_MAX`] runtime-valued keys were already exported.
+    pub keys_capped: IntCounter,
+    /// The runtime-valued keys exported so far.
+    runtime_keys: Arc<Mutex<HashSet<StatsKey>>>,
+}
 
 /// The node's metrics and the registry that exports them.
 #[derive(Clone)]
@@ -118,6 +160,8 @@ pub struct Metrics {
     /// `quotamesh_insecure_cluster`: 1 when the node runs a multi-node region without TLS
     /// between nodes (`insecure_cluster = true`); alert on it.
     pub insecure_cluster: IntGauge,
+    /// envoyproxy/ratelimit's statistics under Prometheus names.
+    pub ratelimit_stats: RateLimitStats,
 }
 
 impl Default for Metrics {
@@ -201,7 +245,44 @@ impl Metrics {
         .expect("valid metric");
         registry.register(Box::new(clock_offset.clone())).expect("unique metric");
 
+        let stats_labels = ["domain", "key"];
+        let ratelimit_stats = RateLimitStats {
+            total_hits: counter_vec(
+                "quotamesh_ratelimit_total_hits_total",
+                "envoyproxy/ratelimit's total_hits: every hit, per domain and statistics key.",
+                &stats_labels,
+            ),
+            over_limit: counter_vec(
+                "quotamesh_ratelimit_over_limit_total",
+                "envoyproxy/ratelimit's over_limit: hits past the limit.",
+                &stats_labels,
+            ),
+            near_limit: counter_vec(
+                "quotamesh_ratelimit_near_limit_total",
+                "envoyproxy/ratelimit's near_limit: hits past near_limit_ratio of the limit.",
+                &stats_labels,
+            ),
+            within_limit: counter_vec(
+                "quotamesh_ratelimit_within_limit_total",
+                "envoyproxy/ratelimit's within_limit: hits of admitted descriptors.",
+                &stats_labels,
+            ),
+            shadow_mode: counter_vec(
+                "quotamesh_ratelimit_shadow_mode_total",
+                "envoyproxy/ratelimit's shadow_mode: hits a shadow-mode rule let through past \
+                 its limit.",
+                &stats_labels,
+            ),
+            keys_capped: counter(
+                "quotamesh_ratelimit_stats_keys_capped_total",
+                "Hits counted under their rule's path because the runtime-valued statistics \
+                 keys reached their cap.",
+            ),
+            runtime_keys: Arc::new(Mutex::new(HashSet::new())),
+        };
+
         let metrics = Self {
+            ratelimit_stats,
             rls_decisions: counter_vec(
                 "quotamesh_rls_decisions_total",
                 "ShouldRateLimit answers by domain and overall code.",
@@ -389,6 +470,28 @@ impl Metrics {
             metrics.ledger_calls.with_label_values(&[result]);
         }
         metrics
+    }
+
+    /// The `key` label of upstream's statistics for `key` in `domain`: `key` itself when it
+    /// is the rule's own `path` (bounded by the policy) or one of the first
+    /// [`STATS_KEYS_MAX`] runtime-valued keys, else `path` (counted as capped).
+    pub fn stats_key_label<'k>(&self, domain: &str, key: &'k str, path: &'k str) -> Cow<'k, str> {
+        if key == path {
+            return Cow::Borrowed(key);
+        }
+        let stats = &self.ratelimit_stats;
+        let mut known = stats.runtime_keys.lock();
+        let pair = (Box::from(domain), Box::from(key));
+        if known.contains(&pair) {
+            return Cow::Borrowed(key);
+        }
+        if known.len() < STATS_KEYS_MAX {
+            known.insert(pair);
+            return Cow::Borrowed(key);
+        }
+        drop(known);
+        stats.keys_capped.inc();
+        Cow::Borrowed(path)
     }
 
     /// The Prometheus text exposition of every metric.

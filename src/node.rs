@@ -132,8 +132,9 @@ impl Node {
             );
             metrics.insecure_cluster.set(1);
         }
-        let origin = config.policy.clone().map_or(PolicyOrigin::Embedded, PolicyOrigin::Path);
-        let policy = Arc::new(PolicyStore::open(origin, metrics.clone())?);
+        let origin = config.policy.path.clone().map_or(PolicyOrigin::Embedded, PolicyOrigin::Path);
+        let policy =
+            Arc::new(PolicyStore::open(origin, config.policy.load_options(), metrics.clone())?);
 
         let rls_listener = bind("Envoy RLS gRPC", config.rls_addr).await?;
         let metrics_listener = bind("metrics HTTP", config.metrics_addr).await?;
@@ -166,7 +167,8 @@ impl Node {
             legacy: config.headers.legacy,
             retry_after: config.headers.retry_after,
         };
-        let rls = RlsService::new(Arc::clone(&shards), policy.active(), metrics.clone(), headers);
+        let rls = RlsService::new(Arc::clone(&shards), policy.active(), metrics.clone(), headers)
+            .with_near_limit_ratio_permille(config.policy.near_limit_ratio_permille());
         let admin = AdminService::new(
             AdminNode {
                 name: config.node_id.clone(),

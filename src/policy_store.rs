@@ -12,7 +12,7 @@ use arc_swap::ArcSwap;
 use notify::Watcher;
 use tokio::sync::mpsc;
 
-use crate::core::policy::{PolicyErrors, PolicySet, PolicySource};
+use crate::core::policy::{LoadOptions, PolicyErrors, PolicySet, PolicySource};
 use crate::metrics::Metrics;
 
 /// The example policy served when no policy path is configured.
@@ -84,12 +84,12 @@ impl PolicyOrigin {
         }
     }
 
-    /// Reads and parses the policy set.
+    /// Reads and parses the policy set with the node's [`LoadOptions`].
     ///
     /// # Errors
     /// [`PolicyLoadError`] when reading fails or the policy is invalid.
-    pub fn load(&self) -> Result<PolicySet, PolicyLoadError> {
-        PolicySet::parse(&self.read_sources()?).map_err(PolicyLoadError::Invalid)
+    pub fn load(&self, options: LoadOptions) -> Result<PolicySet, PolicyLoadError> {
+        PolicySet::parse_with(&self.read_sources()?, options).map_err(PolicyLoadError::Invalid)
     }
 }
 
@@ -151,6 +151,7 @@ pub enum ReloadOutcome {
 /// The active policy and where it came from.
 pub struct PolicyStore {
     origin: PolicyOrigin,
+    options: LoadOptions,
     active: Arc<ArcSwap<PolicySet>>,
     metrics: Metrics,
 }
@@ -160,10 +161,18 @@ impl PolicyStore {
     ///
     /// # Errors
     /// [`PolicyLoadError`] when the initial policy cannot be loaded.
-    pub fn open(origin: PolicyOrigin, metrics: Metrics) -> Result<Self, PolicyLoadError> {
-        let policy = origin.load()?;
-        let store =
-            Self { origin, active: Arc::new(ArcSwap::from_pointee(PolicySet::default())), metrics };
+    pub fn open(
+        origin: PolicyOrigin,
+        options: LoadOptions,
+        metrics: Metrics,
+    ) -> Result<Self, PolicyLoadError> {
+        let policy = origin.load(options)?;
+        let store = Self {
+            origin,
+            options,
+            active: Arc::new(ArcSwap::from_pointee(PolicySet::default())),
+            metrics,
+        };
         store.publish(policy);
         store.metrics.policy_reloads.with_label_values(&["ok"]).inc();
         Ok(store)
@@ -176,7 +185,7 @@ impl PolicyStore {
 
     /// Reloads from the origin; a failure leaves the active policy in place.
     pub fn reload(&self) -> ReloadOutcome {
-        match self.origin.load() {
+        match self.origin.load(self.options) {
             Ok(policy) if policy.digest() == self.active.load().digest() => {
                 self.metrics.policy_reloads.with_label_values(&["unchanged"]).inc();
                 ReloadOutcome::Unchanged

@@ -11,7 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use common::{NodeProcess, free_port, http_request, metric_value, write_file};
+use common::{CpuHog, NodeProcess, free_port, http_request, metric_value, write_file};
 
 /// The test's policy: the domain and descriptor keys of `cluster/envoy.yaml`, with numbers
 /// small enough to exhaust quickly: 5 hits per 10 s per API key (one token back every 2 s).
@@ -148,39 +148,6 @@ descriptors:
     rate_limit: {unit: minute, requests_per_unit: 5}
 "#;
 
-/// Two threads that spin until dropped: both cores busy, as on a shared CI machine.
-struct CpuHog {
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    threads: Vec<std::thread::JoinHandle<()>>,
-}
-
-impl CpuHog {
-    fn start(threads: usize) -> Self {
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let threads = (0..threads)
-            .map(|_| {
-                let stop = std::sync::Arc::clone(&stop);
-                std::thread::spawn(move || {
-                    let mut spin = 0_u64;
-                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                        spin = std::hint::black_box(spin.wrapping_mul(6_364_136_223_846_793_005));
-                    }
-                })
-            })
-            .collect();
-        Self { stop, threads }
-    }
-}
-
-impl Drop for CpuHog {
-    fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        for thread in self.threads.drain(..) {
-            let _ = thread.join();
-        }
-    }
-}
-
 /// Through a real Envoy with its ratelimit filter's default timeout (20 ms) and a node on
 /// the shipped defaults (no config file), with both cores kept busy: a fresh API key under
 /// a limit of 5 per minute gets exactly 5 answers of 200, then 429, in 20 repetitions.
@@ -202,5 +169,118 @@ fn the_defaults_count_exactly_on_a_busy_machine() -> anyhow::Result<()> {
             .collect::<anyhow::Result<_>>()?;
         assert_eq!(statuses, [200, 200, 200, 200, 200, 429, 429, 429], "repetition {repetition}");
     }
+    Ok(())
+}
+
+/// envoyproxy/ratelimit's example config, unchanged, served with `fixed_window` as the
+/// default algorithm behind a real Envoy: the key-only `foo` rule (2 per minute) gives two
+/// 200s and a 429 per value, Envoy's `x-ratelimit-limit` carries no name for the unnamed
+/// rule, and its reset is the time to the end of the aligned minute.
+#[test]
+fn envoy_serves_upstream_example_config() -> anyhow::Result<()> {
+    let directory = tempfile::tempdir()?;
+    let example = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(
+        "../shared/reference/envoy-ratelimit-fixtures/examples/ratelimit/config/example.yaml",
+    );
+    let text =
+        std::fs::read_to_string(&example).with_context(|| format!("read {}", example.display()))?;
+    let policy = write_file(directory.path(), "example.yaml", &text);
+    let node = NodeProcess::start_with(
+        &policy,
+        &directory.path().join("data"),
+        &["--default-algorithm", "fixed_window"],
+    )?;
+    let template = include_str!("../cluster/envoy.yaml")
+        .replace("domain: quotamesh-example", "domain: rl")
+        .replace("header_name: x-api-key", "header_name: x-foo")
+        .replace("descriptor_key: api_key", "descriptor_key: foo");
+    anyhow::ensure!(template.contains("domain: rl") && template.contains("descriptor_key: foo"));
+    let envoy = start_envoy_on(&template, node.rls_addr, directory.path())?;
+    // Stay inside one aligned minute for the three requests.
+    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis();
+    let left_ms = 60_000 - (now_ms % 60_000);
+    if left_ms < 10_000 {
+        std::thread::sleep(Duration::from_millis(u64::try_from(left_ms)? + 50));
+    }
+    let value = format!("envoy-{now_ms}");
+    let foo = [("x-foo", value.as_str())];
+    for hit in 1..=2 {
+        let response = http_request(envoy.listener, "/", &foo)?;
+        assert_eq!(response.status, 200, "hit {hit}: {response:?}");
+    }
+    let limited = http_request(envoy.listener, "/", &foo)?;
+    assert_eq!(limited.status, 429, "{limited:?}");
+    let limit = limited.header("x-ratelimit-limit").context("x-ratelimit-limit")?;
+    assert!(
+        limit.starts_with('2') && !limit.contains("name="),
+        "no name for an unnamed rule: {limit}"
+    );
+    let reset: u64 = limited.header("x-ratelimit-reset").context("x-ratelimit-reset")?.parse()?;
+    assert!((1..=60).contains(&reset), "to the end of the minute: {reset}");
+    let other = http_request(envoy.listener, "/", &[("x-foo", "someone-else")])?;
+    assert_eq!(other.status, 200, "each value of a key-only rule has its own counter");
+    Ok(())
+}
+
+/// Envoy's token-quota pattern: each request checks its quota with a descriptor
+/// `hits_addend` of 0 and is charged its 2 tokens at stream end (`apply_on_stream_done`).
+/// Against 10 tokens a minute exactly 5 requests pass and the 6th is refused: the checks
+/// consume nothing (before, a check counted as one hit and the 5th was refused).
+#[test]
+fn envoy_token_quota_checks_without_consuming() -> anyhow::Result<()> {
+    let directory = tempfile::tempdir()?;
+    let policy = write_file(
+        directory.path(),
+        "policy.yaml",
+        "domain: quotamesh-example\ndescriptors:\n  - key: api_key\n    rate_limit: {unit: minute, requests_per_unit: 10}\n",
+    );
+    let node = NodeProcess::start_with(
+        &policy,
+        &directory.path().join("data"),
+        &["--default-algorithm", "fixed_window"],
+    )?;
+    let check_then_charge = r#"                            rate_limits:
+                              - actions:
+                                  - request_headers:
+                                      header_name: x-api-key
+                                      descriptor_key: api_key
+                                hits_addend:
+                                  number: 0
+                              - actions:
+                                  - request_headers:
+                                      header_name: x-api-key
+                                      descriptor_key: api_key
+                                apply_on_stream_done: true
+                                hits_addend:
+                                  number: 2"#;
+    let api_key_action = r#"                            rate_limits:
+                              - actions:
+                                  - request_headers:
+                                      header_name: x-api-key
+                                      descriptor_key: api_key"#;
+    let template = include_str!("../cluster/envoy.yaml");
+    anyhow::ensure!(template.contains(api_key_action), "the example's api_key action");
+    let template = template.replace(api_key_action, check_then_charge);
+    let envoy = start_envoy_on(&template, node.rls_addr, directory.path())?;
+    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis();
+    if 60_000 - now_ms % 60_000 < 20_000 {
+        std::thread::sleep(Duration::from_millis(u64::try_from(60_000 - now_ms % 60_000)? + 50));
+    }
+    let key = format!("tokens-{now_ms}");
+    let charged =
+        "quotamesh_ratelimit_total_hits_total{domain=\"quotamesh-example\",key=\"api_key\"}";
+    for request in 1..=5_u32 {
+        let response = http_request(envoy.listener, "/", &[("x-api-key", key.as_str())])?;
+        assert_eq!(response.status, 200, "request {request}: {response:?}");
+        // The charge is sent after the response: wait for it before the next check.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while metric_value(&node.metrics()?, charged) < f64::from(2 * request) {
+            anyhow::ensure!(Instant::now() < deadline, "request {request} was not charged");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    assert_eq!(metric_value(&node.metrics()?, charged), 10.0, "checks count no hit");
+    let refused = http_request(envoy.listener, "/", &[("x-api-key", key.as_str())])?;
+    assert_eq!(refused.status, 429, "10 tokens spent: {refused:?}");
     Ok(())
 }

@@ -108,7 +108,8 @@ async fn key_only_rule_admits_up_to_the_limit() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// hits_addend counts several hits at once; 0 means 1, and a descriptor's own value wins.
+/// hits_addend counts several hits at once; the request's 0 means 1, a descriptor's own
+/// value wins, and a descriptor's own 0 checks without consuming.
 #[tokio::test]
 async fn hits_addend_is_honoured() -> anyhow::Result<()> {
     let (node, _dir) = start();
@@ -130,10 +131,27 @@ async fn hits_addend_is_honoured() -> anyhow::Result<()> {
     let response = client.should_rate_limit(request_level).await?.into_inner();
     assert_eq!((response.overall_code(), response.statuses[0].limit_remaining), (Code::Ok, 1));
 
-    let mut zero = descriptor(&[("api_key", "erin")]);
-    zero.hits_addend = Some(0);
-    let response = client.should_rate_limit(request("t10", vec![zero])).await?.into_inner();
-    assert_eq!(response.statuses[0].limit_remaining, 2, "0 means 1");
+    // The request's 0 means 1; a descriptor's own 0 (a UInt64Value) checks without
+    // consuming, and is OVER_LIMIT once nothing is left.
+    let mut zero_request = request("t10", vec![descriptor(&[("api_key", "erin")])]);
+    zero_request.hits_addend = 0;
+    let response = client.should_rate_limit(zero_request).await?.into_inner();
+    assert_eq!(response.statuses[0].limit_remaining, 2, "the request's 0 means 1");
+    let check = || {
+        let mut zero = descriptor(&[("api_key", "erin")]);
+        zero.hits_addend = Some(0);
+        request("t10", vec![zero])
+    };
+    for _ in 0..3 {
+        let response = client.should_rate_limit(check()).await?.into_inner();
+        assert_eq!((response.overall_code(), response.statuses[0].limit_remaining), (Code::Ok, 2));
+    }
+    let mut two = descriptor(&[("api_key", "erin")]);
+    two.hits_addend = Some(2);
+    let spent = client.should_rate_limit(request("t10", vec![two])).await?.into_inner();
+    assert_eq!((spent.overall_code(), spent.statuses[0].limit_remaining), (Code::Ok, 0));
+    let exhausted = client.should_rate_limit(check()).await?.into_inner();
+    assert_eq!(exhausted.overall_code(), Code::OverLimit, "nothing left to check against");
     Ok(())
 }
 

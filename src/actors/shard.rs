@@ -30,6 +30,7 @@
 //! ascending order (no deadlock), decides every limit with the pure admission procedure
 //! (`crate::core::admission::judge`), and writes the new states back only if the whole
 //! request is admitted: rejected hits never consume quota, but count as the keys' demand.
+//! A check-only probe is decided like the others and never written back.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher, RandomState};
@@ -55,7 +56,7 @@ use crate::core::lease::{KeyLease, LeaseTuning, ReportAnswer, ReportDraft, size_
 use crate::core::lease_key::LeaseKey;
 use crate::core::ledger::LeaseEpoch;
 use crate::core::policy::{FailureMode, PolicySet, RuleId};
-use crate::core::rate::LimitSpec;
+use crate::core::rate::{Algorithm, LimitSpec};
 use crate::metrics::Metrics;
 
 /// Stripes per shard: enough that handlers on different cores rarely meet on one lock.
@@ -124,8 +125,13 @@ pub struct Probe<'p> {
     pub counters: SmallVec<[(CounterKey, &'p LimitSpec); 2]>,
     /// Hits this descriptor adds.
     pub hits: u64,
+    /// Decide `hits` but never consume them (a descriptor's `hits_addend` of 0: a check).
+    pub check_only: bool,
     /// False for shadow-mode rules: evaluated and reported, never a reason to reject.
     pub enforced: bool,
+    /// An enforced quota-mode probe rejects the request only when every quota-mode probe of
+    /// the request rejects (upstream's `quota_mode`).
+    pub quota_mode: bool,
     /// The rule's lease sizes and TTL.
     pub lease: &'p LeaseTuning,
     /// What to do when no lease can be had.
@@ -401,6 +407,12 @@ impl ShardActorState {
             if let Some(slot) = stripe.get_mut(&ask.counter).filter(|slot| slot.epoch == ask.epoch)
             {
                 slot.lease.apply_answer(&ask.tuning, &ask.draft, answer, now_ms);
+                if slot.spec.algorithm != Algorithm::TokenBucket {
+                    // A window's tokens are spent in that window or not at all (the window
+                    // of the answer: the grant came between the send and now).
+                    let window_ms = slot.spec.window_ms.max(1);
+                    slot.lease.expire_by((now_ms / window_ms + 1).saturating_mul(window_ms));
+                }
                 if matches!(answer, ReportAnswer::Settled { .. }) {
                     // The ledger answers again: a later fallback starts from its new count,
                     // not from a bucket filled while it was out of reach.
@@ -802,6 +814,8 @@ impl ShardSet {
         // (two identical descriptors) is decided against its already-consumed state.
         let mut pending: SmallVec<[(usize, usize, Staged); 4]> = SmallVec::new();
         let mut admitted = true;
+        // Quota-mode probes: whether there were any, and whether one admitted.
+        let (mut quota_probes, mut quota_admitted) = (false, false);
         let mut bypass = None;
         let mut failed_closed = false;
         for (probe_index, probe) in probes.iter().enumerate() {
@@ -865,14 +879,32 @@ impl ShardSet {
                 }
             }
             let probe_admitted = verdicts.iter().all(|verdict| verdict.admitted);
-            admitted &= probe_admitted || !probe.enforced;
-            // A shadow rule that would have rejected keeps its quota, like a real rejection.
-            if probe_admitted {
+            if probe.enforced && probe.quota_mode {
+                quota_probes = true;
+                quota_admitted |= probe_admitted;
+            } else {
+                admitted &= probe_admitted || !probe.enforced;
+            }
+            if probe.check_only {
+                // The check's hit was never taken: what is left includes it.
+                for (verdict, (_, spec)) in verdicts.iter_mut().zip(&probe.counters) {
+                    if verdict.admitted {
+                        verdict.remaining = verdict
+                            .remaining
+                            .saturating_add(probe.hits)
+                            .min(spec.capacity_tokens());
+                    }
+                }
+            } else if probe_admitted {
+                // A shadow rule that would have rejected keeps its quota, like a real rejection.
                 pending.extend(
                     staged_here.into_iter().map(|(counter, staged)| (probe_index, counter, staged)),
                 );
             }
             outcomes.push(ProbeOutcome { verdicts, admitted: probe_admitted });
+        }
+        if quota_probes && !quota_admitted {
+            admitted = false;
         }
         if !missing.is_empty() {
             return Err(Pending::Missing(missing));
@@ -915,10 +947,10 @@ impl ShardSet {
         // A counter whose state was not written (a rejection consumes nothing) still counts
         // its hits as demand: without them a key at its limit would look uncontended.
         for (probe_index, counter_index) in judged {
-            if admitted && outcomes[probe_index].admitted {
+            let probe = &probes[probe_index];
+            if admitted && outcomes[probe_index].admitted && !probe.check_only {
                 continue;
             }
-            let probe = &probes[probe_index];
             let (key, spec) = probe.counters[counter_index];
             let stripe = &mut guards[guard_of(probe.stripe)];
             if let Some(slot) = stripe.get_mut(&key) {

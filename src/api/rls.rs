@@ -7,11 +7,16 @@
 //! ```
 //!
 //! Semantics follow envoyproxy/ratelimit so Envoy configs and policies carry over: an
-//! unknown domain or a descriptor without a rule answers OK; `hits_addend` 0 means 1 and a
-//! descriptor's own `hits_addend` beats the request's; the request is OVER_LIMIT when any
-//! enforced descriptor is; shadow-mode rules are evaluated and counted but answer OK; a
-//! limit named in another matched limit's `replaces` is skipped. Unlike a Redis counter,
-//! a rejected request consumes nothing on any descriptor.
+//! unknown domain or a descriptor without a rule answers OK; the request's `hits_addend` 0
+//! means 1, and a descriptor's own `hits_addend` beats the request's, where 0 checks without
+//! consuming (OVER_LIMIT when nothing is left); the request is OVER_LIMIT when any enforced
+//! descriptor is, except that quota-mode descriptors make it OVER_LIMIT only when all of them
+//! are; shadow-mode rules are evaluated and counted but answer OK; a limit named in another
+//! matched limit's `replaces` is skipped; a `share_threshold` level counts under its
+//! wildcard pattern; the `metadata` of rules that admitted their descriptor comes back in
+//! `dynamic_metadata`, shaped as upstream's; upstream's per-descriptor statistics are
+//! counted (`crate::core::hit_stats`). Unlike a Redis counter, a rejected request consumes
+//! nothing on any descriptor.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -34,11 +39,12 @@ use crate::api::proto::envoy::r#type::v3::RateLimitUnit;
 use crate::api::status::InvalidRequest;
 use crate::core::admission::Verdict;
 use crate::core::headers::{HeaderOptions, LimitReport, format_headers};
+use crate::core::hit_stats::{HitCounts, NEAR_LIMIT_RATIO_PERMILLE_DEFAULT, classify};
 use crate::core::lease::LeaseTuning;
 use crate::core::policy::FailureMode;
 use crate::core::policy::{Entry, Match, PolicySet, Rule, RuleLimit, Unit};
-use crate::core::rate::{Algorithm, LimitSpec};
-use crate::metrics::{DOMAIN_UNKNOWN, Metrics};
+use crate::core::rate::LimitSpec;
+use crate::metrics::{DOMAIN_UNKNOWN, Metrics, STATS_KEY_OVERRIDE};
 
 /// Most descriptors in one request.
 pub const DESCRIPTORS_MAX: usize = 64;
@@ -60,6 +66,7 @@ pub struct RlsService {
     policy: Arc<ArcSwap<PolicySet>>,
     metrics: Metrics,
     headers: HeaderOptions,
+    near_limit_ratio_permille: u64,
 }
 
 /// What one descriptor of a request asks for.
@@ -73,10 +80,13 @@ enum Plan<'p> {
 }
 
 /// The parts of a rule the response needs; an override has no configured rule.
-#[derive(Clone, Copy)]
 struct RuleView<'p> {
     path: &'p str,
     shadow_mode: bool,
+    /// Upstream's statistics key (without the domain), the rule's path unless runtime
+    /// values name it (`detailed_metric`, `value_to_metric`, an override).
+    stats_key: Cow<'p, str>,
+    metadata: Option<&'p serde_json::Map<String, serde_json::Value>>,
 }
 
 impl RlsService {
@@ -87,7 +97,21 @@ impl RlsService {
         metrics: Metrics,
         headers: HeaderOptions,
     ) -> Self {
-        Self { shards, policy, metrics, headers }
+        Self {
+            shards,
+            policy,
+            metrics,
+            headers,
+            near_limit_ratio_permille: NEAR_LIMIT_RATIO_PERMILLE_DEFAULT,
+        }
+    }
+
+    /// The share of a limit past which hits count as `near_limit` in the statistics, in
+    /// thousandths (upstream's `NEAR_LIMIT_RATIO`, 0.8 by default).
+    #[must_use]
+    pub fn with_near_limit_ratio_permille(mut self, permille: u64) -> Self {
+        self.near_limit_ratio_permille = permille.min(1_000);
+        self
     }
 
     /// Decides one request at `now_ms`.
@@ -143,7 +167,13 @@ impl RlsService {
             let (view, limits): (RuleView<'_>, SmallVec<[&RuleLimit; 2]>) = match (overridden, rule)
             {
                 (Some(limit), _) => {
-                    (RuleView { path: "override", shadow_mode: false }, smallvec![limit])
+                    let view = RuleView {
+                        path: "override",
+                        shadow_mode: false,
+                        stats_key: Cow::Owned(descriptor_key(descriptor)),
+                        metadata: None,
+                    };
+                    (view, smallvec![limit])
                 }
                 (None, Some(rule)) if rule.unlimited => {
                     plans.push(Plan::Unlimited);
@@ -157,7 +187,15 @@ impl RlsService {
                             limit.name.as_deref().is_none_or(|name| !replaced.contains(&name))
                         })
                         .collect();
-                    (RuleView { path: &rule.path, shadow_mode: rule.shadow_mode }, kept)
+                    let values: SmallVec<[&str; 4]> =
+                        descriptor.entries.iter().map(|entry| entry.value.as_str()).collect();
+                    let view = RuleView {
+                        path: &rule.path,
+                        shadow_mode: rule.shadow_mode,
+                        stats_key: rule.stats_key(&values),
+                        metadata: rule.metadata.as_ref(),
+                    };
+                    (view, kept)
                 }
                 (None, None) => {
                     plans.push(Plan::Unmatched);
@@ -168,11 +206,23 @@ impl RlsService {
                 plans.push(Plan::Unmatched);
                 continue;
             }
-            let hits = hits_of(request, descriptor);
-            let hash = self.shards.hash_descriptor(
-                domain,
-                descriptor.entries.iter().map(|entry| (entry.key.as_str(), entry.value.as_str())),
-            );
+            let (hits, check_only) = hits_of(request, descriptor);
+            // A `share_threshold` level counts under its pattern, whatever value matched it.
+            let entries: SmallVec<[(&str, &str); 4]> = descriptor
+                .entries
+                .iter()
+                .enumerate()
+                .map(|(level, entry)| {
+                    let value = match rule {
+                        Some(rule) if overridden.is_none() => {
+                            rule.counter_value(level, entry.value.as_str())
+                        }
+                        _ => entry.value.as_str(),
+                    };
+                    (entry.key.as_str(), value)
+                })
+                .collect();
+            let hash = self.shards.hash_descriptor(domain, entries.iter().copied());
             let counters = limits
                 .iter()
                 .copied()
@@ -181,26 +231,23 @@ impl RlsService {
                     (self.shards.counter_of(&hash, index, &limit.spec), &limit.spec)
                 })
                 .collect();
-            let (lease, failure_mode, rule_id) = match rule {
-                Some(rule) => (&rule.lease, rule.failure_mode, Some(rule.id)),
-                None => (&DEFAULT_LEASE, FailureMode::default(), None),
+            let (lease, failure_mode, rule_id, quota_mode) = match (overridden, rule) {
+                (None, Some(rule)) => {
+                    (&rule.lease, rule.failure_mode, Some(rule.id), rule.quota_mode)
+                }
+                _ => (&DEFAULT_LEASE, FailureMode::default(), None, false),
             };
             probes.push(Probe {
                 stripe: self.shards.stripe_of(&hash),
                 counters,
                 hits,
+                check_only,
                 enforced: !view.shadow_mode,
+                quota_mode,
                 lease,
                 failure_mode,
                 rule: rule_id,
-                name: LedgerName {
-                    domain,
-                    entries: descriptor
-                        .entries
-                        .iter()
-                        .map(|entry| (entry.key.as_str(), entry.value.as_str()))
-                        .collect(),
-                },
+                name: LedgerName { domain, entries },
             });
             plans.push(Plan::Limited { rule: view, limits, probe: probes.len() - 1 });
         }
@@ -210,7 +257,7 @@ impl RlsService {
         } else {
             self.shards.decide(&probes, now_ms).await?
         };
-        let response = self.respond(domain, &policy, &plans, &decision, &probes);
+        let response = self.respond(request, &policy, &plans, &decision, &probes);
         Ok(response)
     }
 
@@ -241,13 +288,15 @@ impl RlsService {
 
     fn respond(
         &self,
-        domain: &str,
+        request: &RateLimitRequest,
         policy: &PolicySet,
         plans: &[Plan<'_>],
         decision: &Decision,
         probes: &[Probe<'_>],
     ) -> RateLimitResponse {
+        let domain = request.domain.as_str();
         let domain_label = if policy.has_domain(domain) { domain } else { DOMAIN_UNKNOWN };
+        let mut metadata: Option<serde_json::Map<String, serde_json::Value>> = None;
         let mut statuses = Vec::with_capacity(plans.len());
         let mut reports: SmallVec<[LimitReport<'_>; 4]> = SmallVec::new();
         let mut retry_after_ms: Option<u64> = None;
@@ -268,13 +317,21 @@ impl RlsService {
                 Plan::Limited { rule, limits, probe } => (rule, limits, *probe),
             };
             let outcome = &decision.outcomes[probe];
+            let counted_hits = if probes[probe].check_only { 0 } else { probes[probe].hits };
             let evaluations = remaining_as_answered(
                 &outcome.verdicts,
                 limits,
-                decision.admitted && outcome.admitted,
+                // A check's verdicts already include its untaken hit.
+                probes[probe].check_only || (decision.admitted && outcome.admitted),
                 probes[probe].hits,
             );
             let shown = shown_limit(&evaluations, outcome.admitted);
+            self.count_hits(domain_label, rule, limits[shown], &evaluations[shown], counted_hits);
+            if outcome.admitted
+                && let Some(rule_metadata) = rule.metadata
+            {
+                merge_json(metadata.get_or_insert_with(serde_json::Map::new), rule_metadata);
+            }
             let code =
                 if outcome.admitted || rule.shadow_mode { Code::Ok } else { Code::OverLimit };
             let label = match (outcome.admitted, rule.shadow_mode) {
@@ -315,7 +372,7 @@ impl RlsService {
             let (limit, evaluation) = (limits[shown], &evaluations[shown]);
             statuses.push(DescriptorStatus {
                 code: code.into(),
-                current_limit: Some(current_limit(rule.path, limit)),
+                current_limit: Some(current_limit(limit)),
                 limit_remaining: u32::try_from(evaluation.remaining).unwrap_or(u32::MAX),
                 duration_until_reset: Some(duration_of_ms(evaluation.reset_ms)),
                 quota: None,
@@ -335,9 +392,154 @@ impl RlsService {
             overall_code: overall.into(),
             statuses,
             response_headers_to_add,
+            dynamic_metadata: metadata.map(|metadata| dynamic_metadata(request, metadata)),
             ..Default::default()
         }
     }
+
+    /// Upstream's statistics for one descriptor: its hits classified against the limit
+    /// it was answered with, under its statistics key (capped, `Metrics::stats_key_label`).
+    fn count_hits(
+        &self,
+        domain_label: &str,
+        rule: &RuleView<'_>,
+        limit: &RuleLimit,
+        verdict: &Verdict,
+        hits: u64,
+    ) {
+        let counts = classify(
+            limit.spec.capacity_tokens(),
+            verdict.remaining,
+            hits,
+            verdict.admitted,
+            self.near_limit_ratio_permille,
+        );
+        let fallback = if rule.path == "override" { STATS_KEY_OVERRIDE } else { rule.path };
+        let key = self.metrics.stats_key_label(domain_label, &rule.stats_key, fallback);
+        let labels = [domain_label, key.as_ref()];
+        let HitCounts { total, over_limit, near_limit, within_limit } = counts;
+        let stats = &self.metrics.ratelimit_stats;
+        stats.total_hits.with_label_values(&labels).inc_by(total);
+        stats.over_limit.with_label_values(&labels).inc_by(over_limit);
+        stats.near_limit.with_label_values(&labels).inc_by(near_limit);
+        stats.within_limit.with_label_values(&labels).inc_by(within_limit);
+        if rule.shadow_mode && over_limit > 0 {
+            stats.shadow_mode.with_label_values(&labels).inc_by(hits);
+        }
+    }
+}
+
+/// Upstream's statistics key of a request's own `limit` override: `key` or `key_value` per
+/// entry, from the runtime values.
+fn descriptor_key(descriptor: &RateLimitDescriptor) -> String {
+    let mut key = String::new();
+    for entry in &descriptor.entries {
+        if !key.is_empty() {
+            key.push('.');
+        }
+        key.push_str(&entry.key);
+        if !entry.value.is_empty() {
+            key.push('_');
+            key.push_str(&entry.value);
+        }
+    }
+    key
+}
+
+/// Merges a rule's `metadata` into what earlier rules gave, as upstream does: a key already
+/// present keeps its value, unless both are mappings, which merge in turn.
+fn merge_json(
+    into: &mut serde_json::Map<String, serde_json::Value>,
+    from: &serde_json::Map<String, serde_json::Value>,
+) {
+    for (key, value) in from {
+        match into.get_mut(key) {
+            None => {
+                into.insert(key.clone(), value.clone());
+            }
+            Some(serde_json::Value::Object(existing)) => {
+                if let serde_json::Value::Object(more) = value {
+                    merge_json(existing, more);
+                }
+            }
+            Some(_) => {}
+        }
+    }
+}
+
+/// The response's dynamic metadata, shaped as upstream's: the domain, the descriptors
+/// (entries as `key=value`, a descriptor's own `hitsAddend`), the request's `hitsAddend`
+/// when set, and the merged `metadata` of the rules that admitted their descriptors.
+fn dynamic_metadata(
+    request: &RateLimitRequest,
+    metadata: serde_json::Map<String, serde_json::Value>,
+) -> prost_types::Struct {
+    use prost_types::value::Kind;
+    let descriptors = request
+        .descriptors
+        .iter()
+        .map(|descriptor| {
+            let entries = descriptor
+                .entries
+                .iter()
+                .map(|entry| Kind::StringValue(format!("{}={}", entry.key, entry.value)))
+                .map(|kind| prost_types::Value { kind: Some(kind) })
+                .collect();
+            let mut fields = std::collections::BTreeMap::new();
+            fields.insert(
+                "entries".to_owned(),
+                prost_types::Value {
+                    kind: Some(Kind::ListValue(prost_types::ListValue { values: entries })),
+                },
+            );
+            if let Some(hits) = descriptor.hits_addend {
+                #[allow(clippy::cast_precision_loss)] // a JSON number, as upstream sends it
+                let number = hits as f64;
+                fields.insert(
+                    "hitsAddend".to_owned(),
+                    prost_types::Value { kind: Some(Kind::NumberValue(number)) },
+                );
+            }
+            prost_types::Value { kind: Some(Kind::StructValue(prost_types::Struct { fields })) }
+        })
+        .collect();
+    let mut fields = std::collections::BTreeMap::new();
+    fields.insert(
+        "domain".to_owned(),
+        prost_types::Value { kind: Some(Kind::StringValue(request.domain.clone())) },
+    );
+    fields.insert(
+        "descriptors".to_owned(),
+        prost_types::Value {
+            kind: Some(Kind::ListValue(prost_types::ListValue { values: descriptors })),
+        },
+    );
+    if request.hits_addend != 0 {
+        fields.insert(
+            "hitsAddend".to_owned(),
+            prost_types::Value { kind: Some(Kind::NumberValue(f64::from(request.hits_addend))) },
+        );
+    }
+    fields.insert("metadata".to_owned(), struct_value(&serde_json::Value::Object(metadata)));
+    prost_types::Struct { fields }
+}
+
+/// A JSON value as a protobuf `Value`.
+fn struct_value(json: &serde_json::Value) -> prost_types::Value {
+    use prost_types::value::Kind;
+    let kind = match json {
+        serde_json::Value::Null => Kind::NullValue(0),
+        serde_json::Value::Bool(flag) => Kind::BoolValue(*flag),
+        serde_json::Value::Number(number) => Kind::NumberValue(number.as_f64().unwrap_or(0.0)),
+        serde_json::Value::String(text) => Kind::StringValue(text.clone()),
+        serde_json::Value::Array(items) => Kind::ListValue(prost_types::ListValue {
+            values: items.iter().map(struct_value).collect(),
+        }),
+        serde_json::Value::Object(map) => Kind::StructValue(prost_types::Struct {
+            fields: map.iter().map(|(key, value)| (key.clone(), struct_value(value))).collect(),
+        }),
+    };
+    prost_types::Value { kind: Some(kind) }
 }
 
 #[tonic::async_trait]
@@ -399,16 +601,20 @@ fn validate(request: &RateLimitRequest) -> Result<(), InvalidRequest> {
     Ok(())
 }
 
-/// Hits a descriptor adds: its own `hits_addend`, else the request's; 0 means 1.
-fn hits_of(request: &RateLimitRequest, descriptor: &RateLimitDescriptor) -> u64 {
+/// Hits a descriptor adds, and whether it only checks: its own `hits_addend` when set (a
+/// `UInt64Value`: 0 there checks without consuming, decided as one hit that is never
+/// committed), else the request's (a plain `uint32`: 0 there means 1).
+fn hits_of(request: &RateLimitRequest, descriptor: &RateLimitDescriptor) -> (u64, bool) {
     match descriptor.hits_addend {
-        Some(hits) if hits > 0 => hits,
-        _ => u64::from(request.hits_addend.max(1)),
+        Some(0) => (1, true),
+        Some(hits) => (hits, false),
+        None => (u64::from(request.hits_addend.max(1)), false),
     }
 }
 
 /// A descriptor's `limit` override, as envoyproxy/ratelimit applies it: only in a domain
-/// the policy defines, as a token bucket of `requests_per_unit` per `unit`.
+/// the policy defines, `requests_per_unit` per `unit` counted with the node's default
+/// algorithm.
 fn override_limit(
     policy: &PolicySet,
     domain: &str,
@@ -432,7 +638,7 @@ fn override_limit(
         Ok(RateLimitUnit::Unknown) | Err(_) => return Err(bad(format!("has unknown unit {unit}"))),
     };
     let spec = LimitSpec::new(
-        Algorithm::TokenBucket,
+        policy.default_algorithm(),
         u64::from(requests_per_unit),
         unit.window_ms(),
         None,
@@ -508,7 +714,9 @@ fn report<'p>(
     }
 }
 
-fn current_limit(path: &str, limit: &RuleLimit) -> RateLimit {
+/// The limit a descriptor status shows; its `name` is the limit's own, empty without one as
+/// upstream's (Envoy shows it in `x-ratelimit-limit`), never the rule path.
+fn current_limit(limit: &RuleLimit) -> RateLimit {
     let unit = match limit.unit {
         Some(Unit::Second) => ProtoUnit::Second,
         Some(Unit::Minute) => ProtoUnit::Minute,
@@ -521,7 +729,7 @@ fn current_limit(path: &str, limit: &RuleLimit) -> RateLimit {
         None => ProtoUnit::Unknown,
     };
     RateLimit {
-        name: limit.name.clone().unwrap_or_else(|| path.to_owned()),
+        name: limit.name.clone().unwrap_or_default(),
         requests_per_unit: u32::try_from(limit.spec.requests_per_window).unwrap_or(u32::MAX),
         unit: unit.into(),
     }

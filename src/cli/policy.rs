@@ -5,7 +5,8 @@ use std::process::ExitCode;
 
 use clap::Subcommand;
 
-use crate::core::policy::{PolicyError, PolicyErrors, PolicySet};
+use crate::core::policy::{LoadOptions, PolicyError, PolicyErrors, PolicySet};
+use crate::core::rate::Algorithm;
 use crate::policy_store::{PolicyLoadError, PolicyOrigin};
 
 /// Policy subcommands.
@@ -13,20 +14,34 @@ use crate::policy_store::{PolicyLoadError, PolicyOrigin};
 pub enum PolicyCommand {
     /// Check policy files (or directories of them); print every error as file:line:column.
     Validate {
-        /// Files or directories to check together (a domain may appear in one file only).
+        /// Files or directories to check together (a domain may appear in one file only,
+        /// unless `--merge-domains`).
         #[arg(required = true)]
         paths: Vec<PathBuf>,
+        /// Merge a domain declared in several files, as `[policy] merge_domains = true`.
+        #[arg(long)]
+        merge_domains: bool,
+        /// The algorithm of limits that name none, as `[policy] default_algorithm`
+        /// (the digest printed depends on it).
+        #[arg(long, value_parser = crate::cli::serve::parse_algorithm)]
+        default_algorithm: Option<Algorithm>,
     },
 }
 
 /// Runs a policy subcommand; the exit code is non-zero when a policy is invalid.
 pub fn run(command: PolicyCommand) -> ExitCode {
     match command {
-        PolicyCommand::Validate { paths } => validate(&paths),
+        PolicyCommand::Validate { paths, merge_domains, default_algorithm } => {
+            let options = LoadOptions {
+                merge_domains,
+                default_algorithm: default_algorithm.unwrap_or_default(),
+            };
+            validate(&paths, options)
+        }
     }
 }
 
-fn validate(paths: &[PathBuf]) -> ExitCode {
+fn validate(paths: &[PathBuf], options: LoadOptions) -> ExitCode {
     let mut sources = Vec::new();
     let mut errors = Vec::new();
     for path in paths {
@@ -35,7 +50,7 @@ fn validate(paths: &[PathBuf]) -> ExitCode {
             Err(error) => errors.push(read_error(path, &error)),
         }
     }
-    match PolicySet::parse(&sources) {
+    match PolicySet::parse_with(&sources, options) {
         Ok(policy) if errors.is_empty() => {
             let rules = policy.rules().count();
             println!(

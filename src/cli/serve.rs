@@ -11,6 +11,7 @@ use clap::Args;
 
 use crate::config::{NodeConfig, PeerConfig, Role, parse_peer, parse_role};
 use crate::core::ledger::NodeId;
+use crate::core::rate::Algorithm;
 use crate::node::Node;
 
 /// Flags of `quotamesh serve`.
@@ -34,6 +35,14 @@ pub struct ServeArgs {
     /// Policy file or directory of policy files [default: the embedded example].
     #[arg(long, env = "QUOTAMESH_POLICY")]
     pub policy: Option<PathBuf>,
+    /// The algorithm of limits that name none: token_bucket, fixed_window (counts as
+    /// envoyproxy/ratelimit) or sliding_window [default: token_bucket].
+    #[arg(long, env = "QUOTAMESH_DEFAULT_ALGORITHM", value_parser = parse_algorithm)]
+    pub default_algorithm: Option<Algorithm>,
+    /// Let several policy files declare one domain and merge them (envoyproxy/ratelimit's
+    /// MERGE_DOMAIN_CONFIG) [default: false].
+    #[arg(long, env = "QUOTAMESH_MERGE_DOMAINS")]
+    pub merge_domains: Option<bool>,
     /// This node's id.
     #[arg(long, env = "QUOTAMESH_NODE_ID")]
     pub node_id: Option<String>,
@@ -86,7 +95,13 @@ impl ServeArgs {
             config.data_dir.clone_from(directory);
         }
         if let Some(policy) = &self.policy {
-            config.policy = Some(policy.clone());
+            config.policy.path = Some(policy.clone());
+        }
+        if let Some(algorithm) = self.default_algorithm {
+            config.policy.default_algorithm = algorithm;
+        }
+        if let Some(merge) = self.merge_domains {
+            config.policy.merge_domains = merge;
         }
         if let Some(node_id) = &self.node_id {
             config.node_id.clone_from(node_id);
@@ -157,6 +172,18 @@ async fn wait_for_termination() -> anyhow::Result<()> {
         result = tokio::signal::ctrl_c() => result.context("cannot install the Ctrl-C handler")?,
     }
     Ok(())
+}
+
+/// A `--default-algorithm` value, named as in policy files.
+pub(crate) fn parse_algorithm(text: &str) -> Result<Algorithm, String> {
+    match text {
+        "token_bucket" => Ok(Algorithm::TokenBucket),
+        "fixed_window" => Ok(Algorithm::FixedWindow),
+        "sliding_window" => Ok(Algorithm::SlidingWindow),
+        other => Err(format!(
+            "unknown algorithm `{other}`; expected token_bucket, fixed_window or sliding_window"
+        )),
+    }
 }
 
 #[cfg(test)]

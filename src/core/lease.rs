@@ -585,6 +585,15 @@ impl KeyLease {
         }
     }
 
+    /// Ends the lease by `at_ms` at the latest. A window algorithm's tokens count in the
+    /// window the ledger granted them in, so the shard ends a window limit's lease at that
+    /// window's end: spending a balance of the last window in the next would admit more than
+    /// the limit in it. What expires goes back as a normal expiry (the ledger credits none
+    /// of it to a window that has ended).
+    pub fn expire_by(&mut self, at_ms: u64) {
+        self.expires_at_ms = self.expires_at_ms.min(at_ms);
+    }
+
     /// Takes the balance above the current lease size, to settle back to the ledger (the
     /// lease size shrinks as traffic falls). Returns the tokens taken.
     pub fn take_surplus(&mut self, tuning: &LeaseTuning, now_ms: u64) -> u64 {

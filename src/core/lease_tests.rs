@@ -166,6 +166,21 @@ fn lease_expires_from_its_send_time_and_is_settled_back() {
     assert!(lease.is_settled(&spec, 10_452), "the bucket was full at the answer");
 }
 
+/// A lease ended early (a window limit's window ends) drops its balance then, and the
+/// dropped tokens are settled back like an expired lease's.
+#[test]
+fn lease_ended_at_a_window_end_drops_its_balance() {
+    let tuning = LeaseTuning::default();
+    let mut lease = KeyLease::new(100, 100);
+    let draft = lease.poll_lease_for(&tuning, 59_900, 1).expect("a lease");
+    lease.apply_answer(&tuning, &draft, settled(5, 0, 95), 59_901);
+    lease.expire_by(60_000);
+    assert_eq!(lease.balance_tokens(59_999), 5);
+    assert_eq!(lease.balance_tokens(60_000), 0, "the window ended before the TTL");
+    let settle = lease.poll_settle(&tuning, 60_000).expect("the dropped 5 go back");
+    assert_eq!((settle.held_tokens, settle.spent_tokens), (0, 0));
+}
+
 /// When the ledger grants nothing, the key is rejected locally until `retry_after_ms`
 /// (counted from the send) without another report, and gets no credit past an empty
 /// answer; then it asks again.

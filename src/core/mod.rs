@@ -9,6 +9,7 @@
 //! - [`rate`]: token bucket, sliding and fixed windows on fixed-point tokens.
 //! - [`policy`]: policy YAML with located errors, descriptor matching.
 //! - [`headers`]: RateLimit response header fields.
+//! - [`hit_stats`]: envoyproxy/ratelimit's per-descriptor statistics of one decision.
 //! - [`lease`]: node-side lease sizing, refill, expiry and the drift bound.
 //! - [`admission`]: one counter's decision on the abuse path (lease, credit, fallback).
 //! - [`lease_key`]: a counter's name in the ledger, alike on every node.
@@ -24,6 +25,7 @@ pub mod circuit;
 pub mod digest;
 pub mod fair_share;
 pub mod headers;
+pub mod hit_stats;
 pub mod lease;
 pub mod lease_key;
 pub mod ledger;

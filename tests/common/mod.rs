@@ -366,3 +366,37 @@ pub fn write_file(directory: &Path, name: &str, text: &str) -> PathBuf {
     std::fs::write(&path, text).expect("write test file");
     path
 }
+
+/// Two threads that spin until dropped: both cores busy, as on a shared CI machine.
+pub struct CpuHog {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl CpuHog {
+    /// Starts `threads` spinning threads.
+    pub fn start(threads: usize) -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let threads = (0..threads)
+            .map(|_| {
+                let stop = std::sync::Arc::clone(&stop);
+                std::thread::spawn(move || {
+                    let mut spin = 0_u64;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        spin = std::hint::black_box(spin.wrapping_mul(6_364_136_223_846_793_005));
+                    }
+                })
+            })
+            .collect();
+        Self { stop, threads }
+    }
+}
+
+impl Drop for CpuHog {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}

@@ -1,7 +1,7 @@
 //! Validation and assembly: located YAML trees (`yaml.rs`) become rules, with every error
-//! of every file positioned; then the set-wide checks (one file per domain, unique limit
-//! names, existing `replaces` targets), rule ids, the match index (`matcher.rs`) and the
-//! digest (`digest.rs`).
+//! of every file positioned; then the set-wide checks (one file per domain unless
+//! `merge_domains`, unique limit names, existing `replaces` targets), rule ids, the match
+//! index (`matcher.rs`) and the digest (`digest.rs`).
 //!
 //! Validation never stops at the first problem: a bad value is reported and treated as
 //! absent, and checks that depend on it are skipped rather than repeated as a cascade.
@@ -12,8 +12,8 @@ use super::digest::Fingerprint;
 use super::matcher::{Domain, IndexNode, Level};
 use super::yaml::{self, MapEntry, Node, Position, Value};
 use super::{
-    DESCRIPTOR_DEPTH_MAX, FailureMode, PolicyError, PolicyErrors, PolicySet, PolicySource,
-    RULES_PER_SET_MAX, Rule, RuleId, RuleLimit, Unit,
+    DESCRIPTOR_DEPTH_MAX, FailureMode, LoadOptions, PolicyError, PolicyErrors, PolicySet,
+    PolicySource, RULES_PER_SET_MAX, Rule, RuleId, RuleLevel, RuleLimit, Unit,
 };
 use crate::core::lease::{LEASE_TOKENS_MAX, LEASE_TTL_MS_MAX, LeaseTuning, LeaseTuningError};
 use crate::core::rate::{Algorithm, LimitSpec, LimitSpecError};
@@ -24,15 +24,17 @@ use crate::core::rate::{Algorithm, LimitSpec, LimitSpecError};
 const _: () = assert!(2 * DESCRIPTOR_DEPTH_MAX + 1 + 4 <= yaml::YAML_DEPTH_MAX);
 
 const ROOT_FIELDS: [&str; 2] = ["domain", "descriptors"];
-const DESCRIPTOR_FIELDS: [&str; 11] = [
+const DESCRIPTOR_FIELDS: [&str; 13] = [
     "key",
     "value",
     "rate_limit",
     "rate_limits",
     "shadow_mode",
+    "quota_mode",
     "detailed_metric",
     "value_to_metric",
     "share_threshold",
+    "metadata",
     "failure_mode",
     "lease",
     "descriptors",
@@ -64,31 +66,37 @@ const ALGORITHMS: [(&str, Algorithm); 3] = [
 const DURATION_SUFFIXES: [(&str, u64); 5] =
     [("ms", 1), ("s", 1_000), ("m", 60_000), ("h", 3_600_000), ("d", 86_400_000)];
 
-/// Validates every source, then assembles the set; see `PolicySet::parse`.
-pub(super) fn load(sources: &[PolicySource]) -> Result<PolicySet, PolicyErrors> {
-    let mut loader = Loader::default();
+/// Validates every source, then assembles the set; see `PolicySet::parse_with`.
+pub(super) fn load(
+    sources: &[PolicySource],
+    options: LoadOptions,
+) -> Result<PolicySet, PolicyErrors> {
+    let mut loader = Loader { options, ..Loader::default() };
     let mut domains: BTreeMap<String, DomainDraft<'_>> = BTreeMap::new();
     for (index, source) in sources.iter().enumerate() {
         let file = File { index, name: &source.name };
         let Some(draft) = loader.file(file, &source.text) else { continue };
-        if let Some(first) = domains.get(&draft.name) {
-            loader.error(
+        match domains.get_mut(&draft.name) {
+            None => {
+                domains.insert(draft.name.clone(), draft);
+            }
+            Some(first) if options.merge_domains => loader.merge(first, draft, sources),
+            Some(first) => loader.error(
                 file,
                 draft.position,
                 format!(
-                    "domain `{}` is already defined at {}:{}:{} (one file per domain)",
+                    "domain `{}` is already defined at {}:{}:{} (one file per domain, unless \
+                     `[policy] merge_domains = true`)",
                     draft.name, first.file.name, first.position.line, first.position.column
                 ),
-            );
-        } else {
-            domains.insert(draft.name.clone(), draft);
+            ),
         }
     }
     for domain in domains.values() {
-        loader.check_names(domain);
+        loader.check_names(domain, sources);
     }
     if loader.errors.is_empty() {
-        Ok(build(domains))
+        Ok(build(domains, sources, options))
     } else {
         // File order first, then position; the sort is stable, so errors at one position
         // keep the order they were found in.
@@ -120,6 +128,8 @@ struct DomainDraft<'s> {
 }
 
 struct DescriptorDraft {
+    /// The index of the source that declared it (merged domains span several).
+    file_index: usize,
     key: String,
     value: Option<String>,
     path: String,
@@ -127,7 +137,11 @@ struct DescriptorDraft {
     limits: Vec<LimitDraft>,
     unlimited: bool,
     shadow_mode: bool,
+    quota_mode: bool,
     detailed_metric: bool,
+    value_to_metric: bool,
+    share_threshold: bool,
+    metadata: Option<serde_json::Map<String, serde_json::Value>>,
     failure_mode: FailureMode,
     /// The `lease` block resolved against the defaults; the defaults when absent or invalid.
     lease: LeaseTuning,
@@ -155,6 +169,12 @@ struct Loader {
     errors: Vec<(usize, PolicyError)>,
     /// Descriptors seen over all files, against [`RULES_PER_SET_MAX`].
     descriptors_seen: usize,
+    options: LoadOptions,
+}
+
+/// The file a descriptor of a (possibly merged) domain came from.
+fn file_of<'s>(sources: &'s [PolicySource], index: usize) -> File<'s> {
+    File { index, name: sources.get(index).map_or("", |source| source.name.as_str()) }
 }
 
 /// An entry whose value is not null: YAML's way to write a key without a value is to leave
@@ -164,6 +184,35 @@ fn given(entry: Option<&MapEntry>) -> Option<&MapEntry> {
 }
 
 impl Loader {
+    /// Appends a later file's descriptors to a domain declared before (`merge_domains`); a
+    /// top-level composite key both declare is an error at the later one, as upstream's.
+    fn merge(
+        &mut self,
+        into: &mut DomainDraft<'_>,
+        from: DomainDraft<'_>,
+        sources: &[PolicySource],
+    ) {
+        for descriptor in from.descriptors {
+            let first = into
+                .descriptors
+                .iter()
+                .find(|known| known.key == descriptor.key && known.value == descriptor.value);
+            if let Some(first) = first {
+                let reason = format!(
+                    "duplicate descriptor composite key `{}.{}` (first at {}:{})",
+                    into.name,
+                    descriptor.path,
+                    file_of(sources, first.file_index).name,
+                    first.line
+                );
+                let position = Position { line: descriptor.line, column: 1 };
+                self.error(from.file, position, reason);
+            } else {
+                into.descriptors.push(descriptor);
+            }
+        }
+    }
+
     fn error(&mut self, file: File<'_>, position: Position, reason: impl Into<String>) {
         self.errors.push((
             file.index,
@@ -322,9 +371,11 @@ impl Loader {
             rate_limit,
             rate_limits,
             shadow_mode,
+            quota_mode,
             detailed_metric,
             value_to_metric,
             share_threshold,
+            metadata,
             failure_mode,
             lease,
             descriptors,
@@ -349,6 +400,7 @@ impl Loader {
             if parent_path.is_empty() { segment } else { format!("{parent_path}.{segment}") };
 
         let mut draft = DescriptorDraft {
+            file_index: file.index,
             key,
             value: value.map(str::to_owned),
             path,
@@ -356,7 +408,11 @@ impl Loader {
             limits: Vec::new(),
             unlimited: false,
             shadow_mode: self.bool(file, shadow_mode),
+            quota_mode: self.bool(file, quota_mode),
             detailed_metric: self.bool(file, detailed_metric),
+            value_to_metric: self.bool(file, value_to_metric),
+            share_threshold: false,
+            metadata: given(metadata).and_then(|entry| self.metadata(file, entry)),
             failure_mode: FailureMode::Open,
             lease: LeaseTuning::default(),
             names: Vec::new(),
@@ -411,18 +467,18 @@ impl Loader {
             }
         }
 
-        // Accepted for compatibility with envoyproxy/ratelimit, which uses it for stats
-        // names only; checked for type so a typo in the value is still caught.
-        self.bool(file, value_to_metric);
         if let Some(entry) = given(share_threshold)
             && self.bool(file, Some(entry))
-            && !draft.value.as_deref().is_some_and(|value| value.contains('*'))
         {
-            self.error(
-                file,
-                entry.key_position,
-                "`share_threshold` needs a wildcard `value` (one containing `*`)",
-            );
+            if draft.value.as_deref().is_some_and(|value| value.contains('*')) {
+                draft.share_threshold = true;
+            } else {
+                self.error(
+                    file,
+                    entry.key_position,
+                    "`share_threshold` needs a wildcard `value` (one containing `*`)",
+                );
+            }
         }
         if let Some(entry) = given(failure_mode) {
             draft.failure_mode = self.failure_mode(file, entry).unwrap_or_default();
@@ -539,9 +595,12 @@ impl Loader {
             }
             Some(entry) => self.integer(file, entry),
         };
-        let algorithm_value = match given(algorithm) {
-            Some(entry) => self.algorithm(file, entry).unwrap_or_default(),
-            None => Algorithm::default(),
+        // A `burst` only means something to a token bucket, so it asks for one whatever
+        // the node's default.
+        let algorithm_value = match (given(algorithm), burst) {
+            (Some(entry), _) => self.algorithm(file, entry).unwrap_or_default(),
+            (None, Some(_)) => Algorithm::TokenBucket,
+            (None, None) => self.options.default_algorithm,
         };
         let burst_value = burst.and_then(|entry| self.integer(file, entry));
         if let Some(entry) = burst {
@@ -611,9 +670,9 @@ impl Loader {
 
     /// Set-wide checks within one domain: limit names are unique (they identify a policy in
     /// `RateLimit` headers and for `replaces`), and every `replaces` names one of them.
-    fn check_names(&mut self, domain: &DomainDraft<'_>) {
+    fn check_names(&mut self, domain: &DomainDraft<'_>, sources: &[PolicySource]) {
         let mut names: HashMap<&str, Position> = HashMap::new();
-        let mut replaces: Vec<&Named> = Vec::new();
+        let mut replaces: Vec<(usize, &Named)> = Vec::new();
         let mut pending: Vec<&DescriptorDraft> = domain.descriptors.iter().rev().collect();
         // Depth first in file order, so the "already used" error lands on the later name.
         while let Some(descriptor) = pending.pop() {
@@ -623,21 +682,21 @@ impl Loader {
                         "rate limit name `{}` is already used in domain `{}` at line {}",
                         name.text, domain.name, first.line
                     );
-                    self.error(domain.file, name.position, reason);
+                    self.error(file_of(sources, descriptor.file_index), name.position, reason);
                 } else {
                     names.insert(name.text.as_str(), name.position);
                 }
             }
-            replaces.extend(&descriptor.replaces);
+            replaces.extend(descriptor.replaces.iter().map(|named| (descriptor.file_index, named)));
             pending.extend(descriptor.children.iter().rev());
         }
-        for replaced in replaces {
+        for (file_index, replaced) in replaces {
             if !names.contains_key(replaced.text.as_str()) {
                 let reason = format!(
                     "`replaces` names `{}`, but no rate limit in domain `{}` has that name",
                     replaced.text, domain.name
                 );
-                self.error(domain.file, replaced.position, reason);
+                self.error(file_of(sources, file_index), replaced.position, reason);
             }
         }
     }
@@ -692,6 +751,28 @@ impl Loader {
             format!("`{}` must be true or false, found {found}", entry.key),
         );
         false
+    }
+
+    /// A descriptor's `metadata`: any YAML mapping, kept as JSON for the response's dynamic
+    /// metadata. Plain scalars keep their YAML type (null, boolean, number); the rest are
+    /// strings.
+    fn metadata(
+        &mut self,
+        file: File<'_>,
+        entry: &MapEntry,
+    ) -> Option<serde_json::Map<String, serde_json::Value>> {
+        match json_of(&entry.value) {
+            serde_json::Value::Object(map) => Some(map),
+            _ => {
+                let found = entry.value.found();
+                self.error(
+                    file,
+                    entry.value.position,
+                    format!("`metadata` must be a mapping, found {found}"),
+                );
+                None
+            }
+        }
     }
 
     /// A whole number written in decimal digits, as a plain (unquoted) scalar.
@@ -892,25 +973,77 @@ impl Loader {
     }
 }
 
+/// A YAML node as JSON (for `metadata`): plain scalars keep their YAML type.
+fn json_of(node: &Node) -> serde_json::Value {
+    use serde_json::Value as Json;
+    match &node.value {
+        _ if node.is_null() => Json::Null,
+        Value::Scalar { text, typed: true } => match text.as_str() {
+            "true" | "True" | "TRUE" => Json::Bool(true),
+            "false" | "False" | "FALSE" => Json::Bool(false),
+            _ => text
+                .parse::<i64>()
+                .map(Json::from)
+                .ok()
+                .or_else(|| {
+                    text.parse::<f64>()
+                        .ok()
+                        .and_then(serde_json::Number::from_f64)
+                        .map(Json::Number)
+                })
+                .unwrap_or_else(|| Json::String(text.clone())),
+        },
+        Value::Scalar { text, typed: false } => Json::String(text.clone()),
+        Value::Sequence(items) => Json::Array(items.iter().map(json_of).collect()),
+        Value::Mapping(entries) => Json::Object(
+            entries.iter().map(|entry| (entry.key.clone(), json_of(&entry.value))).collect(),
+        ),
+    }
+}
+
 /// Assembles a set from drafts that passed every check: ids in domain-name order, then
 /// depth first in file order; the match index; the digest over the same walk.
-fn build(domains: BTreeMap<String, DomainDraft<'_>>) -> PolicySet {
+fn build(
+    domains: BTreeMap<String, DomainDraft<'_>>,
+    sources: &[PolicySource],
+    options: LoadOptions,
+) -> PolicySet {
     let mut assembly = Assembly { rules: Vec::new(), fingerprint: Fingerprint::new() };
     let mut index = HashMap::with_capacity(domains.len());
     for (name, draft) in domains {
         assembly.fingerprint.tag(b'D');
         assembly.fingerprint.str(&name);
         let mut domain = Domain::default();
-        let place = Place { domain: &name, file: draft.file.name };
+        let mut levels = Vec::new();
         for descriptor in draft.descriptors {
-            assembly.add(place, descriptor, 1, &mut domain.root, &mut domain.names);
+            let place = Place { domain: &name, file: file_of(sources, descriptor.file_index).name };
+            assembly.add(place, descriptor, &mut levels, &mut domain.root, &mut domain.names);
         }
         index.insert(name.into_boxed_str(), domain);
     }
-    PolicySet { rules: assembly.rules, domains: index, digest: assembly.fingerprint.finish() }
+    // Written only when not the default, so every set loaded without options keeps the
+    // digest it had before options existed. The tag differs from every other one.
+    if options.default_algorithm != Algorithm::default() {
+        assembly.fingerprint.tag(b'A');
+        assembly.fingerprint.tag(algorithm_tag(options.default_algorithm));
+    }
+    PolicySet {
+        rules: assembly.rules,
+        domains: index,
+        digest: assembly.fingerprint.finish(),
+        default_algorithm: options.default_algorithm,
+    }
 }
 
-/// The domain and file every rule of one draft shares.
+fn algorithm_tag(algorithm: Algorithm) -> u8 {
+    match algorithm {
+        Algorithm::TokenBucket => 0,
+        Algorithm::SlidingWindow => 1,
+        Algorithm::FixedWindow => 2,
+    }
+}
+
+/// The domain and file of one rule.
 #[derive(Clone, Copy)]
 struct Place<'p> {
     domain: &'p str,
@@ -923,15 +1056,23 @@ struct Assembly {
 }
 
 impl Assembly {
-    /// Adds a descriptor and its children as rules, and indexes it in `parent`.
+    /// Adds a descriptor and its children as rules, and indexes it in `parent`; `levels`
+    /// holds its ancestors' levels on the way in and out.
     fn add(
         &mut self,
         place: Place<'_>,
         draft: DescriptorDraft,
-        depth: u64,
+        levels: &mut Vec<RuleLevel>,
         parent: &mut Level,
         names: &mut HashMap<Box<str>, RuleId>,
     ) {
+        levels.push(RuleLevel {
+            key: draft.key.clone(),
+            value: draft.value.clone(),
+            share_threshold: draft.share_threshold,
+            value_to_metric: draft.value_to_metric,
+        });
+        let depth = u64::try_from(levels.len()).unwrap_or(u64::MAX);
         let id = RuleId(
             u32::try_from(self.rules.len())
                 .expect("RULES_PER_SET_MAX fits in u32 and was enforced"),
@@ -958,6 +1099,9 @@ impl Assembly {
             unlimited: draft.unlimited,
             shadow_mode: draft.shadow_mode,
             detailed_metric: draft.detailed_metric,
+            quota_mode: draft.quota_mode,
+            metadata: draft.metadata,
+            levels: levels.as_slice().into(),
             failure_mode: draft.failure_mode,
             lease: draft.lease,
             replaces,
@@ -969,8 +1113,9 @@ impl Assembly {
         self.rules.push(rule);
         let mut children = Level::default();
         for child in draft.children {
-            self.add(place, child, depth + 1, &mut children, names);
+            self.add(place, child, levels, &mut children, names);
         }
+        levels.pop();
         parent.insert(
             &draft.key,
             draft.value.as_deref(),
@@ -995,11 +1140,7 @@ impl Assembly {
         });
         fingerprint.len(rule.limits.len());
         for limit in &rule.limits {
-            fingerprint.tag(match limit.spec.algorithm {
-                Algorithm::TokenBucket => 0,
-                Algorithm::SlidingWindow => 1,
-                Algorithm::FixedWindow => 2,
-            });
+            fingerprint.tag(algorithm_tag(limit.spec.algorithm));
             fingerprint.u64(limit.spec.requests_per_window);
             fingerprint.u64(limit.spec.window_ms);
             fingerprint.u64(limit.spec.burst_tokens);
@@ -1017,6 +1158,21 @@ impl Assembly {
         // keeps the digest it had before leases were tunable (nodes of two versions still
         // agree), and an explicit default block digests as its absence: it leases alike.
         // Unambiguous: the tag differs from the `N` and `D` that can follow.
+        // The upstream keys that change counting or answers, likewise only when set. The
+        // level's own flags are this rule's last level.
+        let own = rule.levels.last();
+        let share_threshold = own.is_some_and(|level| level.share_threshold);
+        let value_to_metric = own.is_some_and(|level| level.value_to_metric);
+        if rule.quota_mode || share_threshold || value_to_metric || rule.metadata.is_some() {
+            fingerprint.tag(b'U');
+            fingerprint.bool(rule.quota_mode);
+            fingerprint.bool(share_threshold);
+            fingerprint.bool(value_to_metric);
+            let metadata = rule.metadata.as_ref().map(|map| {
+                serde_json::to_string(map).expect("a JSON map of strings and numbers serializes")
+            });
+            fingerprint.option_str(metadata.as_deref());
+        }
         if rule.lease != LeaseTuning::default() {
             let lease = &rule.lease;
             fingerprint.tag(b'L');

@@ -8,6 +8,14 @@
 //! limits a hit must all pass), `failure_mode` and `lease` (per-rule lease sizes and
 //! lookahead, DESIGN section 3). `cluster/policies/example.yaml` is a commented tour.
 //!
+//! Every key of envoyproxy/ratelimit's format carries its meaning here too: `quota_mode`,
+//! `metadata` (returned in the response's dynamic metadata), `share_threshold` (one counter
+//! for every value a wildcard matches), `detailed_metric` and `value_to_metric` (statistics
+//! per runtime value, [`Rule::stats_key`]). [`LoadOptions`] holds the node-wide settings a
+//! migrating user needs: domains merged over several files (upstream's
+//! `MERGE_DOMAIN_CONFIG`) and the algorithm of limits that name none (`fixed_window` counts
+//! as upstream does).
+//!
 //! ```text
 //!  [PolicySource { name, text }, ..]          (the caller read the files)
 //!        |  yaml.rs: located YAML tree per text
@@ -33,10 +41,11 @@ mod proptests;
 #[cfg(test)]
 mod tests;
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use crate::core::lease::LeaseTuning;
-use crate::core::rate::LimitSpec;
+use crate::core::rate::{Algorithm, LimitSpec};
 
 /// Deepest nesting of `descriptors` accepted (the top level is depth 1). An input size
 /// limit: a request descriptor only ever matches at its own depth, and Envoy sends few entries.
@@ -56,6 +65,20 @@ pub struct PolicySource {
     pub name: String,
     /// The YAML text.
     pub text: String,
+}
+
+/// Node-wide settings that change how policy files are read (`[policy]` in the node's
+/// configuration). They are part of the set's digest: two nodes that load the same files
+/// with other options count differently, and their digests say so.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LoadOptions {
+    /// Several files may declare one domain; their descriptors are merged (upstream's
+    /// `MERGE_DOMAIN_CONFIG=true`). A composite key declared twice at the top level of the
+    /// merged domain is still an error.
+    pub merge_domains: bool,
+    /// The algorithm of a limit that names none and sets no `burst` (a `burst` means a
+    /// token bucket). `fixed_window` counts as envoyproxy/ratelimit does.
+    pub default_algorithm: Algorithm,
 }
 
 /// One problem in one policy file, at a 1-based line and column (in characters).
@@ -162,8 +185,17 @@ pub struct Rule {
     pub unlimited: bool,
     /// Evaluate and report, but always admit.
     pub shadow_mode: bool,
-    /// Stats per runtime value of a key-only descriptor (envoyproxy/ratelimit's meaning).
+    /// Statistics per runtime value of every entry (envoyproxy/ratelimit's meaning).
     pub detailed_metric: bool,
+    /// Counted with upstream's quota-mode semantics: a request is over its limit only when
+    /// all of its quota-mode descriptors are (or any other enforced one is).
+    pub quota_mode: bool,
+    /// The descriptor's `metadata`, as JSON: merged into the response's dynamic metadata
+    /// when this rule matches and admits the descriptor.
+    pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
+    /// One entry per level of the descriptor tree down to this rule (the root first): how
+    /// that level names counters and statistics.
+    pub levels: Box<[RuleLevel]>,
     /// What to do when the ledger is unreachable.
     pub failure_mode: FailureMode,
     /// How a node leases this rule's tokens: the rule's `lease` block resolved against
@@ -177,6 +209,70 @@ pub struct Rule {
     pub file: String,
     /// The line of the descriptor in that file.
     pub line: u32,
+}
+
+/// One level of a rule's path: the descriptor declared there, as counting and statistics
+/// need it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuleLevel {
+    /// The descriptor's `key`.
+    pub key: String,
+    /// The descriptor's `value` as written (a wildcard pattern too), `None` for a key only.
+    pub value: Option<String>,
+    /// `share_threshold: true` on a wildcard value: every value it matches shares one
+    /// counter, named by the pattern.
+    pub share_threshold: bool,
+    /// `value_to_metric: true`: statistics name this level by its runtime value.
+    pub value_to_metric: bool,
+}
+
+impl Rule {
+    /// The entry values that name this rule's counters for a request descriptor that
+    /// matched it: the request's own values, except at a `share_threshold` level, where the
+    /// wildcard pattern stands for every value it matches. `entries` has one value per
+    /// level (a match guarantees it).
+    #[must_use]
+    pub fn counter_value<'a>(&'a self, level: usize, runtime_value: &'a str) -> &'a str {
+        match self.levels.get(level) {
+            Some(RuleLevel { share_threshold: true, value: Some(pattern), .. }) => pattern.as_str(),
+            _ => runtime_value,
+        }
+    }
+
+    /// The statistics key of a request descriptor that matched this rule, as
+    /// envoyproxy/ratelimit builds it (without the domain): per level `key` or
+    /// `key_value`, joined by `.`. The configured value names a level, except that
+    /// `detailed_metric` names every level by its runtime value, and `value_to_metric` its
+    /// own level; a `share_threshold` level is always named by its pattern, so a shared
+    /// counter has one series. Borrowed (the rule's path) unless a runtime value is used.
+    #[must_use]
+    pub fn stats_key<'a>(&'a self, runtime_values: &[&str]) -> Cow<'a, str> {
+        let runtime = |index: usize, level: &RuleLevel| {
+            !level.share_threshold
+                && (self.detailed_metric || level.value_to_metric)
+                && runtime_values.get(index).is_some_and(|value| !value.is_empty())
+        };
+        if !self.levels.iter().enumerate().any(|(index, level)| runtime(index, level)) {
+            return Cow::Borrowed(&self.path);
+        }
+        let mut key = String::with_capacity(self.path.len() + 16);
+        for (index, level) in self.levels.iter().enumerate() {
+            if index > 0 {
+                key.push('.');
+            }
+            key.push_str(&level.key);
+            let value = if runtime(index, level) {
+                runtime_values.get(index).copied()
+            } else {
+                level.value.as_deref()
+            };
+            if let Some(value) = value {
+                key.push('_');
+                key.push_str(value);
+            }
+        }
+        Cow::Owned(key)
+    }
 }
 
 /// One entry of a request descriptor, as Envoy sends it.
@@ -207,12 +303,18 @@ pub struct PolicySet {
     rules: Vec<Rule>,
     domains: HashMap<Box<str>, matcher::Domain>,
     digest: u64,
+    default_algorithm: Algorithm,
 }
 
 impl Default for PolicySet {
     /// The empty set: every domain is [`Match::DomainNotFound`].
     fn default() -> Self {
-        Self { rules: Vec::new(), domains: HashMap::new(), digest: digest::empty_set() }
+        Self {
+            rules: Vec::new(),
+            domains: HashMap::new(),
+            digest: digest::empty_set(),
+            default_algorithm: Algorithm::default(),
+        }
     }
 }
 
@@ -225,7 +327,25 @@ impl PolicySet {
     /// types, invalid limits, duplicate domains or descriptors, dangling `replaces`, input
     /// size limits), each at its file, line and column. The set is all or nothing.
     pub fn parse(sources: &[PolicySource]) -> Result<PolicySet, PolicyErrors> {
-        load::load(sources)
+        load::load(sources, LoadOptions::default())
+    }
+
+    /// [`PolicySet::parse`] with node-wide [`LoadOptions`].
+    ///
+    /// # Errors
+    /// As [`PolicySet::parse`]; a domain in several files is an error only without
+    /// `merge_domains`.
+    pub fn parse_with(
+        sources: &[PolicySource],
+        options: LoadOptions,
+    ) -> Result<PolicySet, PolicyErrors> {
+        load::load(sources, options)
+    }
+
+    /// The algorithm of limits that name none, also of a request's own `limit` override.
+    #[must_use]
+    pub fn default_algorithm(&self) -> Algorithm {
+        self.default_algorithm
     }
 
     /// Finds the rule for one request descriptor, as envoyproxy/ratelimit does: a descriptor

@@ -387,3 +387,49 @@ proptest! {
         }
     }
 }
+
+/// A two-level policy: a wildcard `value` at the top, with or without `share_threshold`,
+/// flags on its key-only child, and a limit on the child.
+fn shared_policy(pattern: &str, share_threshold: bool, detailed: bool, to_metric: bool) -> String {
+    format!(
+        "domain: d\ndescriptors:\n  - key: a\n    value: \"{pattern}\"\n    share_threshold: \
+         {share_threshold}\n    value_to_metric: {to_metric}\n    descriptors:\n      - key: b\n        \
+         detailed_metric: {detailed}\n        rate_limit: {{unit: minute, requests_per_unit: 5}}\n"
+    )
+}
+
+proptest! {
+    /// Against a reference written from upstream's documentation: a `share_threshold` level
+    /// names counters and statistics by its pattern for every value it matches, a level
+    /// without it by the runtime value; statistics name a level by its runtime value under
+    /// `detailed_metric` (every level) or its own `value_to_metric`, else by its configured
+    /// value.
+    #[test]
+    fn share_threshold_and_statistics_keys_follow_the_reference(
+        pattern in prop::sample::select(&["x*", "*y", "x*y", "*"][..]),
+        request_value in prop::sample::select(&REQUEST_VALUES[..]),
+        child_value in prop::sample::select(&["p", "q", ""][..]),
+        share_threshold: bool,
+        detailed: bool,
+        to_metric: bool,
+    ) {
+        let set = parse(shared_policy(pattern, share_threshold, detailed, to_metric))?;
+        let entries = [Entry { key: "a", value: request_value }, Entry { key: "b", value: child_value }];
+        let matches = glob(&pattern.chars().collect::<Vec<_>>(), &request_value.chars().collect::<Vec<_>>());
+        let Match::Rule(rule) = set.match_descriptor("d", &entries) else {
+            prop_assert!(!matches, "{pattern} matches {request_value}: a rule applies");
+            return Ok(());
+        };
+        prop_assert!(matches);
+        let expected_counter = if share_threshold { pattern } else { request_value };
+        prop_assert_eq!(rule.counter_value(0, request_value), expected_counter);
+        prop_assert_eq!(rule.counter_value(1, child_value), child_value);
+        let top = if share_threshold || !(detailed || to_metric) || request_value.is_empty() {
+            format!("a_{pattern}")
+        } else {
+            format!("a_{request_value}")
+        };
+        let child = if detailed && !child_value.is_empty() { format!("b_{child_value}") } else { "b".to_owned() };
+        prop_assert_eq!(rule.stats_key(&[request_value, child_value]), format!("{top}.{child}"));
+    }
+}

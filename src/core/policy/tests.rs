@@ -586,7 +586,9 @@ fn error_same_domain_in_two_files() {
     let sources = [source("a.yaml", &["domain: rl"]), source("b.yaml", &["# again", "domain: rl"])];
     assert_eq!(
         errors_of(&sources),
-        ["b.yaml:2:9: domain `rl` is already defined at a.yaml:1:9 (one file per domain)"]
+        [
+            "b.yaml:2:9: domain `rl` is already defined at a.yaml:1:9 (one file per domain, unless `[policy] merge_domains = true`)"
+        ]
     );
 }
 
@@ -920,7 +922,7 @@ fn error_unknown_keys() {
             "descriptors:",
             "  - key: a",
             "    rate_limt: {unit: second, requests_per_unit: 1}",
-            "    quota_mode: true",
+            "    quota_mod: true",
             "    rate_limit:",
             "      unit: second",
             "      request_per_unit: 1",
@@ -930,9 +932,11 @@ fn error_unknown_keys() {
             "p.yaml:1:1: unknown key `domian` in the file; expected one of: domain, descriptors",
             "p.yaml:1:1: missing required key `domain`",
             "p.yaml:4:5: unknown key `rate_limt` in a descriptor; expected one of: key, value, rate_limit, \
-             rate_limits, shadow_mode, detailed_metric, value_to_metric, share_threshold, failure_mode, lease, descriptors",
-            "p.yaml:5:5: unknown key `quota_mode` in a descriptor; expected one of: key, value, rate_limit, \
-             rate_limits, shadow_mode, detailed_metric, value_to_metric, share_threshold, failure_mode, lease, descriptors",
+             rate_limits, shadow_mode, quota_mode, detailed_metric, value_to_metric, share_threshold, metadata, \
+             failure_mode, lease, descriptors",
+            "p.yaml:5:5: unknown key `quota_mod` in a descriptor; expected one of: key, value, rate_limit, \
+             rate_limits, shadow_mode, quota_mode, detailed_metric, value_to_metric, share_threshold, metadata, \
+             failure_mode, lease, descriptors",
             "p.yaml:6:5: a rate limit needs `requests_per_unit`",
             "p.yaml:8:7: unknown key `request_per_unit` in `rate_limit`; expected one of: unit, requests_per_unit, \
              unlimited, name, replaces, algorithm, burst, window",
@@ -1168,9 +1172,10 @@ fn all_errors_of_all_files_are_reported() {
         [
             "bad.yaml:4:24: unknown unit `decade`; expected second, minute, hour, day, week, month or year",
             "bad.yaml:6:18: `shadow_mode` must be true or false, found `maybe`",
-            "worse.yaml:1:9: domain `good` is already defined at good.yaml:1:9 (one file per domain)",
+            "worse.yaml:1:9: domain `good` is already defined at good.yaml:1:9 (one file per domain, unless `[policy] merge_domains = true`)",
             "worse.yaml:3:5: unknown key `valeu` in a descriptor; expected one of: key, value, rate_limit, \
-         rate_limits, shadow_mode, detailed_metric, value_to_metric, share_threshold, failure_mode, lease, descriptors",
+         rate_limits, shadow_mode, quota_mode, detailed_metric, value_to_metric, share_threshold, metadata, \
+         failure_mode, lease, descriptors",
             "worse.yaml:3:5: descriptor is missing required key `key`",
             "broken.yaml:1:9: invalid YAML: unclosed bracket '['",
         ]
@@ -1254,4 +1259,184 @@ fn digest_sees_the_lease_block() {
             assert_ne!(digest, other);
         }
     }
+}
+
+// envoyproxy/ratelimit's keys beyond the README, and the node-wide load options.
+
+#[test]
+fn upstream_keys_carry_their_meaning() {
+    // `quota_mode`, `metadata` (as JSON, plain scalars typed), `share_threshold` (the
+    // pattern names the counter) and `value_to_metric` / `detailed_metric` (statistics
+    // keys from runtime values) all load and land on the rule.
+    let set = parse(&[
+        "domain: rl",
+        "descriptors:",
+        "  - key: service",
+        "    value: service_1",
+        "    quota_mode: true",
+        "    rate_limit: {unit: minute, requests_per_unit: 1}",
+        "    metadata:",
+        "      service_with_quota:",
+        "        name: \"service_1\"",
+        "        weight: 2",
+        "        on: true",
+        "  - key: files",
+        "    value: files/*",
+        "    share_threshold: true",
+        "    rate_limit: {unit: hour, requests_per_unit: 10}",
+        "  - key: route",
+        "    value_to_metric: true",
+        "    descriptors:",
+        "      - key: method",
+        "        rate_limit: {unit: minute, requests_per_unit: 60}",
+        "  - key: user",
+        "    detailed_metric: true",
+        "    rate_limit: {unit: minute, requests_per_unit: 60}",
+    ]);
+    let quota = matched(&set, "rl", &[("service", "service_1")]);
+    assert!(quota.quota_mode);
+    let metadata = serde_json::Value::Object(quota.metadata.clone().expect("metadata"));
+    assert_eq!(
+        metadata,
+        serde_json::json!({"service_with_quota": {"name": "service_1", "weight": 2, "on": true}})
+    );
+    let files = matched(&set, "rl", &[("files", "files/a.pdf")]);
+    assert_eq!(files.counter_value(0, "files/a.pdf"), "files/*");
+    assert_eq!(files.stats_key(&["files/a.pdf"]), "files_files/*");
+    let method = matched(&set, "rl", &[("route", "api"), ("method", "GET")]);
+    assert_eq!(method.counter_value(0, "api"), "api", "no share_threshold: own counter");
+    assert_eq!(method.stats_key(&["api", "GET"]), "route_api.method");
+    let user = matched(&set, "rl", &[("user", "alice")]);
+    assert_eq!(user.stats_key(&["alice"]), "user_alice");
+    assert_eq!(user.stats_key(&[""]), "user", "an empty value adds nothing");
+}
+
+#[test]
+fn share_threshold_levels_and_statistics_follow_upstream() {
+    // Nested share_threshold levels each count under their pattern; a level without it
+    // keeps the runtime value; share_threshold wins over value_to_metric in statistics.
+    let set = parse(&[
+        "domain: d",
+        "descriptors:",
+        "  - key: user",
+        "    value: user/*",
+        "    share_threshold: true",
+        "    descriptors:",
+        "      - key: file",
+        "        value: file/*",
+        "        descriptors:",
+        "          - key: action",
+        "            rate_limit: {unit: minute, requests_per_unit: 150}",
+        "  - key: midroute",
+        "    value: /api*v2",
+        "    share_threshold: true",
+        "    value_to_metric: true",
+        "    rate_limit: {unit: minute, requests_per_unit: 80}",
+    ]);
+    let rule = matched(&set, "d", &[("user", "user/7"), ("file", "file/x"), ("action", "get")]);
+    let counted: Vec<&str> = ["user/7", "file/x", "get"]
+        .iter()
+        .enumerate()
+        .map(|(level, value)| rule.counter_value(level, value))
+        .collect();
+    assert_eq!(counted, ["user/*", "file/x", "get"]);
+    assert_eq!(rule.stats_key(&["user/7", "file/x", "get"]), "user_user/*.file_file/*.action");
+    let mid = matched(&set, "d", &[("midroute", "/api/items/v2")]);
+    assert_eq!(mid.stats_key(&["/api/items/v2"]), "midroute_/api*v2");
+}
+
+/// The options that make a migrating user's files count as upstream's.
+fn upstream_options() -> LoadOptions {
+    LoadOptions { merge_domains: true, default_algorithm: Algorithm::FixedWindow }
+}
+
+#[test]
+fn default_algorithm_applies_to_limits_that_name_none() {
+    // With `fixed_window` as the default, an unchanged upstream limit is a fixed window;
+    // a limit that names its algorithm, or sets a burst, keeps what it says.
+    let sources = [source(
+        "p.yaml",
+        &[
+            "domain: d",
+            "descriptors:",
+            "  - {key: a, rate_limit: {unit: minute, requests_per_unit: 5}}",
+            "  - {key: b, rate_limit: {unit: minute, requests_per_unit: 5, algorithm: sliding_window}}",
+            "  - {key: c, rate_limit: {unit: minute, requests_per_unit: 5, burst: 10}}",
+        ],
+    )];
+    let plain = PolicySet::parse(&sources).expect("valid");
+    let upstream = PolicySet::parse_with(&sources, upstream_options()).expect("valid");
+    let algorithm_of =
+        |set: &PolicySet, key: &str| matched(set, "d", &[(key, "v")]).limits[0].spec.algorithm;
+    assert_eq!(algorithm_of(&plain, "a"), Algorithm::TokenBucket);
+    assert_eq!(algorithm_of(&upstream, "a"), Algorithm::FixedWindow);
+    assert_eq!(algorithm_of(&upstream, "b"), Algorithm::SlidingWindow);
+    assert_eq!(algorithm_of(&upstream, "c"), Algorithm::TokenBucket);
+    assert_eq!(upstream.default_algorithm(), Algorithm::FixedWindow);
+    // Counting differs, so the digests must.
+    assert_ne!(plain.digest(), upstream.digest());
+    let merge_only = PolicySet::parse_with(
+        &sources,
+        LoadOptions { merge_domains: true, default_algorithm: Algorithm::TokenBucket },
+    )
+    .expect("valid");
+    assert_eq!(merge_only.digest(), plain.digest(), "merging one file changes nothing");
+}
+
+#[test]
+fn merge_domains_joins_files_and_still_refuses_duplicates() {
+    // Without the option a domain in two files is an error; with it their descriptors join,
+    // each rule remembering its own file, and a top-level composite key declared in both
+    // files is an error at the later one.
+    let first = source(
+        "one.yaml",
+        &[
+            "domain: d",
+            "descriptors:",
+            "  - {key: a, rate_limit: {unit: minute, requests_per_unit: 1}}",
+        ],
+    );
+    let second = source(
+        "two.yaml",
+        &[
+            "domain: d",
+            "descriptors:",
+            "  - {key: b, rate_limit: {unit: minute, requests_per_unit: 2}}",
+        ],
+    );
+    assert_eq!(
+        errors_of(&[first.clone(), second.clone()]),
+        [
+            "two.yaml:1:9: domain `d` is already defined at one.yaml:1:9 (one file per domain, unless \
+          `[policy] merge_domains = true`)"
+        ]
+    );
+    let merged =
+        PolicySet::parse_with(&[first.clone(), second], upstream_options()).expect("valid");
+    assert_eq!(matched(&merged, "d", &[("a", "x")]).file, "one.yaml");
+    assert_eq!(matched(&merged, "d", &[("b", "x")]).file, "two.yaml");
+    let clash = source(
+        "three.yaml",
+        &[
+            "domain: d",
+            "descriptors:",
+            "  - {key: a, rate_limit: {unit: minute, requests_per_unit: 3}}",
+        ],
+    );
+    match PolicySet::parse_with(&[first, clash], upstream_options()) {
+        Ok(_) => panic!("a composite key in two merged files must be refused"),
+        Err(errors) => assert_eq!(
+            errors.to_string(),
+            "three.yaml:3:1: duplicate descriptor composite key `d.a` (first at one.yaml:3)"
+        ),
+    }
+}
+
+#[test]
+fn error_metadata_must_be_a_mapping() {
+    // `metadata` is a mapping, as upstream's `google.protobuf.Struct`.
+    assert_eq!(
+        errors(&["domain: d", "descriptors:", "  - {key: a, metadata: [1, 2]}"]),
+        ["p.yaml:3:24: `metadata` must be a mapping, found a list"]
+    );
 }
