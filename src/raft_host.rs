@@ -147,7 +147,7 @@ impl RaftHost {
             RaftGroup::<QuotaGroup>::open(&settings, channels.clone()).await.map_err(|source| {
                 RaftHostError::Open { group: QUOTA_GROUP_NAME, source: Box::new(source) }
             })?;
-        match Self::serve(config, channels, credentials, quota.clone(), claim).await {
+        match Self::serve(config, channels, credentials, quota.clone(), claim, metrics).await {
             Ok(host) => Ok(host),
             Err(error) => {
                 // Release the storage so a retry in this process can open it again.
@@ -165,8 +165,9 @@ impl RaftHost {
         credentials: Option<std::sync::Arc<Credentials>>,
         quota: RaftGroup<QuotaGroup>,
         claim: Claim,
+        metrics: &Metrics,
     ) -> Result<Self, RaftHostError> {
-        let service = RaftPeerService::new(credentials.is_some());
+        let service = RaftPeerService::new(credentials.is_some()).with_grpc_metrics(metrics);
         service.register_group(&quota)?;
         let listener = tokio::net::TcpListener::bind(config.raft_addr)
             .await

@@ -4,6 +4,7 @@
 //! - [`rls`]: Envoy Rate Limit Service v3 (`ShouldRateLimit`).
 //! - [`admin`]: the admin API (`quotamesh.admin.v1.Admin`): the quota group's membership and
 //!   status, lease grants by hand.
+//! - [`grpc_metrics`]: calls, codes, latency and calls in flight of every gRPC server.
 //! - [`operators`]: who may call the admin API (operator tokens).
 //! - [`billing`]: the billing-debit API (`quotamesh.billing.v1.Billing`).
 //! - [`status`]: the one mapping from domain and operating errors to `tonic::Status`.
@@ -12,6 +13,7 @@
 
 pub mod admin;
 pub mod billing;
+pub mod grpc_metrics;
 pub mod http;
 pub mod operators;
 pub mod proto;

@@ -113,7 +113,9 @@ async fn serve(
     if let Some(members) = members {
         match group.initialize(members).await {
             Ok(()) => tracing::info!(%node_id, "billing group formed"),
-            Err(MembershipError::AlreadyInitialized) => {}
+            Err(MembershipError::AlreadyInitialized) => {
+                tracing::info!(%node_id, "billing group already formed; not forming it again");
+            }
             Err(error) => return Err(setup_error("billing group formation", error)),
         }
     }
@@ -129,6 +131,7 @@ async fn serve(
         metrics.clone(),
     );
     let mut builder = Server::builder()
+        .layer(crate::api::grpc_metrics::GrpcMetricsLayer::new(metrics))
         .timeout(BILLING_REQUEST_TIMEOUT)
         .max_concurrent_streams(GRPC_STREAMS_PER_CONNECTION_MAX);
     if let Some(tls) = &billing.tls {
