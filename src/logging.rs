@@ -5,8 +5,13 @@
 //! openraft logs some expected events at ERROR itself, with no setting to change that:
 //! - `RPCError` from its replication task, for every append or heartbeat to a follower that
 //!   timed out or could not be reached (a busy follower misses openraft's 50 ms heartbeat
-//!   deadline now and then; a follower that is down fails every call), together with a
-//!   `error replication to target=...` line at WARN;
+//!   deadline now and then; a follower that is down fails every call), together with
+//!   `error replication to target=...`, `update progress error ...` and `heartbeat error: ...`
+//!   lines at WARN for the same call;
+//! - `while requesting vote` and `timeout` from a candidate whose vote request to a peer
+//!   failed or timed out (an election on a loaded machine);
+//! - `...: to-Raft tx send error`, when a caller of `Raft::with_raft_state` stopped waiting
+//!   (quotamesh bounds its calls into openraft with deadlines; the answer is no longer wanted);
 //! - `Can not initialize`, when a group that already has a membership is asked to form.
 //!
 //! A tracing layer cannot lower an event's level, so [`ExpectedOpenraftEvents`] drops those
@@ -78,10 +83,13 @@ impl<S: Subscriber> Layer<S> for ExpectedOpenraftEvents {
 /// Whether an openraft event at `level` with `message` is one quotamesh logs itself.
 pub fn is_expected_openraft_event(level: Level, message: &str) -> bool {
     if level == Level::ERROR {
-        message == "RPCError" || message == "Can not initialize"
+        ["RPCError", "Can not initialize", "while requesting vote", "timeout"].contains(&message)
+            || message.ends_with(": to-Raft tx send error")
     } else if level == Level::WARN {
         // Logged before the error is told apart: a storage error is logged again at ERROR.
-        message.starts_with("error replication to target=")
+        ["error replication to target=", "update progress error", "heartbeat error:"]
+            .iter()
+            .any(|prefix| message.starts_with(prefix))
     } else {
         false
     }
@@ -114,7 +122,16 @@ mod tests {
     fn expected_openraft_events() {
         assert!(is_expected_openraft_event(Level::ERROR, "RPCError"));
         assert!(is_expected_openraft_event(Level::ERROR, "Can not initialize"));
+        assert!(is_expected_openraft_event(Level::ERROR, "while requesting vote"));
+        assert!(is_expected_openraft_event(
+            Level::ERROR,
+            "openraft::raft::Raft<_>::with_raft_state: to-Raft tx send error"
+        ));
+        assert!(!is_expected_openraft_event(Level::ERROR, "rx recv error"));
         assert!(is_expected_openraft_event(Level::WARN, "error replication to target=2"));
+        assert!(is_expected_openraft_event(Level::WARN, "update progress error request_id=1"));
+        assert!(is_expected_openraft_event(Level::WARN, "heartbeat error: NetworkError: x"));
+        assert!(!is_expected_openraft_event(Level::WARN, "A message will be ignored"));
         assert!(!is_expected_openraft_event(Level::ERROR, "error replication to target=2"));
         assert!(!is_expected_openraft_event(Level::ERROR, "RaftCore stopped"));
         assert!(!is_expected_openraft_event(Level::INFO, "RPCError"));

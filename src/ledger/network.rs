@@ -233,6 +233,14 @@ impl PeerChannels {
             Ok(Err(status)) if status.code() == tonic::Code::DeadlineExceeded => {
                 Err(PeerCallError::Timeout(timeout))
             }
+            // The peer's tonic server gave up at the deadline this call's header set (a slow
+            // follower): a timeout, not a transport failure.
+            Ok(Err(status))
+                if status.code() == tonic::Code::Cancelled
+                    && status.message() == "Timeout expired" =>
+            {
+                Err(PeerCallError::Timeout(timeout))
+            }
             Ok(Err(status)) => Err(PeerCallError::Status(status)),
             Ok(Ok(reply)) => Ok(reply.into_inner().payload),
         };
