@@ -14,6 +14,7 @@
 //! - [`tls`]: the cluster's CA, node certificates, mTLS between nodes.
 //! - [`identity`]: the cluster and node id stored in a data directory, checked on start.
 //! - [`config`]: the node's TOML configuration.
+//! - [`logging`]: the log filter and format; openraft's expected events kept out of ERROR.
 //! - [`metrics`]: every Prometheus metric, by name.
 //! - [`clock`]: the only reader of system time.
 //! - [`cli`]: the subcommands of the `quotamesh` binary.
@@ -26,6 +27,7 @@ pub mod config;
 pub mod core;
 pub mod identity;
 pub mod ledger;
+pub mod logging;
 pub mod metrics;
 pub mod node;
 pub mod policy_store;

@@ -3,11 +3,24 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use quotamesh::cli::{Cli, Command, LogFormat};
+use quotamesh::cli::{Cli, Command};
 
-fn main() -> anyhow::Result<ExitCode> {
+/// Runs the command; a failure is printed as one `error: ...` chain of causes (no
+/// backtrace: it is for the operator, not a developer) and exits 1 (see the README's exit
+/// codes).
+fn main() -> ExitCode {
+    match run() {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::from(quotamesh::cli::EXIT_FAILED)
+        }
+    }
+}
+
+fn run() -> anyhow::Result<ExitCode> {
     let cli = Cli::parse();
-    init_tracing(cli.log_format);
+    quotamesh::logging::init(cli.log_format, cli.log_filter.as_deref());
     // Before any TLS object exists: ring is the only rustls provider compiled in.
     quotamesh::api::billing::tls::install_crypto_provider();
     match cli.command {
@@ -25,6 +38,7 @@ fn main() -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Billing(arguments) => runtime()?.block_on(quotamesh::cli::billing::run(arguments)),
+        Command::Health(arguments) => Ok(quotamesh::cli::health::run(&arguments)),
         Command::Bench(command) => {
             runtime()?.block_on(quotamesh::cli::bench::run(command))?;
             Ok(ExitCode::SUCCESS)
@@ -35,14 +49,4 @@ fn main() -> anyhow::Result<ExitCode> {
 /// The multi-threaded runtime; `TOKIO_WORKER_THREADS` sets its size (benchmarks pin it).
 fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread().enable_all().build()
-}
-
-fn init_tracing(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
 }

@@ -11,6 +11,7 @@ use std::borrow::Cow;
 use std::collections::HashSet;
 use std::sync::Arc;
 
+use crate::api::grpc_metrics::{CODES, UNKNOWN, known_methods};
 use parking_lot::Mutex;
 use prometheus::{
     Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
@@ -19,6 +20,15 @@ use prometheus::{
 
 /// Label value used for a domain the policy does not define.
 pub const DOMAIN_UNKNOWN: &str = "unknown";
+
+/// The version of this binary (`quotamesh --version`).
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+/// The git commit this binary was built from, set by build.rs (`unknown` without git).
+pub const COMMIT: &str = env!("QUOTAMESH_GIT_COMMIT");
+
+/// The `outcome` labels of `quotamesh_billing_operations_total`.
+pub const BILLING_OUTCOMES: [&str; 6] =
+    ["approved", "insufficient_funds", "duplicate", "refused", "unavailable", "overloaded"];
 
 /// The `reason` labels of `quotamesh_rate_limit_bypassed_total`.
 pub const BYPASS_REASONS: [&str; 3] = ["circuit_open", "ledger_timeout", "overloaded"];
@@ -83,12 +93,18 @@ pub struct Metrics {
     pub policy_reloads: IntCounterVec,
     /// `quotamesh_policy_rules`: rules in the active policy set.
     pub policy_rules: IntGauge,
-    /// `quotamesh_policy_digest`: fingerprint of the active policy set (to compare nodes).
-    pub policy_digest: IntGauge,
+    /// `quotamesh_policy_info{digest}`: 1, labelled with the active policy set's digest as
+    /// `quotamesh policy validate` prints it (equal on nodes serving the same policy).
+    policy_info: IntGaugeVec,
     /// `quotamesh_policy_reload_failures_total`: loads refused since start (alert on increase).
     pub policy_reload_failures: IntCounter,
-    /// `quotamesh_grpc_request_duration_seconds{service}`: whole-call latency per gRPC service.
-    pub grpc_request_duration: HistogramVec,
+    /// `quotamesh_grpc_server_handled_total{service, method, code}`: gRPC calls served, by
+    /// status code (`crate::api::grpc_metrics` measures every tonic server of the node).
+    pub grpc_server_handled: IntCounterVec,
+    /// `quotamesh_grpc_server_handling_seconds{service, method}`: whole-call latency.
+    pub grpc_server_handling: HistogramVec,
+    /// `quotamesh_grpc_server_in_flight_requests{service, method}`: calls being served.
+    pub grpc_server_in_flight: IntGaugeVec,
     /// `quotamesh_rate_limit_bypassed_total{reason}`: admitted decisions that some limit paid
     /// from the fallback bucket instead of a ledger lease (`circuit_open`, `ledger_timeout`,
     /// `overloaded`).
@@ -157,6 +173,9 @@ pub struct Metrics {
     /// outcome (`approved`, `insufficient_funds`, `duplicate`, `refused`, `unavailable`,
     /// `overloaded`).
     pub billing_operations: IntCounterVec,
+    /// `quotamesh_build_info{version, commit}`: 1, labelled with the binary's version and
+    /// the git commit it was built from (`unknown` outside a git checkout).
+    build_info: IntGaugeVec,
     /// `quotamesh_insecure_cluster`: 1 when the node runs a multi-node region without TLS
     /// between nodes (`insecure_cluster = true`); alert on it.
     pub insecure_cluster: IntGauge,
@@ -207,16 +226,25 @@ impl Metrics {
         )
         .expect("valid metric");
         registry.register(Box::new(rls_request_duration.clone())).expect("unique metric");
-        let grpc_request_duration = HistogramVec::new(
+        // From an RLS decision (microseconds) to an admin call that waits for a node to
+        // catch up (seconds).
+        let mut grpc_buckets = latency_buckets;
+        grpc_buckets.extend([0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]);
+        let grpc_server_handling = HistogramVec::new(
             HistogramOpts::new(
-                "quotamesh_grpc_request_duration_seconds",
-                "Whole-call latency of gRPC requests by service.",
+                "quotamesh_grpc_server_handling_seconds",
+                "Whole-call latency of the gRPC calls this node served, by service and method.",
             )
-            .buckets(latency_buckets),
-            &["service"],
+            .buckets(grpc_buckets),
+            &["service", "method"],
         )
         .expect("valid metric");
-        registry.register(Box::new(grpc_request_duration.clone())).expect("unique metric");
+        registry.register(Box::new(grpc_server_handling.clone())).expect("unique metric");
+        // CPU, memory, open files and start time of this process (`process_*`, Linux only).
+        #[cfg(target_os = "linux")]
+        registry
+            .register(Box::new(prometheus::process_collector::ProcessCollector::for_self()))
+            .expect("unique metric");
         let histogram = |name: &str, help: &str, buckets: Vec<f64>| {
             let metric = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))
                 .expect("valid metric");
@@ -330,12 +358,24 @@ impl Metrics {
                 &["result"],
             ),
             policy_rules: gauge("quotamesh_policy_rules", "Rules in the active policy set."),
-            policy_digest: gauge(
-                "quotamesh_policy_digest",
-                "Fingerprint of the active policy set; equal on nodes serving the same policy.",
+            policy_info: gauge_vec(
+                "quotamesh_policy_info",
+                "1, labelled with the active policy set's digest (as `quotamesh policy validate` \
+                 prints it); equal on nodes serving the same policy.",
+                &["digest"],
             ),
             policy_reload_failures,
-            grpc_request_duration,
+            grpc_server_handled: counter_vec(
+                "quotamesh_grpc_server_handled_total",
+                "gRPC calls this node served, by service, method and status code.",
+                &["service", "method", "code"],
+            ),
+            grpc_server_handling,
+            grpc_server_in_flight: gauge_vec(
+                "quotamesh_grpc_server_in_flight_requests",
+                "gRPC calls this node is serving, by service and method.",
+                &["service", "method"],
+            ),
             rate_limit_bypassed: counter_vec(
                 "quotamesh_rate_limit_bypassed_total",
                 "Admitted decisions paid from the local fallback instead of a ledger lease.",
@@ -452,6 +492,11 @@ impl Metrics {
                 "Billing operations answered, by outcome.",
                 &["outcome"],
             ),
+            build_info: gauge_vec(
+                "quotamesh_build_info",
+                "1, labelled with the version and git commit of the running binary.",
+                &["version", "commit"],
+            ),
             insecure_cluster: gauge(
                 "quotamesh_insecure_cluster",
                 "1 when this node serves a multi-node region's Raft port without TLS.",
@@ -468,6 +513,21 @@ impl Metrics {
         }
         for result in ["ok", "slow", "timeout", "error"] {
             metrics.ledger_calls.with_label_values(&[result]);
+        }
+        for outcome in BILLING_OUTCOMES {
+            metrics.billing_operations.with_label_values(&[outcome]);
+        }
+        for result in ["ok", "unchanged", "error"] {
+            metrics.policy_reloads.with_label_values(&[result]);
+        }
+        metrics.build_info.with_label_values(&[VERSION, COMMIT]).set(1);
+        let unknown = (UNKNOWN.to_owned(), UNKNOWN.to_owned());
+        for (service, method) in known_methods().iter().chain([&unknown]) {
+            metrics.grpc_server_in_flight.with_label_values(&[service, method]);
+            metrics.grpc_server_handling.with_label_values(&[service, method]);
+            for (_, code) in CODES {
+                metrics.grpc_server_handled.with_label_values(&[service, method, code]);
+            }
         }
         metrics
     }
@@ -492,6 +552,12 @@ impl Metrics {
         drop(known);
         stats.keys_capped.inc();
         Cow::Borrowed(path)
+    }
+
+    /// Shows `digest` as the active policy's in `quotamesh_policy_info`, replacing the last.
+    pub fn set_policy_digest(&self, digest: u64) {
+        self.policy_info.reset();
+        self.policy_info.with_label_values(&[&format!("{digest:016x}")]).set(1);
     }
 
     /// The Prometheus text exposition of every metric.
@@ -521,5 +587,34 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("quotamesh_policy_rules 3"), "{text}");
+    }
+
+    /// The series operators expect exist before the first event: process metrics, build
+    /// info, every served gRPC method's codes at 0, the policy digest as a label.
+    #[test]
+    fn known_series_are_exported_from_the_start() {
+        let metrics = Metrics::new();
+        metrics.set_policy_digest(0x00ab_cdef_0123_4567);
+        metrics.set_policy_digest(0x0123_4567_89ab_cdef);
+        let text = metrics.encode();
+        assert!(text.contains("process_resident_memory_bytes"), "{text}");
+        assert!(text.contains("process_cpu_seconds_total"), "{text}");
+        assert!(
+            text.contains(&format!(
+                "quotamesh_build_info{{commit=\"{COMMIT}\",version=\"{VERSION}\"}} 1"
+            )),
+            "{text}"
+        );
+        assert!(text.contains("quotamesh_policy_info{digest=\"0123456789abcdef\"} 1"), "{text}");
+        assert!(!text.contains("00abcdef01234567"), "only the active digest: {text}");
+        assert!(
+            text.contains(
+                "quotamesh_grpc_server_handled_total{code=\"UNAVAILABLE\",\
+                 method=\"ShouldRateLimit\",service=\"envoy.service.ratelimit.v3.\
+                 RateLimitService\"} 0"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("quotamesh_ledger_calls_total{result=\"timeout\"} 0"), "{text}");
     }
 }

@@ -33,6 +33,7 @@ use crate::actors::lease_broker::{BrokerSettings, LeaseBroker};
 use crate::actors::shard::{ShardSet, ShardSetOptions, ShardSpawnError};
 use crate::api::admin::{AdminNode, AdminService};
 use crate::api::grpc_limits::{self, Bounded};
+use crate::api::grpc_metrics::GrpcMetricsLayer;
 use crate::api::proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use crate::api::rls::{REQUEST_BYTES_MAX, RlsService};
 use crate::config::{ConfigError, NodeConfig};
@@ -186,20 +187,24 @@ impl Node {
 
         let (stop, stopped) = watch::channel(false);
         let ready = Arc::new(AtomicBool::new(false));
-        let grpc = match grpc_server(rls, rls_listener, until_stopped(stopped.clone())).await {
-            Ok(grpc) => grpc,
-            Err(error) => {
-                unwind(&stop, Vec::new(), shards, broker, raft).await;
-                return Err(error);
-            }
-        };
+        let grpc =
+            match grpc_server(rls, &metrics, rls_listener, until_stopped(stopped.clone())).await {
+                Ok(grpc) => grpc,
+                Err(error) => {
+                    unwind(&stop, Vec::new(), shards, broker, raft).await;
+                    return Err(error);
+                }
+            };
         let admin_tls = raft.credentials().filter(|_| config.admin.tls).map(|credentials| {
             crate::tls::transport::server_config(credentials, Accept::NodesAndOperators)
         });
         let admin_server = {
             let shutdown = until_stopped(stopped.clone());
+            let grpc_metrics = GrpcMetricsLayer::new(&metrics);
             tokio::spawn(async move {
-                if let Err(error) = admin.serve(admin_listener, admin_tls, shutdown).await {
+                if let Err(error) =
+                    admin.serve(admin_listener, admin_tls, grpc_metrics, shutdown).await
+                {
                     tracing::error!(%error, "admin gRPC server stopped");
                 }
             })
@@ -254,9 +259,11 @@ impl Node {
                 metrics: metrics.clone(),
             };
             let (metrics, shutdown) = (metrics.clone(), until_stopped(stopped.clone()));
+            let served = policy.served();
             tokio::spawn(async move {
                 if let Err(error) =
-                    crate::api::http::serve(metrics_listener, metrics, readiness, shutdown).await
+                    crate::api::http::serve(metrics_listener, metrics, readiness, served, shutdown)
+                        .await
                 {
                     tracing::error!(%error, "metrics HTTP server stopped");
                 }
@@ -471,6 +478,7 @@ async fn until_stopped(mut stopped: watch::Receiver<bool>) {
 /// The gRPC server: Envoy RLS, gRPC health and reflection.
 async fn grpc_server(
     rls: RlsService,
+    metrics: &Metrics,
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<JoinHandle<()>, NodeError> {
@@ -484,6 +492,7 @@ async fn grpc_server(
     let rls = RateLimitServiceServer::new(rls).max_decoding_message_size(REQUEST_BYTES_MAX);
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let router = Server::builder()
+        .layer(GrpcMetricsLayer::new(metrics))
         // No per-call server timer: a decision never waits except for a cold key, which is
         // bounded by the shard's own admission timeout, and Envoy sets its own deadline.
         .max_concurrent_streams(GRPC_STREAMS_PER_CONNECTION_MAX)

@@ -2,7 +2,8 @@
 //! (or the embedded example), parses them with `crate::core::policy`, publishes the result
 //! in an [`ArcSwap`] that RLS handlers read without locking, and reloads on file changes and
 //! on SIGHUP. A file that fails to load never replaces a good policy: the failure is logged
-//! and counted, and the previous set stays active.
+//! and counted once per distinct content of the files (a broken file that stays broken is
+//! not reported again on every event), and the previous set stays active.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -12,6 +13,7 @@ use arc_swap::ArcSwap;
 use notify::Watcher;
 use tokio::sync::mpsc;
 
+use crate::core::digest::Fnv1a;
 use crate::core::policy::{LoadOptions, PolicyErrors, PolicySet, PolicySource};
 use crate::metrics::Metrics;
 
@@ -83,14 +85,6 @@ impl PolicyOrigin {
             Self::Path(path) => read_path(path),
         }
     }
-
-    /// Reads and parses the policy set with the node's [`LoadOptions`].
-    ///
-    /// # Errors
-    /// [`PolicyLoadError`] when reading fails or the policy is invalid.
-    pub fn load(&self, options: LoadOptions) -> Result<PolicySet, PolicyLoadError> {
-        PolicySet::parse_with(&self.read_sources()?, options).map_err(PolicyLoadError::Invalid)
-    }
 }
 
 /// Reads one file, or every policy file of a directory.
@@ -148,11 +142,29 @@ pub enum ReloadOutcome {
     Refused,
 }
 
+/// The policy a node serves as operators see it (`/config`, `quotamesh policy get`): the
+/// files it was parsed from and its digest.
+#[derive(Debug, Clone, Default)]
+pub struct ServedPolicy {
+    /// The digest `quotamesh policy validate` prints for the same files.
+    pub digest: u64,
+    /// Rules in the set.
+    pub rules: usize,
+    /// When this policy became active, in epoch milliseconds.
+    pub active_since_ms: u64,
+    /// The files, as read.
+    pub sources: Vec<PolicySource>,
+}
+
 /// The active policy and where it came from.
 pub struct PolicyStore {
     origin: PolicyOrigin,
     options: LoadOptions,
     active: Arc<ArcSwap<PolicySet>>,
+    served: Arc<ArcSwap<ServedPolicy>>,
+    /// The fingerprint of the files' content (or of the read error) last refused, so that
+    /// the same refusal is logged and counted once, not on every file event.
+    last_refused: parking_lot::Mutex<Option<u64>>,
     metrics: Metrics,
 }
 
@@ -166,16 +178,24 @@ impl PolicyStore {
         options: LoadOptions,
         metrics: Metrics,
     ) -> Result<Self, PolicyLoadError> {
-        let policy = origin.load(options)?;
+        let sources = origin.read_sources()?;
+        let policy = PolicySet::parse_with(&sources, options).map_err(PolicyLoadError::Invalid)?;
         let store = Self {
             origin,
             options,
             active: Arc::new(ArcSwap::from_pointee(PolicySet::default())),
+            served: Arc::new(ArcSwap::from_pointee(ServedPolicy::default())),
+            last_refused: parking_lot::Mutex::new(None),
             metrics,
         };
-        store.publish(policy);
+        store.publish(policy, sources);
         store.metrics.policy_reloads.with_label_values(&["ok"]).inc();
         Ok(store)
+    }
+
+    /// The handle `/config` reads the served policy's files and digest through.
+    pub fn served(&self) -> Arc<ArcSwap<ServedPolicy>> {
+        Arc::clone(&self.served)
     }
 
     /// The handle RLS handlers read the policy through.
@@ -183,34 +203,62 @@ impl PolicyStore {
         Arc::clone(&self.active)
     }
 
-    /// Reloads from the origin; a failure leaves the active policy in place.
+    /// Reloads from the origin; a failure leaves the active policy in place. A failure of
+    /// the same content as the last one refused is neither logged nor counted again.
     pub fn reload(&self) -> ReloadOutcome {
-        match self.origin.load(self.options) {
-            Ok(policy) if policy.digest() == self.active.load().digest() => {
-                self.metrics.policy_reloads.with_label_values(&["unchanged"]).inc();
-                ReloadOutcome::Unchanged
-            }
-            Ok(policy) => {
+        // A read error is its own fingerprint; a parse error that of the files' content.
+        let loaded = match self.origin.read_sources() {
+            Err(error) => Err((None, error)),
+            Ok(sources) => match PolicySet::parse_with(&sources, self.options) {
+                Ok(policy) => Ok((policy, sources)),
+                Err(errors) => Err((Some(fingerprint(&sources)), PolicyLoadError::Invalid(errors))),
+            },
+        };
+        match loaded {
+            Ok((policy, sources)) => {
+                *self.last_refused.lock() = None;
+                if policy.digest() == self.active.load().digest() {
+                    self.metrics.policy_reloads.with_label_values(&["unchanged"]).inc();
+                    return ReloadOutcome::Unchanged;
+                }
                 let rules = policy.rules().count();
-                self.publish(policy);
+                let digest = policy.digest();
+                self.publish(policy, sources);
                 self.metrics.policy_reloads.with_label_values(&["ok"]).inc();
-                tracing::info!(rules, "policy reloaded");
+                tracing::info!(rules, digest = %format_args!("{digest:016x}"), "policy reloaded");
                 ReloadOutcome::Replaced
             }
-            Err(error) => {
+            Err((content, error)) => {
+                let refused = content.unwrap_or_else(|| {
+                    let mut hasher = Fnv1a::default();
+                    hasher.write(error.to_string().as_bytes());
+                    hasher.finish()
+                });
+                if self.last_refused.lock().replace(refused) == Some(refused) {
+                    return ReloadOutcome::Refused;
+                }
                 self.metrics.policy_reloads.with_label_values(&["error"]).inc();
                 self.metrics.policy_reload_failures.inc();
-                tracing::error!(%error, "policy reload refused; the previous policy stays active");
+                tracing::error!(
+                    %error,
+                    "policy reload refused; the previous policy stays active (logged once until \
+                     the files change)"
+                );
                 ReloadOutcome::Refused
             }
         }
     }
 
-    fn publish(&self, policy: PolicySet) {
-        self.metrics.policy_rules.set(i64::try_from(policy.rules().count()).unwrap_or(i64::MAX));
-        // The gauge shows the digest's low 52 bits: exact in a float, enough to compare nodes.
-        let digest_shown = policy.digest() & ((1 << 52) - 1);
-        self.metrics.policy_digest.set(i64::try_from(digest_shown).expect("52 bits fit i64"));
+    fn publish(&self, policy: PolicySet, sources: Vec<PolicySource>) {
+        let rules = policy.rules().count();
+        self.metrics.policy_rules.set(i64::try_from(rules).unwrap_or(i64::MAX));
+        self.metrics.set_policy_digest(policy.digest());
+        self.served.store(Arc::new(ServedPolicy {
+            digest: policy.digest(),
+            rules,
+            active_since_ms: crate::clock::now_ms(),
+            sources,
+        }));
         self.active.store(Arc::new(policy));
     }
 
@@ -250,6 +298,18 @@ impl PolicyStore {
     }
 }
 
+/// The fingerprint of policy files' names and content: equal for the same files.
+fn fingerprint(sources: &[PolicySource]) -> u64 {
+    let mut hasher = Fnv1a::default();
+    for source in sources {
+        for part in [&source.name, &source.text] {
+            hasher.write(&(part.len() as u64).to_le_bytes());
+            hasher.write(part.as_bytes());
+        }
+    }
+    hasher.finish()
+}
+
 /// Watches the policy directory (or the file's directory, so that editors' and
 /// Kubernetes' rename-into-place is seen) and signals every change.
 fn watch_path(
@@ -264,8 +324,19 @@ fn watch_path(
             .unwrap_or(Path::new("."))
             .to_owned()
     };
+    // Watching a file's directory sees every other file in it too: a log file written next
+    // to the policy must not trigger a reload per line.
+    let policy_file = if path.is_dir() { None } else { path.file_name().map(ToOwned::to_owned) };
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-        if event.is_ok_and(|event| !event.kind.is_access()) {
+        let Ok(event) = event else { return };
+        let concerns_policy = match &policy_file {
+            None => true,
+            Some(file) => {
+                event.paths.is_empty()
+                    || event.paths.iter().any(|changed| concerns_policy_file(changed, file))
+            }
+        };
+        if concerns_policy && !event.kind.is_access() {
             // Full means a reload is already pending.
             let _ = changed.try_send(());
         }
@@ -273,4 +344,11 @@ fn watch_path(
     .map_err(std::io::Error::other)?;
     watcher.watch(&watched, notify::RecursiveMode::NonRecursive).map_err(std::io::Error::other)?;
     Ok(watcher)
+}
+
+/// Whether a change to `changed`, in the directory of the policy file named `file`, may
+/// change the policy: the file itself, or a hidden entry (Kubernetes swaps a mounted
+/// ConfigMap's files through its `..data` link; editors write hidden temporary files).
+fn concerns_policy_file(changed: &Path, file: &std::ffi::OsStr) -> bool {
+    changed.file_name().is_none_or(|name| name == file || name.as_encoded_bytes().starts_with(b"."))
 }

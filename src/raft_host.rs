@@ -174,9 +174,11 @@ impl RaftHost {
             }
         };
         let served = match billing {
-            Ok(billing) => Self::serve(config, credentials, quota.clone(), billing.clone(), claim)
-                .await
-                .map_err(|error| (error, billing)),
+            Ok(billing) => {
+                Self::serve(config, credentials, quota.clone(), billing.clone(), claim, metrics)
+                    .await
+                    .map_err(|error| (error, billing))
+            }
             Err(error) => Err((error, None)),
         };
         match served {
@@ -202,8 +204,9 @@ impl RaftHost {
         quota: RaftGroup<QuotaGroup>,
         billing: Option<RaftGroup<BillingGroup>>,
         claim: Claim,
+        metrics: &Metrics,
     ) -> Result<Self, RaftHostError> {
-        let service = RaftPeerService::new(credentials.is_some());
+        let service = RaftPeerService::new(credentials.is_some()).with_grpc_metrics(metrics);
         service.register_group(&quota)?;
         if let Some(billing) = &billing {
             service.register_group(billing)?;
@@ -377,6 +380,15 @@ async fn form_billing(
     } else {
         return Ok(());
     };
+    // Checked first: openraft logs an ERROR when asked to form a group that has formed.
+    let initialized = billing
+        .is_initialized()
+        .await
+        .map_err(|source| RaftHostError::Initialize { group: BILLING_GROUP_NAME, source })?;
+    if initialized {
+        tracing::info!(%node_id, "billing group already formed; not forming it again");
+        return Ok(());
+    }
     match billing.initialize(members).await {
         Ok(()) => {
             tracing::info!(%node_id, "billing group formed");

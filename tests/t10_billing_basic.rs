@@ -193,6 +193,47 @@ async fn cli_operates_audits_and_verifies() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The CLI's exit codes tell a script what happened (0 approved, 3 insufficient funds, also
+/// when replayed, 1 refused), connection options are accepted after the subcommand too, and
+/// history prints RFC 3339 times.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_exit_codes_and_options_anywhere() -> anyhow::Result<()> {
+    let cluster = BillingCluster::start(1, "")?;
+    cluster.wait_for_leader(0).await?;
+    let endpoint = format!("http://{}", cluster.nodes[0].billing_addr);
+    // Options last, after the subcommand's own arguments.
+    let run = |arguments: &[&str]| -> anyhow::Result<(Option<i32>, String)> {
+        let output = Command::new(env!("CARGO_BIN_EXE_quotamesh"))
+            .arg("billing")
+            .args(arguments)
+            .args(["--endpoint", &endpoint, "--timeout-ms", "5000"])
+            .env("QUOTAMESH_BILLING_TOKEN", ADMIN_TOKEN)
+            .env_remove("QUOTAMESH_BILLING_ENDPOINT")
+            .output()?;
+        Ok((output.status.code(), String::from_utf8(output.stdout)?))
+    };
+    assert_eq!(run(&["create-account", "t2", "api", "--key", "c"])?.0, Some(0));
+    assert_eq!(run(&["credit", "t2", "api", "100", "--key", "f"])?.0, Some(0));
+    let (code, out) = run(&["debit", "t2", "api", "150", "--key", "d1"])?;
+    assert_eq!(code, Some(3), "a refused debit is no success: {out}");
+    assert!(out.starts_with("INSUFFICIENT_FUNDS"), "{out}");
+    let (code, out) = run(&["debit", "t2", "api", "150", "--key", "d1", "--json"])?;
+    assert_eq!(code, Some(3), "its replay neither: {out}");
+    let (code, _) = run(&["debit", "t2", "api", "50", "--key", "d2"])?;
+    assert_eq!(code, Some(0));
+    let (code, _) = run(&["debit", "nobody", "api", "5", "--key", "d3"])?;
+    assert_eq!(code, Some(1), "a refusal (no such account) exits 1");
+    let (code, out) = run(&["history", "t2", "api"])?;
+    assert_eq!(code, Some(0));
+    let first = out.lines().next().unwrap_or_default();
+    let time = first.split(" at ").nth(1).and_then(|rest| rest.split(' ').next()).unwrap_or("");
+    assert!(
+        time.len() == 24 && time.ends_with('Z') && time.as_bytes()[10] == b'T',
+        "history shows RFC 3339 times: {first}"
+    );
+    Ok(())
+}
+
 /// With `client_ca` set the billing port is mTLS: a client with a certificate from that CA
 /// is served, one without a certificate is refused at the handshake.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

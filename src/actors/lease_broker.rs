@@ -129,6 +129,7 @@ impl LeaseBroker {
             settings,
             metrics,
             breaker: CircuitBreaker::new(settings.breaker),
+            last_failure: String::new(),
             queued: Arc::clone(&queued),
             circuit: Arc::clone(&circuit),
             asks: Vec::new(),
@@ -188,6 +189,8 @@ struct BrokerState {
     settings: BrokerSettings,
     metrics: Metrics,
     breaker: CircuitBreaker,
+    /// Why the last failed ledger call failed: the reason given when the circuit opens.
+    last_failure: String,
     queued: Arc<AtomicUsize>,
     circuit: Arc<AtomicU8>,
     /// Asks waiting for the next call (bounded by the queue bound).
@@ -235,6 +238,10 @@ impl Actor for BrokerActor {
             }
             BrokerMsg::Overdue { permit, asks } => {
                 state.metrics.ledger_calls.with_label_values(&["slow"]).inc();
+                state.last_failure = format!(
+                    "no answer within the deadline of {} ms (4 x the ledger's p90 latency)",
+                    state.breaker.deadline_ms()
+                );
                 state.breaker.record(crate::clock::now_ms(), permit, CallOutcome::Failed);
                 state.publish_circuit(&myself);
                 answer_all(asks, ReportAnswer::NotApplied);
@@ -349,9 +356,13 @@ impl BrokerState {
         if !done.judged {
             let (label, outcome) = match &done.result {
                 Ok(_) => ("ok", CallOutcome::Answered { latency_ms }),
-                Err(WriteError::Timeout) => ("timeout", CallOutcome::Failed),
+                // No leader found within the deadline is a timeout too: nothing answered.
+                Err(WriteError::Timeout | WriteError::NoLeader) => ("timeout", CallOutcome::Failed),
                 Err(_) => ("error", CallOutcome::Failed),
             };
+            if let Err(error) = &done.result {
+                self.last_failure = error.to_string();
+            }
             self.metrics.ledger_calls.with_label_values(&[label]).inc();
             self.breaker.record(now_ms, done.permit, outcome);
             self.publish_circuit(myself);
@@ -413,11 +424,14 @@ impl BrokerState {
         if before != value {
             let p90_ms = self.breaker.latency_p90_ms();
             match state {
-                CircuitState::Open { .. } => tracing::warn!(
+                CircuitState::Open { next_probe_ms } => tracing::warn!(
+                    reason = %self.last_failure,
                     ledger_p90_ms = ?p90_ms,
                     deadline_ms = self.breaker.deadline_ms(),
+                    next_probe_at = %crate::core::rfc3339::format_epoch_ms(next_probe_ms),
                     "ledger circuit open: lease calls failed or were slow; fail-open rules \
-                     admit from the fallback (charged later), fail-closed rules deny"
+                     admit from the fallback (charged later), fail-closed rules deny. Check \
+                     the quota group's leader and disks (quotamesh cluster status)"
                 ),
                 _ => {
                     tracing::info!(state = ?state, ledger_p90_ms = ?p90_ms, "ledger circuit changed")

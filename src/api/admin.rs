@@ -153,9 +153,11 @@ impl AdminService {
         self,
         listener: tokio::net::TcpListener,
         tls: Option<Arc<rustls::ServerConfig>>,
+        grpc_metrics: crate::api::grpc_metrics::GrpcMetricsLayer,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), tonic::transport::Error> {
         let router = tonic::transport::Server::builder()
+            .layer(grpc_metrics)
             // A backstop: each handler bounds its own work by the caller's deadline.
             .timeout(ADMIN_DEADLINE_MAX + Duration::from_secs(5))
             .concurrency_limit_per_connection(ADMIN_CONCURRENT_REQUESTS_PER_CONNECTION_MAX)

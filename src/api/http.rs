@@ -2,21 +2,25 @@
 //! answers) and readiness `/readyz`: started, every Raft group it is a member of running
 //! with a leader and applied within a bound of its commits, and the circuit breaker around
 //! the quota ledger not open (`crate::core::readiness`; the group views come from
-//! `crate::raft_health`). A refusal names its reason.
+//! `crate::raft_health`). A refusal names its reason. `/config` (also `/rlconfig`, as
+//! envoyproxy/ratelimit names it) shows the policy the node serves: its digest and files,
+//! as text, or JSON with `?format=json` (what `quotamesh policy get` reads).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use arc_swap::ArcSwap;
 use axum::Router;
 use axum::extract::State;
-use axum::http::{StatusCode, header};
+use axum::http::{StatusCode, Uri, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use tokio::net::TcpListener;
 
 use crate::core::readiness::{NotReady, judge};
 use crate::metrics::Metrics;
+use crate::policy_store::ServedPolicy;
 use crate::raft_health::GroupViews;
 
 /// `quotamesh_ledger_circuit_state` of an open circuit (the lease broker publishes it).
@@ -45,6 +49,7 @@ impl Readiness {
 struct Endpoints {
     metrics: Metrics,
     readiness: Readiness,
+    policy: Arc<ArcSwap<ServedPolicy>>,
 }
 
 /// Serves the endpoints on `listener` until `shutdown` resolves.
@@ -55,13 +60,16 @@ pub async fn serve(
     listener: TcpListener,
     metrics: Metrics,
     readiness: Readiness,
+    policy: Arc<ArcSwap<ServedPolicy>>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let app = Router::new()
         .route("/metrics", get(metrics_text))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readiness_text))
-        .with_state(Endpoints { metrics, readiness });
+        .route("/config", get(config_text))
+        .route("/rlconfig", get(config_text))
+        .with_state(Endpoints { metrics, readiness, policy });
     axum::serve(listener, app).with_graceful_shutdown(shutdown).await
 }
 
@@ -77,6 +85,39 @@ async fn readiness_text(State(endpoints): State<Endpoints>) -> impl IntoResponse
         Ok(()) => (StatusCode::OK, "ready\n".to_owned()),
         Err(reason) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {reason}\n")),
     }
+}
+
+async fn config_text(State(endpoints): State<Endpoints>, uri: Uri) -> impl IntoResponse {
+    let policy = endpoints.policy.load();
+    let digest = format!("{:016x}", policy.digest);
+    let active_since = crate::core::rfc3339::format_epoch_ms(policy.active_since_ms);
+    if uri.query().is_some_and(|query| query.split('&').any(|pair| pair == "format=json")) {
+        let files: Vec<serde_json::Value> = policy
+            .sources
+            .iter()
+            .map(|source| serde_json::json!({"name": source.name, "text": source.text}))
+            .collect();
+        let body = serde_json::json!({
+            "digest": digest,
+            "rules": policy.rules,
+            "active_since": active_since,
+            "active_since_ms": policy.active_since_ms,
+            "files": files,
+        });
+        return ([(header::CONTENT_TYPE, "application/json")], format!("{body}\n"));
+    }
+    let mut text = format!(
+        "# policy digest {digest}, {} rule(s), {} file(s), active since {active_since}\n",
+        policy.rules,
+        policy.sources.len()
+    );
+    for source in &policy.sources {
+        text.push_str(&format!("# --- {}\n{}", source.name, source.text));
+        if !source.text.ends_with('\n') {
+            text.push('\n');
+        }
+    }
+    ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text)
 }
 
 /// Binds the HTTP listener.

@@ -6,6 +6,7 @@
 //!   status, lease grants by hand.
 //! - [`grpc_limits`]: the metadata and message limits of the RLS, billing and admin ports,
 //!   and the status past them.
+//! - [`grpc_metrics`]: calls, codes, latency and calls in flight of every gRPC server.
 //! - [`operators`]: who may call the admin API (operator tokens).
 //! - [`billing`]: the billing-debit API (`quotamesh.billing.v1.Billing`).
 //! - [`status`]: the one mapping from domain and operating errors to `tonic::Status`.
@@ -15,6 +16,7 @@
 pub mod admin;
 pub mod billing;
 pub mod grpc_limits;
+pub mod grpc_metrics;
 pub mod http;
 pub mod operators;
 pub mod proto;

@@ -25,29 +25,36 @@ use crate::api::proto::quotamesh::billing::v1 as pb;
 use crate::core::billing::{AccountId, AuditEntry, verify_trail};
 use pb::billing_client::BillingClient;
 
-/// Connection and output options of `quotamesh billing`.
+/// Connection and output options of `quotamesh billing`, accepted before or after the
+/// subcommand (`global`).
 #[derive(Debug, Args)]
 pub struct BillingArgs {
     /// The node's billing endpoint (`http://` or, with TLS, `https://`).
-    #[arg(long, env = "QUOTAMESH_BILLING_ENDPOINT", default_value = "http://127.0.0.1:8082")]
+    #[arg(
+        long,
+        global = true,
+        env = "QUOTAMESH_BILLING_ENDPOINT",
+        default_value = "http://127.0.0.1:8082"
+    )]
     pub endpoint: String,
     /// Bearer token (prefer the variable: flags show in process lists).
-    #[arg(long, env = "QUOTAMESH_BILLING_TOKEN", hide_env_values = true)]
+    #[arg(long, global = true, env = "QUOTAMESH_BILLING_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
     /// CA certificate (PEM) that signed the node's certificate.
-    #[arg(long, env = "QUOTAMESH_BILLING_CA_CERT")]
+    #[arg(long, global = true, env = "QUOTAMESH_BILLING_CA_CERT")]
     pub ca_cert: Option<PathBuf>,
     /// Client certificate (PEM), for a node that requires mTLS.
-    #[arg(long, env = "QUOTAMESH_BILLING_CLIENT_CERT", requires = "client_key")]
+    #[arg(long, global = true, env = "QUOTAMESH_BILLING_CLIENT_CERT", requires = "client_key")]
     pub client_cert: Option<PathBuf>,
     /// Client private key (PEM).
-    #[arg(long, env = "QUOTAMESH_BILLING_CLIENT_KEY", requires = "client_cert")]
+    #[arg(long, global = true, env = "QUOTAMESH_BILLING_CLIENT_KEY", requires = "client_cert")]
     pub client_key: Option<PathBuf>,
     /// Name expected in the node's certificate [default: the endpoint's host].
-    #[arg(long)]
+    #[arg(long, global = true)]
     pub tls_domain: Option<String>,
-    /// Per-call timeout.
-    #[arg(long, default_value_t = 5000)]
+    /// Deadline of each call to the node, in milliseconds; an operation past it has an
+    /// unknown outcome (exit code 4: retry with the same --key).
+    #[arg(long, global = true, default_value_t = 5000)]
     pub timeout_ms: u64,
     /// Print JSON instead of sentences.
     #[arg(long, global = true)]
@@ -207,11 +214,23 @@ pub async fn run(arguments: BillingArgs) -> anyhow::Result<ExitCode> {
         Err(error) => match error.downcast_ref::<tonic::Status>() {
             Some(status) => {
                 eprintln!("error: {:?}: {}", status.code(), status.message());
-                Ok(ExitCode::FAILURE)
+                Ok(ExitCode::from(exit_code_of(status.code())))
             }
             None => Err(error),
         },
         done => done,
+    }
+}
+
+/// The exit code of a call that failed with `code`: an unknown outcome is told apart from a
+/// refusal, because only the first may have applied (retry it with the same key).
+fn exit_code_of(code: tonic::Code) -> u8 {
+    match code {
+        tonic::Code::Unavailable
+        | tonic::Code::DeadlineExceeded
+        | tonic::Code::Cancelled
+        | tonic::Code::Unknown => super::EXIT_UNKNOWN_OUTCOME,
+        _ => super::EXIT_FAILED,
     }
 }
 
@@ -233,7 +252,13 @@ async fn run_command(arguments: BillingArgs) -> anyhow::Result<ExitCode> {
                 idempotency_key: key.clone(),
             };
             let reply = client.billing().create_account(client.request(request)).await?;
-            print_operation("create-account", &account, &key, &reply.into_inner(), json);
+            return Ok(print_operation(
+                "create-account",
+                &account,
+                &key,
+                &reply.into_inner(),
+                json,
+            ));
         }
         BillingCommand::Credit { account, amount, key } => {
             let key = key.unwrap_or_else(generated_key);
@@ -243,7 +268,7 @@ async fn run_command(arguments: BillingArgs) -> anyhow::Result<ExitCode> {
                 idempotency_key: key.clone(),
             };
             let reply = client.billing().credit(client.request(request)).await?;
-            print_operation("credit", &account, &key, &reply.into_inner(), json);
+            return Ok(print_operation("credit", &account, &key, &reply.into_inner(), json));
         }
         BillingCommand::Debit { account, amount, key } => {
             let key = key.unwrap_or_else(generated_key);
@@ -253,7 +278,7 @@ async fn run_command(arguments: BillingArgs) -> anyhow::Result<ExitCode> {
                 idempotency_key: key.clone(),
             };
             let reply = client.billing().debit(client.request(request)).await?;
-            print_operation("debit", &account, &key, &reply.into_inner(), json);
+            return Ok(print_operation("debit", &account, &key, &reply.into_inner(), json));
         }
         BillingCommand::Reserve { account, amount, ttl_ms, key } => {
             let key = key.unwrap_or_else(generated_key);
@@ -264,7 +289,7 @@ async fn run_command(arguments: BillingArgs) -> anyhow::Result<ExitCode> {
                 idempotency_key: key.clone(),
             };
             let reply = client.billing().reserve(client.request(request)).await?;
-            print_operation("reserve", &account, &key, &reply.into_inner(), json);
+            return Ok(print_operation("reserve", &account, &key, &reply.into_inner(), json));
         }
         BillingCommand::Capture { account, hold, amount, key } => {
             let key = key.unwrap_or_else(generated_key);
@@ -275,7 +300,7 @@ async fn run_command(arguments: BillingArgs) -> anyhow::Result<ExitCode> {
                 idempotency_key: key.clone(),
             };
             let reply = client.billing().capture(client.request(request)).await?;
-            print_operation("capture", &account, &key, &reply.into_inner(), json);
+            return Ok(print_operation("capture", &account, &key, &reply.into_inner(), json));
         }
         BillingCommand::Void { account, hold, key } => {
             let key = key.unwrap_or_else(generated_key);
@@ -285,7 +310,7 @@ async fn run_command(arguments: BillingArgs) -> anyhow::Result<ExitCode> {
                 idempotency_key: key.clone(),
             };
             let reply = client.billing().void(client.request(request)).await?;
-            print_operation("void", &account, &key, &reply.into_inner(), json);
+            return Ok(print_operation("void", &account, &key, &reply.into_inner(), json));
         }
         BillingCommand::Balance { account } => {
             let request = pb::GetBalanceRequest { account: Some(account.to_pb()) };
@@ -348,15 +373,20 @@ fn decision_name(decision: i32) -> &'static str {
     }
 }
 
+/// Prints an operation's answer; its exit code says whether the operation was approved.
 fn print_operation(
     operation: &str,
     account: &AccountArgs,
     key: &str,
     reply: &pb::OperationReply,
     json: bool,
-) {
+) -> ExitCode {
     let decision = decision_name(reply.decision);
     let original = decision_name(reply.original_decision);
+    let refused = decision == "INSUFFICIENT_FUNDS"
+        || (decision == "DUPLICATE" && original == "INSUFFICIENT_FUNDS");
+    let code =
+        ExitCode::from(if refused { super::EXIT_INSUFFICIENT_FUNDS } else { super::EXIT_OK });
     if json {
         println!(
             "{}",
@@ -366,7 +396,7 @@ fn print_operation(
                 "floor": reply.floor, "ledger_index": reply.ledger_index,
                 "entry_sequence": reply.entry_sequence, "hold_id": reply.hold_id})
         );
-        return;
+        return code;
     }
     let replay =
         if decision == "DUPLICATE" { format!(" (replay of {original})") } else { String::new() };
@@ -381,16 +411,17 @@ fn print_operation(
         reply.available,
         reply.ledger_index
     );
+    code
 }
 
 fn describe_entry(entry: &AuditEntry) -> String {
     let hold = entry.hold.map(|hold| format!(" hold {hold}")).unwrap_or_default();
     let key = entry.key.as_ref().map_or("-".to_owned(), ToString::to_string);
     format!(
-        "#{} index {} at {} ms by {} key {}: {} {} on {}{hold} -> {:?}: balance {} -> {}, held {} -> {}",
+        "#{} index {} at {} by {} key {}: {} {} on {}{hold} -> {:?}: balance {} -> {}, held {} -> {}",
         entry.sequence,
         entry.ledger_index,
-        entry.time_ms,
+        crate::core::rfc3339::format_epoch_ms(entry.time_ms),
         entry.caller,
         key,
         entry.kind.as_str(),

@@ -37,7 +37,7 @@ pub struct Target {
     /// repeated to give every node of the region.
     #[arg(long = "admin-addr", value_delimiter = ',', default_value = "127.0.0.1:8083")]
     pub admin_addrs: Vec<String>,
-    /// Deadline of each call, in milliseconds (adding a node waits until it caught up).
+    /// Deadline of each call, in milliseconds.
     #[arg(long, default_value_t = 30_000)]
     pub timeout_ms: u64,
     /// Print JSON instead of text.
@@ -122,12 +122,20 @@ fn group_name(group: proto::Group) -> &'static str {
 pub enum ClusterCommand {
     /// Form the quota group from the node's configured `[[peers]]` (once, on one of them),
     /// then wait until a leader is elected.
+    #[command(mut_arg("timeout_ms", |arg| arg.help(
+        "How long forming the group and electing its leader may take, in milliseconds"
+    )))]
     Init {
         #[command(flatten)]
         target: Target,
     },
     /// Add a node to the region's groups: as a learner, wait until it caught up, then make it
-    /// a voter; the quota group, then the billing group.
+    /// a voter; the quota group, then the billing group. Waits until the node holds every
+    /// quota entry the leader had when it became a voter.
+    #[command(mut_arg("timeout_ms", |arg| arg.help(
+        "How long adding the node may take, in milliseconds, including the waits until it has \
+         caught up with the leader's log"
+    )))]
     AddNode {
         #[command(flatten)]
         target: Target,
@@ -147,6 +155,9 @@ pub enum ClusterCommand {
     },
     /// Remove a node from the voters and the members of the region's groups. A group's last
     /// voter is refused.
+    #[command(mut_arg("timeout_ms", |arg| arg.help(
+        "How long the membership change may take, in milliseconds"
+    )))]
     RemoveNode {
         #[command(flatten)]
         target: Target,
@@ -160,6 +171,9 @@ pub enum ClusterCommand {
     },
     /// Show each node's view: role, leader, term, commit and applied index, members, lag per
     /// follower, ledger digest (a gateway: the leader it last reached and its voters).
+    #[command(mut_arg("timeout_ms", |arg| arg.help(
+        "How long each node may take to answer, in milliseconds"
+    )))]
     Status {
         #[command(flatten)]
         target: Target,
@@ -168,6 +182,9 @@ pub enum ClusterCommand {
     #[command(subcommand)]
     Certs(crate::cli::certs::CertsCommand),
     /// Ask for leases on one descriptor (held by the node asked), e.g. to check a rule.
+    #[command(mut_arg("timeout_ms", |arg| arg.help(
+        "How long the lease request may take, in milliseconds"
+    )))]
     AcquireLeases {
         #[command(flatten)]
         target: Target,
@@ -203,6 +220,7 @@ pub async fn run(mut command: ClusterCommand) -> anyhow::Result<()> {
         ClusterCommand::Certs(command) => crate::cli::certs::run(command),
         ClusterCommand::Init { target } => init(&target).await,
         ClusterCommand::AddNode { target, node_id, raft_addr, learner_only, group } => {
+            let started = tokio::time::Instant::now();
             let mut changed = Vec::new();
             for &group in group.groups() {
                 let mut client = leader(&target, group).await?;
@@ -224,6 +242,9 @@ pub async fn run(mut command: ClusterCommand) -> anyhow::Result<()> {
                     .await
                     .map_err(|status| group_error(group, status))?
                     .into_inner();
+                if group == proto::Group::Quota {
+                    wait_caught_up(&mut client, &target, node_id, started).await?;
+                }
                 changed.push((group, Some(reply)));
             }
             print_members(&target, "node added", &changed)
@@ -285,14 +306,85 @@ pub async fn run(mut command: ClusterCommand) -> anyhow::Result<()> {
                     })
                 })
                 .collect();
-            let answer = serde_json::json!({
-                "leaseholder_node_id": reply.leaseholder_node_id,
-                "results": results,
-            });
-            println!("{}", serde_json::to_string_pretty(&answer)?);
+            if target.json {
+                let answer = serde_json::json!({
+                    "leaseholder_node_id": reply.leaseholder_node_id,
+                    "results": results,
+                });
+                println!("{}", serde_json::to_string_pretty(&answer)?);
+                return Ok(());
+            }
+            println!("held by node {}", reply.leaseholder_node_id);
+            for result in &reply.results {
+                println!("  {}", describe_lease(result));
+            }
             Ok(())
         }
     }
+}
+
+/// One lease result as a line: what was granted and until when, or why not.
+fn describe_lease(result: &proto::LeaseResult) -> String {
+    if !result.error.is_empty() {
+        return format!("{}: refused: {}", result.key, result.error);
+    }
+    if result.granted_tokens == 0 {
+        return format!(
+            "{}: no tokens; {} left, retry after {} ms",
+            result.key, result.remaining_tokens, result.retry_after_ms
+        );
+    }
+    let expires = result
+        .lease_expires_at_ms
+        .map_or_else(|| "-".to_owned(), crate::core::rfc3339::format_epoch_ms);
+    format!(
+        "{}: granted {} token(s), {} left in the ledger, lease expires at {expires}",
+        result.key, result.granted_tokens, result.remaining_tokens
+    )
+}
+
+/// After `add-node`: waits until the new node holds every entry the leader's log had when
+/// the change returned, within what is left of `--timeout-ms`. The change itself waits for
+/// the learner to catch up before promoting it, but writes go on meanwhile.
+async fn wait_caught_up(
+    client: &mut AdminClient<Channel>,
+    target: &Target,
+    node_id: u64,
+    started: tokio::time::Instant,
+) -> anyhow::Result<()> {
+    let deadline = started + Duration::from_millis(target.timeout_ms);
+    let wanted = node_status(client, target).await?.last_log_index;
+    loop {
+        let status = node_status(client, target).await?;
+        let follower = status.followers.iter().find(|lag| lag.node_id == node_id);
+        let matched = follower.and_then(|lag| lag.matched_index);
+        if matched >= wanted {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            bail!(
+                "node {node_id} was added but has not caught up within {} ms: it holds entries \
+                 up to {}, the leader had {} ({} behind now); see `quotamesh cluster status`",
+                target.timeout_ms,
+                index(matched),
+                index(wanted),
+                follower.map_or(0, |lag| lag.lag_entries)
+            );
+        }
+        tokio::time::sleep(LEADER_POLL).await;
+    }
+}
+
+/// One node's status through `client`.
+async fn node_status(
+    client: &mut AdminClient<Channel>,
+    target: &Target,
+) -> anyhow::Result<proto::StatusReply> {
+    Ok(client
+        .status(with_deadline(proto::StatusRequest {}, target))
+        .await
+        .map_err(rpc_error)?
+        .into_inner())
 }
 
 /// A refused call as its gRPC code and the node's message, which says why.
@@ -404,11 +496,7 @@ async fn init(target: &Target) -> anyhow::Result<()> {
     }
     let deadline = tokio::time::Instant::now() + Duration::from_millis(target.timeout_ms);
     loop {
-        let status = client
-            .status(with_deadline(proto::StatusRequest {}, target))
-            .await
-            .map_err(rpc_error)?
-            .into_inner();
+        let status = node_status(&mut client, target).await?;
         if let Some(leader) = status.leader_id {
             if target.json {
                 let answer = serde_json::json!({
@@ -602,8 +690,10 @@ fn print_status(address: &str, status: &proto::StatusReply) {
         index(status.purged_index)
     );
     println!(
-        "  ledger: {} keys, digest {:016x}, time {} ms",
-        status.ledger_keys, status.state_digest, status.ledger_time_ms
+        "  ledger: {} keys, digest {:016x}, time {}",
+        status.ledger_keys,
+        status.state_digest,
+        crate::core::rfc3339::format_epoch_ms(status.ledger_time_ms)
     );
     print_member_lines(&status.members);
     if let Some(billing) = &status.billing {

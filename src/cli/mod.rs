@@ -5,11 +5,24 @@ pub mod bench_ledger;
 pub mod billing;
 pub mod certs;
 pub mod cluster;
+pub mod health;
+pub mod http_get;
 pub mod policy;
 pub mod rls;
 pub mod serve;
 
 use clap::{Parser, Subcommand};
+
+/// Exit code: done (a billing operation APPROVED, or a replay of an approval).
+pub const EXIT_OK: u8 = 0;
+/// Exit code: refused or failed, nothing applied; or a check found a problem. (Code 2 is
+/// clap's, for a command line it cannot parse.)
+pub const EXIT_FAILED: u8 = 1;
+/// Exit code: a billing operation committed as INSUFFICIENT_FUNDS (or a replay of one).
+pub const EXIT_INSUFFICIENT_FUNDS: u8 = 3;
+/// Exit code: the outcome is unknown (UNAVAILABLE, deadline passed): the operation may or
+/// may not have applied; retry it with the same idempotency key.
+pub const EXIT_UNKNOWN_OUTCOME: u8 = 4;
 
 /// quotamesh: a distributed quota mesh speaking Envoy's Rate Limit Service protocol.
 #[derive(Debug, Parser)]
@@ -18,6 +31,10 @@ pub struct Cli {
     /// Log format on stderr.
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "QUOTAMESH_LOG_FORMAT")]
     pub log_format: LogFormat,
+    /// Which events to log, as `RUST_LOG` (which it overrides): for example
+    /// `warn,quotamesh=debug`. Default: `warn,quotamesh=info`.
+    #[arg(long, global = true, env = "QUOTAMESH_LOG_FILTER")]
+    pub log_filter: Option<String>,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
@@ -48,6 +65,9 @@ pub enum Command {
     Cluster(cluster::ClusterCommand),
     /// Talk to a node's billing-debit API (operations, balances, audit, verify).
     Billing(billing::BillingArgs),
+    /// Ask a node's `/readyz` (or another URL) and exit 0 when it answers 200: a container
+    /// HEALTHCHECK without curl.
+    Health(health::HealthArgs),
     /// Helpers for load tests (request bodies for h2load, a constant-OK ceiling server).
     #[command(subcommand)]
     Bench(bench::BenchCommand),

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::Subcommand;
 
-use crate::core::policy::{LoadOptions, PolicyError, PolicyErrors, PolicySet};
+use crate::core::policy::{LoadOptions, PolicyErrors, PolicySet};
 use crate::core::rate::Algorithm;
 use crate::policy_store::{PolicyLoadError, PolicyOrigin};
 
@@ -26,6 +26,18 @@ pub enum PolicyCommand {
         #[arg(long, value_parser = crate::cli::serve::parse_algorithm)]
         default_algorithm: Option<Algorithm>,
     },
+    /// Show the policy a running node serves: its digest and files (its HTTP `/config`).
+    Get {
+        /// The node's metrics address (`--metrics-addr`).
+        #[arg(long, default_value = "http://127.0.0.1:6070")]
+        url: String,
+        /// How long connecting and reading may take, in milliseconds.
+        #[arg(long, default_value_t = 5000)]
+        timeout_ms: u64,
+        /// Print the node's JSON (digest, rules, files) instead of the files.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// Runs a policy subcommand; the exit code is non-zero when a policy is invalid.
@@ -38,20 +50,28 @@ pub fn run(command: PolicyCommand) -> ExitCode {
             };
             validate(&paths, options)
         }
+        PolicyCommand::Get { url, timeout_ms, json } => get(&url, timeout_ms, json),
     }
+}
+
+fn get(url: &str, timeout_ms: u64, json: bool) -> ExitCode {
+    let url =
+        format!("{}/config{}", url.trim_end_matches('/'), if json { "?format=json" } else { "" });
+    super::http_get::print_answer(&url, std::time::Duration::from_millis(timeout_ms))
 }
 
 fn validate(paths: &[PathBuf], options: LoadOptions) -> ExitCode {
     let mut sources = Vec::new();
     let mut errors = Vec::new();
+    let mut read_errors = Vec::new();
     for path in paths {
         match PolicyOrigin::Path(path.clone()).read_sources() {
             Ok(read) => sources.extend(read),
-            Err(error) => errors.push(read_error(path, &error)),
+            Err(error) => read_errors.push(read_error(&error)),
         }
     }
     match PolicySet::parse_with(&sources, options) {
-        Ok(policy) if errors.is_empty() => {
+        Ok(policy) if read_errors.is_empty() => {
             let rules = policy.rules().count();
             println!(
                 "ok: {} file(s), {rules} rule(s), digest {:016x}",
@@ -63,14 +83,17 @@ fn validate(paths: &[PathBuf], options: LoadOptions) -> ExitCode {
         Ok(_) => {}
         Err(PolicyErrors(parse_errors)) => errors.extend(parse_errors),
     }
+    for error in &read_errors {
+        eprintln!("{error}");
+    }
     for error in &errors {
         eprintln!("{error}");
     }
-    eprintln!("{} error(s)", errors.len());
+    eprintln!("{} error(s)", read_errors.len() + errors.len());
     ExitCode::FAILURE
 }
 
-/// A file that could not be read is reported like a parse error, at line 0.
-fn read_error(path: &std::path::Path, error: &PolicyLoadError) -> PolicyError {
-    PolicyError { file: path.display().to_string(), line: 0, column: 0, reason: error.to_string() }
+/// A file that could not be read: the error names the path itself, so no `file:0:0:` prefix.
+fn read_error(error: &PolicyLoadError) -> String {
+    error.to_string()
 }

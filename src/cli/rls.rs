@@ -1,5 +1,6 @@
-//! `quotamesh rls ask`: sends one ShouldRateLimit request to a node and prints the answer
-//! as JSON, for operators checking a policy and for smoke tests.
+//! `quotamesh rls ask`: sends one ShouldRateLimit request to a node and prints the answer,
+//! as lines or, with `--json`, one JSON document, for operators checking a policy and for
+//! smoke tests.
 
 use std::time::Duration;
 
@@ -32,6 +33,9 @@ pub enum RlsCommand {
         /// Hits this request adds (0 means 1).
         #[arg(long, default_value_t = 0)]
         hits: u32,
+        /// Print JSON instead of lines.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -40,7 +44,7 @@ pub enum RlsCommand {
 /// # Errors
 /// When an entry is malformed, the node cannot be reached in time, or it answers an error.
 pub async fn run(command: RlsCommand) -> anyhow::Result<()> {
-    let RlsCommand::Ask { addr, domain, entries, hits } = command;
+    let RlsCommand::Ask { addr, domain, entries, hits, json } = command;
     let entries = entries
         .iter()
         .map(|entry| {
@@ -86,11 +90,36 @@ pub async fn run(command: RlsCommand) -> anyhow::Result<()> {
         .iter()
         .map(|header| (header.key.clone(), serde_json::Value::from(header.value.clone())))
         .collect();
-    let answer = serde_json::json!({
-        "overall_code": code_name(response.overall_code),
-        "statuses": statuses,
-        "headers": headers,
-    });
-    println!("{}", serde_json::to_string_pretty(&answer)?);
+    if json {
+        let answer = serde_json::json!({
+            "overall_code": code_name(response.overall_code),
+            "statuses": statuses,
+            "headers": headers,
+        });
+        println!("{}", serde_json::to_string_pretty(&answer)?);
+        return Ok(());
+    }
+    println!("{}", code_name(response.overall_code));
+    for status in &response.statuses {
+        let limit = status.current_limit.as_ref().map_or_else(
+            || "no limit applies".to_owned(),
+            |limit| {
+                let name =
+                    if limit.name.is_empty() { String::new() } else { format!("{} ", limit.name) };
+                format!("limit {name}{}/{}", limit.requests_per_unit, limit.unit().as_str_name())
+            },
+        );
+        let reset = status.duration_until_reset.map_or_else(String::new, |duration| {
+            format!(", resets in {}.{:03} s", duration.seconds, duration.nanos / 1_000_000)
+        });
+        println!(
+            "  {}: {limit}, {} remaining{reset}",
+            code_name(status.code),
+            status.limit_remaining
+        );
+    }
+    for header in &response.response_headers_to_add {
+        println!("  {}: {}", header.key, header.value);
+    }
     Ok(())
 }

@@ -17,6 +17,7 @@
 //! - [`ledger`]: the regional quota ledger's deterministic state machine.
 //! - [`ledger_time`]: how a group's leader stamps command time; clock offsets.
 //! - [`readiness`]: whether a node should take traffic (`/readyz`).
+//! - [`rfc3339`]: epoch milliseconds as RFC 3339 text for people.
 //! - [`fair_share`]: max-min fair division of a contended key's rate between nodes.
 
 pub mod admission;
@@ -33,3 +34,4 @@ pub mod ledger_time;
 pub mod policy;
 pub mod rate;
 pub mod readiness;
+pub mod rfc3339;

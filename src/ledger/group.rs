@@ -458,6 +458,11 @@ impl<C: GroupConfig> RaftGroup<C> {
         &self,
         members: BTreeMap<NodeId, BasicNode>,
     ) -> Result<(), MembershipError> {
+        // Asked first so that a restarted bootstrap node does not make openraft log its own
+        // "Can not initialize" ERROR for what is expected (`crate::logging`).
+        if self.is_initialized().await? {
+            return Err(MembershipError::AlreadyInitialized);
+        }
         match self.raft.initialize(members).await {
             Ok(()) => Ok(()),
             Err(RaftError::APIError(InitializeError::NotAllowed(_))) => {

@@ -233,6 +233,14 @@ impl PeerChannels {
             Ok(Err(status)) if status.code() == tonic::Code::DeadlineExceeded => {
                 Err(PeerCallError::Timeout(timeout))
             }
+            // The peer's tonic server gave up at the deadline this call's header set (a slow
+            // follower): a timeout, not a transport failure.
+            Ok(Err(status))
+                if status.code() == tonic::Code::Cancelled
+                    && status.message() == "Timeout expired" =>
+            {
+                Err(PeerCallError::Timeout(timeout))
+            }
             Ok(Err(status)) => Err(PeerCallError::Status(status)),
             Ok(Ok(reply)) => Ok(reply.into_inner().payload),
         };
@@ -337,8 +345,32 @@ impl<C: GroupConfig> RaftNetworkFactory<C> for PeerNetwork<C> {
             target,
             target_node: node.clone(),
             channels: self.channels.clone(),
+            failures: FailureLog::default(),
             _config: PhantomData,
         }
+    }
+}
+
+/// Failed calls to one peer since the last WARN about them (see `crate::logging`: openraft's
+/// own ERROR per failed call is dropped, this says the same once per interval).
+#[derive(Default)]
+struct FailureLog {
+    last_logged: Option<std::time::Instant>,
+    failed_since_logged: u64,
+}
+
+impl FailureLog {
+    /// Counts a failed call and returns how many to report now, if a line is due.
+    fn failed(&mut self, now: std::time::Instant) -> Option<u64> {
+        self.failed_since_logged = self.failed_since_logged.saturating_add(1);
+        let due = self.last_logged.is_none_or(|last| {
+            now.saturating_duration_since(last) >= crate::logging::PEER_FAILURE_LOG_INTERVAL
+        });
+        if !due {
+            return None;
+        }
+        self.last_logged = Some(now);
+        Some(std::mem::take(&mut self.failed_since_logged))
     }
 }
 
@@ -349,13 +381,14 @@ pub struct PeerClient<C> {
     target: NodeId,
     target_node: BasicNode,
     channels: PeerChannels,
+    failures: FailureLog,
     _config: PhantomData<fn() -> C>,
 }
 
 impl<C: GroupConfig> PeerClient<C> {
     /// Sends an encoded request and maps every failure onto openraft's retry rules.
     async fn send<Response, E>(
-        &self,
+        &mut self,
         rpc: Rpc,
         action: RPCTypes,
         payload: Vec<u8>,
@@ -374,6 +407,23 @@ impl<C: GroupConfig> PeerClient<C> {
                 postcard::from_bytes::<Result<Response, RaftError<NodeId, E>>>(&bytes)
                     .map_err(PeerCallError::Decode)
             });
+        if let Err(error) = &reply
+            && let Some(failed_calls) = self.failures.failed(std::time::Instant::now())
+        {
+            // A busy follower misses a heartbeat deadline now and then; a stopped one fails
+            // every call. Either is worth a line, neither an ERROR per call.
+            tracing::warn!(
+                group = %self.group,
+                peer = %self.target,
+                address = %self.target_node.addr,
+                rpc = ?rpc,
+                %error,
+                failed_calls,
+                "Raft calls to a peer failed (counted since the last such line, at most one \
+                 per {:?}); replication retries",
+                crate::logging::PEER_FAILURE_LOG_INTERVAL,
+            );
+        }
         match reply {
             Ok(Ok(response)) => Ok(response),
             Ok(Err(remote)) => Err(RPCError::RemoteError(RemoteError::new_with_node(

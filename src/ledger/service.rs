@@ -27,6 +27,9 @@
 //! `PERMISSION_DENIED`; a request without a node identity on an authenticated service is
 //! `UNAUTHENTICATED`. A `Forward` whose stated sender is not the certificate's is refused too.
 
+use tower_layer::{Identity, Stack};
+
+use crate::api::grpc_metrics::GrpcMetricsLayer;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -187,13 +190,22 @@ pub struct RaftPeerService {
     groups: Arc<RwLock<HashMap<String, Arc<dyn GroupEndpoint>>>>,
     /// Served over TLS: every request must carry its caller's identity.
     authenticated: bool,
+    /// Where the server's calls are counted; none in tests that run the service bare.
+    grpc_metrics: Option<GrpcMetricsLayer>,
 }
 
 impl RaftPeerService {
     /// A service hosting no group yet; `authenticated` when it is served over TLS
     /// ([`Self::serve_tls`]), so every request must name its verified sender.
     pub fn new(authenticated: bool) -> Self {
-        Self { groups: Arc::default(), authenticated }
+        Self { groups: Arc::default(), authenticated, grpc_metrics: None }
+    }
+
+    /// Counts the server's calls in `metrics` (`quotamesh_grpc_server_*`).
+    #[must_use]
+    pub fn with_grpc_metrics(mut self, metrics: &crate::metrics::Metrics) -> Self {
+        self.grpc_metrics = Some(GrpcMetricsLayer::new(metrics));
+        self
     }
 
     /// The verified caller of a request: `None` on a plaintext service.
@@ -253,8 +265,13 @@ impl RaftPeerService {
             .max_encoding_message_size(PEER_MESSAGE_BYTES_MAX)
     }
 
-    fn router(self) -> tonic::transport::server::Router {
+    fn router(self) -> tonic::transport::server::Router<Stack<GrpcMetricsLayer, Identity>> {
+        let grpc_metrics = self
+            .grpc_metrics
+            .clone()
+            .unwrap_or_else(|| GrpcMetricsLayer::new(&crate::metrics::Metrics::new()));
         tonic::transport::Server::builder()
+            .layer(grpc_metrics)
             .timeout(SERVER_REQUEST_TIMEOUT)
             .concurrency_limit_per_connection(CONCURRENT_REQUESTS_PER_CONNECTION_MAX)
             .add_service(self.into_server())

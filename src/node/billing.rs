@@ -50,6 +50,7 @@ pub(super) fn serve(
         metrics.clone(),
     );
     let mut builder = Server::builder()
+        .layer(crate::api::grpc_metrics::GrpcMetricsLayer::new(metrics))
         .timeout(BILLING_REQUEST_TIMEOUT)
         .max_concurrent_streams(GRPC_STREAMS_PER_CONNECTION_MAX)
         .http2_max_header_list_size(grpc_limits::HEADER_LIST_BYTES_MAX);

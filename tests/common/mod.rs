@@ -149,7 +149,8 @@ impl NodeProcess {
             .arg("--metrics-addr")
             .arg(metrics_addr.to_string())
             .args(arguments)
-            .env("RUST_LOG", "info")
+            // The log a user gets (dependencies at WARN, quotamesh at INFO), not a test's own.
+            .env_remove("RUST_LOG")
             .env("RUST_BACKTRACE", "0")
             .envs(environment.iter().map(|(name, value)| (*name, value.as_str())))
             .stdin(Stdio::null());

@@ -1,0 +1,272 @@
+//! gRPC server metrics, per service and method, as a tower layer that every tonic server of
+//! a node (Envoy RLS with health and reflection, billing, admin, Raft) wraps its services
+//! in: calls by status code, whole-call latency and calls in flight. The metric families
+//! are registered in `crate::metrics`; this file measures the calls.
+//!
+//! A gRPC call's status is in the response's trailers (or, for an error answered at once,
+//! in its headers), so the response body is wrapped to read them; a call ends when its body
+//! is dropped: after the trailers, or early when the client went away (`CANCELLED`).
+//! Methods are the ones compiled into the node (from its descriptor set, plus health and
+//! reflection); any other path is counted as `unknown`, so labels stay bounded.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, LazyLock};
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use http_body::{Body, Frame};
+use prometheus::{Histogram, IntCounter, IntGauge};
+use prost::Message;
+
+use crate::metrics::Metrics;
+
+/// The label of a service or method the node does not serve.
+pub const UNKNOWN: &str = "unknown";
+
+/// Every gRPC status code as Prometheus labels name them (`grpc_code` in the usual exporters).
+pub const CODES: [(tonic::Code, &str); 17] = [
+    (tonic::Code::Ok, "OK"),
+    (tonic::Code::Cancelled, "CANCELLED"),
+    (tonic::Code::Unknown, "UNKNOWN"),
+    (tonic::Code::InvalidArgument, "INVALID_ARGUMENT"),
+    (tonic::Code::DeadlineExceeded, "DEADLINE_EXCEEDED"),
+    (tonic::Code::NotFound, "NOT_FOUND"),
+    (tonic::Code::AlreadyExists, "ALREADY_EXISTS"),
+    (tonic::Code::PermissionDenied, "PERMISSION_DENIED"),
+    (tonic::Code::ResourceExhausted, "RESOURCE_EXHAUSTED"),
+    (tonic::Code::FailedPrecondition, "FAILED_PRECONDITION"),
+    (tonic::Code::Aborted, "ABORTED"),
+    (tonic::Code::OutOfRange, "OUT_OF_RANGE"),
+    (tonic::Code::Unimplemented, "UNIMPLEMENTED"),
+    (tonic::Code::Internal, "INTERNAL"),
+    (tonic::Code::Unavailable, "UNAVAILABLE"),
+    (tonic::Code::DataLoss, "DATA_LOSS"),
+    (tonic::Code::Unauthenticated, "UNAUTHENTICATED"),
+];
+
+/// Services the node serves that are not in its own descriptor set.
+const LIBRARY_METHODS: [(&str, &str); 4] = [
+    ("grpc.health.v1.Health", "Check"),
+    ("grpc.health.v1.Health", "Watch"),
+    ("grpc.reflection.v1.ServerReflection", "ServerReflectionInfo"),
+    ("grpc.reflection.v1alpha.ServerReflection", "ServerReflectionInfo"),
+];
+
+/// Every `(service, method)` the node serves, in a stable order.
+pub fn known_methods() -> &'static [(String, String)] {
+    static METHODS: LazyLock<Vec<(String, String)>> = LazyLock::new(|| {
+        // The descriptor set is compiled in by build.rs; it always decodes.
+        let files = prost_types::FileDescriptorSet::decode(crate::api::proto::FILE_DESCRIPTOR_SET)
+            .map(|set| set.file)
+            .unwrap_or_default();
+        let mut methods: Vec<(String, String)> = files
+            .iter()
+            .flat_map(|file| {
+                file.service.iter().flat_map(move |service| {
+                    let name = format!("{}.{}", file.package(), service.name());
+                    service
+                        .method
+                        .iter()
+                        .map(move |method| (name.clone(), method.name().to_owned()))
+                })
+            })
+            .chain(LIBRARY_METHODS.iter().map(|(s, m)| ((*s).to_owned(), (*m).to_owned())))
+            .collect();
+        methods.sort();
+        methods.dedup();
+        methods
+    });
+    &METHODS
+}
+
+/// One method's series, looked up once per call by the request path.
+struct MethodMetrics {
+    in_flight: IntGauge,
+    duration: Histogram,
+    /// Indexed like [`CODES`].
+    handled: [IntCounter; CODES.len()],
+}
+
+impl MethodMetrics {
+    fn new(metrics: &Metrics, service: &str, method: &str) -> Self {
+        Self {
+            in_flight: metrics.grpc_server_in_flight.with_label_values(&[service, method]),
+            duration: metrics.grpc_server_handling.with_label_values(&[service, method]),
+            handled: CODES.map(|(_, code)| {
+                metrics.grpc_server_handled.with_label_values(&[service, method, code])
+            }),
+        }
+    }
+}
+
+/// The layer: add it to a tonic `Server` builder with `.layer(...)`.
+#[derive(Clone)]
+pub struct GrpcMetricsLayer {
+    /// By request path; built once, read without locks.
+    methods: Arc<HashMap<String, Arc<MethodMetrics>>>,
+    unknown: Arc<MethodMetrics>,
+}
+
+impl GrpcMetricsLayer {
+    /// Measures calls into `metrics`.
+    pub fn new(metrics: &Metrics) -> Self {
+        let methods = known_methods()
+            .iter()
+            .map(|(service, method)| {
+                (
+                    format!("/{service}/{method}"),
+                    Arc::new(MethodMetrics::new(metrics, service, method)),
+                )
+            })
+            .collect();
+        Self {
+            methods: Arc::new(methods),
+            unknown: Arc::new(MethodMetrics::new(metrics, UNKNOWN, UNKNOWN)),
+        }
+    }
+
+    fn method(&self, path: &str) -> Arc<MethodMetrics> {
+        Arc::clone(self.methods.get(path).unwrap_or(&self.unknown))
+    }
+}
+
+impl<S> tower_layer::Layer<S> for GrpcMetricsLayer {
+    type Service = GrpcMetricsService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        GrpcMetricsService { inner, layer: self.clone() }
+    }
+}
+
+/// A service measured by [`GrpcMetricsLayer`].
+#[derive(Clone)]
+pub struct GrpcMetricsService<S> {
+    inner: S,
+    layer: GrpcMetricsLayer,
+}
+
+impl<S, RequestBody, ResponseBody> tower_service::Service<http::Request<RequestBody>>
+    for GrpcMetricsService<S>
+where
+    S: tower_service::Service<http::Request<RequestBody>, Response = http::Response<ResponseBody>>,
+    S::Future: Send + 'static,
+    S::Error: 'static,
+    ResponseBody: 'static,
+{
+    type Response = http::Response<MeasuredBody<ResponseBody>>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, context: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(context)
+    }
+
+    fn call(&mut self, request: http::Request<RequestBody>) -> Self::Future {
+        let mut call = CallRecord::start(self.layer.method(request.uri().path()));
+        let response = self.inner.call(request);
+        Box::pin(async move {
+            // On a transport error the call ends with the record's drop.
+            let response = response.await?;
+            if let Some(code) = grpc_status(response.headers()) {
+                call.code = Some(code);
+            }
+            Ok(response.map(|inner| MeasuredBody { inner, call }))
+        })
+    }
+}
+
+fn grpc_status(headers: &http::HeaderMap) -> Option<tonic::Code> {
+    let value = headers.get("grpc-status")?;
+    Some(tonic::Code::from_bytes(value.as_bytes()))
+}
+
+/// One call in flight; recorded when dropped.
+pub struct CallRecord {
+    started: Instant,
+    method: Arc<MethodMetrics>,
+    code: Option<tonic::Code>,
+}
+
+impl CallRecord {
+    fn start(method: Arc<MethodMetrics>) -> Self {
+        method.in_flight.inc();
+        Self { started: Instant::now(), method, code: None }
+    }
+}
+
+impl Drop for CallRecord {
+    fn drop(&mut self) {
+        self.method.in_flight.dec();
+        self.method.duration.observe(self.started.elapsed().as_secs_f64());
+        // No status seen: the body was dropped before its trailers, the client went away.
+        let code = self.code.unwrap_or(tonic::Code::Cancelled);
+        if let Some(index) = CODES.iter().position(|(known, _)| *known == code) {
+            self.method.handled[index].inc();
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A response body that reads the call's status from its trailers.
+    pub struct MeasuredBody<B> {
+        #[pin]
+        inner: B,
+        call: CallRecord,
+    }
+}
+
+impl<B: Body> Body for MeasuredBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let this = self.project();
+        let polled = this.inner.poll_frame(context);
+        if let Poll::Ready(Some(Ok(frame))) = &polled
+            && let Some(code) = frame.trailers_ref().and_then(grpc_status)
+        {
+            this.call.code = Some(code);
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The node's own services and the library ones are known, by their request paths.
+    #[test]
+    fn methods_are_known_from_the_descriptors() {
+        let known = |service: &str, method: &str| {
+            known_methods().iter().any(|(s, m)| s == service && m == method)
+        };
+        assert!(known("envoy.service.ratelimit.v3.RateLimitService", "ShouldRateLimit"));
+        assert!(known("grpc.health.v1.Health", "Check"));
+        assert!(
+            known_methods().iter().any(|(service, _)| service == "quotamesh.billing.v1.Billing")
+        );
+        assert!(known_methods().iter().any(|(service, _)| service == "quotamesh.admin.v1.Admin"));
+        assert!(known_methods().iter().any(|(service, _)| service == "quotamesh.raft.v1.RaftPeer"));
+    }
+
+    /// Every code has its label, in the codes' numeric order.
+    #[test]
+    fn codes() {
+        for (index, (code, _)) in CODES.iter().enumerate() {
+            assert_eq!(i32::from(*code), i32::try_from(index).expect("17 codes"));
+        }
+    }
+}
