@@ -110,6 +110,27 @@ fn policy_validate_reports_file_and_line() -> anyhow::Result<()> {
     assert!(stderr.contains(&format!("{bad_name}:4:")), "unit error on line 4: {stderr}");
     assert!(stderr.contains(&format!("{bad_name}:6:")), "unlimited error on line 6: {stderr}");
     assert!(stderr.contains("2 error(s)"), "{stderr}");
+
+    // With --json, one object on stdout says the same to a script.
+    let output = std::process::Command::new(binary)
+        .args(["policy", "validate", "--json"])
+        .arg(&good)
+        .output()?;
+    assert!(output.status.success());
+    let answer: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+    assert_eq!(answer["ok"], true, "{answer}");
+    assert_eq!(answer["files"], 1, "{answer}");
+    assert_eq!(answer["digest"].as_str().map(str::len), Some(16), "{answer}");
+    let output = std::process::Command::new(binary)
+        .args(["policy", "validate", "--json"])
+        .arg(&good)
+        .arg(&bad)
+        .output()?;
+    assert!(!output.status.success());
+    let answer: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+    assert_eq!(answer["ok"], false, "{answer}");
+    let errors = answer["errors"].as_array().map(Vec::len);
+    assert_eq!(errors, Some(2), "{answer}");
     Ok(())
 }
 

@@ -25,6 +25,9 @@ pub enum PolicyCommand {
         /// (the digest printed depends on it).
         #[arg(long, value_parser = crate::cli::serve::parse_algorithm)]
         default_algorithm: Option<Algorithm>,
+        /// Print one JSON object on stdout (`ok`, and `files`, `rules`, `digest` or `errors`).
+        #[arg(long)]
+        json: bool,
     },
     /// Show the policy a running node serves: its digest and files (its HTTP `/config`).
     Get {
@@ -43,12 +46,12 @@ pub enum PolicyCommand {
 /// Runs a policy subcommand; the exit code is non-zero when a policy is invalid.
 pub fn run(command: PolicyCommand) -> ExitCode {
     match command {
-        PolicyCommand::Validate { paths, merge_domains, default_algorithm } => {
+        PolicyCommand::Validate { paths, merge_domains, default_algorithm, json } => {
             let options = LoadOptions {
                 merge_domains,
                 default_algorithm: default_algorithm.unwrap_or_default(),
             };
-            validate(&paths, options)
+            validate(&paths, options, json)
         }
         PolicyCommand::Get { url, timeout_ms, json } => get(&url, timeout_ms, json),
     }
@@ -60,7 +63,7 @@ fn get(url: &str, timeout_ms: u64, json: bool) -> ExitCode {
     super::http_get::print_answer(&url, std::time::Duration::from_millis(timeout_ms))
 }
 
-fn validate(paths: &[PathBuf], options: LoadOptions) -> ExitCode {
+fn validate(paths: &[PathBuf], options: LoadOptions, json: bool) -> ExitCode {
     let mut sources = Vec::new();
     let mut errors = Vec::new();
     let mut read_errors = Vec::new();
@@ -73,15 +76,25 @@ fn validate(paths: &[PathBuf], options: LoadOptions) -> ExitCode {
     match PolicySet::parse_with(&sources, options) {
         Ok(policy) if read_errors.is_empty() => {
             let rules = policy.rules().count();
-            println!(
-                "ok: {} file(s), {rules} rule(s), digest {:016x}",
-                sources.len(),
-                policy.digest()
-            );
+            let digest = format!("{:016x}", policy.digest());
+            if json {
+                let answer = serde_json::json!({
+                    "ok": true, "files": sources.len(), "rules": rules, "digest": digest,
+                });
+                println!("{answer}");
+            } else {
+                println!("ok: {} file(s), {rules} rule(s), digest {digest}", sources.len());
+            }
             return ExitCode::SUCCESS;
         }
         Ok(_) => {}
         Err(PolicyErrors(parse_errors)) => errors.extend(parse_errors),
+    }
+    if json {
+        let all: Vec<String> =
+            read_errors.iter().cloned().chain(errors.iter().map(ToString::to_string)).collect();
+        println!("{}", serde_json::json!({ "ok": false, "errors": all }));
+        return ExitCode::FAILURE;
     }
     for error in &read_errors {
         eprintln!("{error}");

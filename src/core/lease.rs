@@ -93,7 +93,7 @@ pub enum LeaseTuningError {
     #[error("low_watermark_percent must be between 1 and 100, got {0}")]
     Watermark(u64),
     /// The TTL is 0, above the maximum, or not above the expiry margin.
-    #[error("lease_ttl_ms must be above expiry_margin_ms and at most {LEASE_TTL_MS_MAX}")]
+    #[error("a lease TTL must be longer than its expiry margin and at most {LEASE_TTL_MS_MAX} ms")]
     Ttl,
     /// A duration is 0.
     #[error("lookahead_ms and rate_half_life_ms must be at least 1")]

@@ -15,7 +15,7 @@ use super::{
     DESCRIPTOR_DEPTH_MAX, FailureMode, LoadOptions, PolicyError, PolicyErrors, PolicySet,
     PolicySource, RULES_PER_SET_MAX, Rule, RuleId, RuleLevel, RuleLimit, Unit,
 };
-use crate::core::lease::{LEASE_TOKENS_MAX, LEASE_TTL_MS_MAX, LeaseTuning, LeaseTuningError};
+use crate::core::lease::{LEASE_TOKENS_MAX, LEASE_TTL_MS_MAX, LeaseTuning};
 use crate::core::rate::{Algorithm, LimitSpec, LimitSpecError};
 
 // A policy at the deepest descriptor nesting needs, per level, a `descriptors` list and a
@@ -963,9 +963,9 @@ impl Loader {
             1..=LOOKAHEAD_MS_MAX => return Some(lookahead_ms),
             _ => format!(
                 "`lookahead` of {lookahead_ms} ms would need a lease TTL of {} ms \
-                 (2 x lookahead), so it can be at most {LOOKAHEAD_MS_MAX}ms: {}",
+                 (2 x lookahead), but a lease lives at most {LEASE_TTL_MS_MAX} ms, so it can \
+                 be at most {LOOKAHEAD_MS_MAX}ms",
                 lookahead_ms.saturating_mul(2),
-                LeaseTuningError::Ttl
             ),
         };
         self.error(file, field.value.position, reason);

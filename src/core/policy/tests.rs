@@ -876,9 +876,9 @@ fn error_lease_values() {
             "p.yaml:23:25: `max_tokens` (1000001) must be at most 1000000",
             "p.yaml:26:24: `lookahead` must be at least 1ms",
             "p.yaml:29:24: `lookahead` of 501 ms would need a lease TTL of 1002 ms (2 x lookahead), \
-             so it can be at most 500ms: lease_ttl_ms must be above expiry_margin_ms and at most 1000",
+             but a lease lives at most 1000 ms, so it can be at most 500ms",
             "p.yaml:32:24: `lookahead` of 1000 ms would need a lease TTL of 2000 ms (2 x lookahead), \
-             so it can be at most 500ms: lease_ttl_ms must be above expiry_margin_ms and at most 1000",
+             but a lease lives at most 1000 ms, so it can be at most 500ms",
             "p.yaml:35:12: `lease` must be a mapping, found `100`",
         ]
     );
