@@ -359,7 +359,7 @@ async fn over_admission(
         Some(OVER_BURST_TOKENS),
     )?;
     let lease = LeaseTuning::default();
-    let drift_bound = lease.drift_bound_tokens(OVER_BURST_TOKENS, 1, true, None);
+    let drift_bound = lease.drift_bound_tokens(&spec, 1, true, None);
     let rate = 2 * OVER_LIMIT_PER_SECOND;
     println!();
     println!(

@@ -122,6 +122,11 @@ impl SimNode {
     fn clock(&self, now_ms: u64) -> u64 {
         now_ms.saturating_add_signed(self.offset_ms)
     }
+
+    /// The round trip the node's refills plan for: its slowest, as a measured p90 would be.
+    fn lead_ms(&self) -> u64 {
+        2 * self.latency_ms_max
+    }
 }
 
 struct World {
@@ -296,6 +301,7 @@ impl World {
                             granted_tokens: settlement.grant.granted_tokens,
                             retry_after_ms: settlement.grant.retry_after_ms,
                             remaining_tokens: settlement.grant.remaining_tokens,
+                            contended: settlement.contended,
                         }
                     }
                     ReportOutcome::Stale => {}
@@ -393,9 +399,9 @@ impl World {
                 entry.1 += if from_fallback { hits } else { 0 };
             }
             let draft = if admitted_from.is_some() {
-                node.lease.poll_refill(&self.tuning, node_ms)
+                node.lease.poll_refill(&self.tuning, node_ms, node.lead_ms())
             } else {
-                node.lease.poll_lease_for(&self.tuning, node_ms, hits)
+                node.lease.poll_lease_for(&self.tuning, node_ms, hits, node.lead_ms())
             };
             if let Some(draft) = draft {
                 self.send(index, draft, now_ms, faults);
@@ -468,8 +474,7 @@ impl World {
 
     fn check_windows(&self, seed: u64) {
         let node_count = self.node_count();
-        let drift =
-            self.tuning.drift_bound_tokens(self.limit.capacity_tokens(), node_count, true, None);
+        let drift = self.tuning.drift_bound_tokens(&self.limit, node_count, true, None);
         let per_window = self.limit.capacity_tokens() + self.limit.requests_per_window + drift;
         for (window, (admitted, fallback, uncharged)) in &self.windows {
             assert!(
@@ -755,5 +760,25 @@ fn the_enterprise_tier_at_twice_its_rate_is_shared_fairly() {
             &at_limit(world, seed, 70_000, 90_000),
             rate,
         );
+    }
+}
+
+/// Proves that a key hit from two of five nodes at twice its limit costs each at most 4
+/// ledger writes per second: each node's share (a lookahead of it is above the small-key
+/// cap of `capacity / (2 x 5)`) comes in one grant per lookahead, not at every watermark of
+/// a capped lease.
+#[test]
+fn two_of_five_nodes_at_twice_the_limit_write_once_per_lookahead() {
+    for seed in 0..4 {
+        let limit = LimitSpec::new(Algorithm::TokenBucket, 1_000, 1_000, Some(1_000))
+            .expect("a valid limit");
+        let mut world = World::contended(seed, 5, limit, 1_000, 30, &[]);
+        for node in &mut world.nodes[2..] {
+            node.offered_per_million = 0;
+        }
+        let mut measured = at_limit(world, seed, 3_000, 13_000);
+        measured.shares.truncate(2);
+        measured.writes_per_second.truncate(2);
+        assert_fair_and_cheap("two of five at 2x", &measured, 1_000.0);
     }
 }

@@ -274,7 +274,7 @@ async fn a_key_above_its_limit_is_held_to_it_without_fallback() {
         bypassed += u64::from(bypass.is_some());
     }
     let elapsed_ms = started.elapsed().as_millis() as u64;
-    let allowed = 200 + elapsed_ms * 200 / 1_000 + lease.drift_bound_tokens(200, 1, true, None);
+    let allowed = 200 + elapsed_ms * 200 / 1_000 + lease.drift_bound_tokens(&spec, 1, true, None);
     println!(
         "admitted {admitted} of 6000 in {elapsed_ms} ms; allowed {allowed}; bypassed {bypassed}"
     );

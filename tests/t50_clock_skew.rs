@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -33,20 +32,6 @@ const HOLDS: u64 = 6;
 const HOLD_TTL_MS: u64 = 3_600_000;
 /// The `small` key of the cluster test policy: 10 tokens a day.
 const SMALL_BUCKET_TOKENS: u64 = 10;
-
-/// libfaketime's preload library where Debian installs it (any architecture).
-fn libfaketime() -> anyhow::Result<PathBuf> {
-    let library = Path::new("/usr/lib");
-    let mut candidates = vec![library.join("faketime/libfaketime.so.1")];
-    if let Ok(entries) = std::fs::read_dir(library) {
-        for entry in entries.flatten() {
-            candidates.push(entry.path().join("faketime/libfaketime.so.1"));
-        }
-    }
-    candidates.into_iter().find(|path| path.exists()).context(
-        "libfaketime not found: install Debian's `faketime` package (scripts/test.sh does)",
-    )
-}
 
 /// 16 clients debit through the nodes `through` (indexes), each a fresh key per debit,
 /// retrying an unknown outcome with the same key; returns the history and the keys that
@@ -159,7 +144,7 @@ async fn drain_small_bucket(admin_addrs: &[String]) -> anyhow::Result<u64> {
 /// The scenario of the file's first sentence.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clock_25_hours_ahead_moves_no_ledger_time() -> anyhow::Result<()> {
-    let preload = libfaketime()?;
+    let preload = common::libfaketime()?;
     let scratch = tempfile::tempdir()?;
     let policy = common::write_file(scratch.path(), "policy.yaml", CLUSTER_POLICY);
     let environment = |id: u64| {

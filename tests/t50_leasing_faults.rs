@@ -1,6 +1,7 @@
 //! Faults of the quota ledger under RLS load on two gateways (real processes, three voters
 //! and two gateways, `nodes_in_region = 5`): kill -9 of the leader, then of every voter,
-//! then a restart of all of them from their data directories.
+//! then a restart of all of them from their data directories; and a quorum lost for 20 s
+//! (SIGSTOP of the leader and one follower) and back.
 //!
 //! The leasing settings are the shipped defaults: calls judged against the ledger's measured
 //! latency (so the slow fsync of a shared 2-core machine keeps a healthy region healthy),
@@ -11,12 +12,13 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use common::leasing::{
-    Answer, GATEWAYS, LIMIT_PER_SECOND, NODES_IN_REGION, Outcome, Stream, VOTERS, collect, ms,
-    percentile, scrape, start_region, start_stream,
+    Answer, BURST_TOKENS, GATEWAYS, LIMIT_PER_SECOND, NODES_IN_REGION, Outcome, Stream, VOTERS,
+    collect, figure, ms, percentile, scrape, start_region, start_stream, user_limit,
 };
 use common::{metric_sum, metric_value};
+use quotamesh::core::lease::LeaseTuning;
 use tokio::sync::watch;
 
 /// Offered load per gateway on the fail-open key: below the limit while the ledger serves
@@ -39,6 +41,22 @@ const ADDED_P99_MAX: Duration = Duration::from_millis(5);
 const CLOSE_WAIT: Duration = Duration::from_secs(30);
 /// Measured after the circuits closed (plus a second for the keys to hold leases again).
 const RECOVERED_PHASE: Duration = Duration::from_secs(3);
+
+/// One test at a time in this binary: each starts five processes and loads them.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Offered load per gateway on the fail-open key while the quorum is lost: 1.2x the limit
+/// over both, above the fallback bucket of each.
+const QUORUM_OPEN_PER_SECOND: u32 = 600;
+/// How long the quorum is lost.
+const QUORUM_LOSS: Duration = Duration::from_secs(20);
+/// How long the admissions are counted after the quorum is back.
+const QUORUM_AFTER: Duration = Duration::from_secs(60);
+/// The debt the fallback ran up is paid from the bucket's refill within this long after the
+/// quorum is back; from then on the key is admitted at its limit.
+const DEBT_PAID: Duration = Duration::from_secs(20);
+/// The issue's target: fail-closed rules admit again this soon after the quorum is back.
+const FAIL_CLOSED_BACK_MAX: Duration = Duration::from_secs(2);
 
 /// The fallback bucket of one node for a 1,000/s rule: rate and capacity, per second.
 const FALLBACK_PER_SECOND: u64 = LIMIT_PER_SECOND / NODES_IN_REGION;
@@ -123,6 +141,7 @@ async fn until(origin: Instant, at: Duration) {
 // directories the circuits close, leases are granted again and bypasses stop.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_region_serves_through_a_leader_kill_and_a_ledger_outage() -> Result<()> {
+    let _serial = SERIAL.lock().await;
     let mut cluster = start_region("").await?;
     let (stop, stopped) = watch::channel(false);
     let origin = Instant::now();
@@ -330,6 +349,178 @@ async fn the_region_serves_through_a_leader_kill_and_a_ledger_outage() -> Result
         assert!(
             bypassed <= decisions as f64 / 100.0,
             "gateway {gateway}: {bypassed} bypasses in {decisions} decisions after recovery"
+        );
+    }
+    Ok(())
+}
+
+// Proves the accounting of a quorum loss, the leasing issue's target: two gateways offer the
+// fail-open key 1.2x its limit and the fail-closed key a fifth of it; the leader and one
+// follower are stopped (SIGSTOP) for 20 s, then continued. From the loss until 60 s after the
+// quorum is back, the fail-open key admits at most what one central bucket allows over that
+// span (its capacity plus its refill) plus the fallback allowance (each gateway's bucket,
+// from its share of the capacity at the rule's rate over the nodes, for as long as its
+// circuit was not closed) plus the tokens leased before the loss (the drift bound): what the
+// fallback admitted is debt, paid before new grants, and from 20 s after the quorum is back
+// the key is admitted at its limit again. Fail-closed requests are admitted again within 2 s
+// of the quorum's return.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_quorum_costs_no_more_than_the_fallback_allowance() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let cluster = start_region("").await?;
+    let (stop, stopped) = watch::channel(false);
+    let origin = Instant::now();
+    let mut handles = Vec::new();
+    for gateway in GATEWAYS {
+        let address = cluster.nodes[&gateway].rls_addr;
+        for (label, key, per_second, tasks) in [
+            ("open", "user", QUORUM_OPEN_PER_SECOND, 16),
+            ("closed", "payment", CLOSED_PER_SECOND, TASKS),
+        ] {
+            let stream = Stream {
+                node: gateway,
+                address,
+                label,
+                entry: (key, "quorum".to_owned()),
+                per_second,
+                tasks,
+            };
+            handles.extend(start_stream(&stream, origin, &stopped).await?);
+        }
+    }
+    until(origin, WARM_UP).await;
+    let leader = cluster.leader().await?;
+    let follower = VOTERS.into_iter().find(|id| *id != leader).context("a follower")?;
+    let stopped_voters = [leader, follower];
+    for id in stopped_voters {
+        cluster.nodes[&id].process.as_ref().context("running")?.signal("STOP")?;
+    }
+    let lost_at = origin.elapsed();
+    until(origin, lost_at + QUORUM_LOSS).await;
+    for id in stopped_voters {
+        cluster.nodes[&id].process.as_ref().context("running")?.signal("CONT")?;
+    }
+    let back_at = origin.elapsed();
+    // When each gateway's circuit closed again: the end of its fallback allowance.
+    let mut closed_at: Vec<Option<Duration>> = vec![None; GATEWAYS.len()];
+    while closed_at.iter().any(Option::is_none) && origin.elapsed() < back_at + CLOSE_WAIT {
+        for (index, counters) in gateway_counters(&cluster).await?.iter().enumerate() {
+            if closed_at[index].is_none() && counters.circuit_state == 0.0 {
+                closed_at[index] = Some(origin.elapsed());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let end = back_at + QUORUM_AFTER;
+    until(origin, end).await;
+    stop.send(true)?;
+    let answers = collect(handles).await?;
+    let errors: Vec<&Answer> =
+        answers.iter().filter(|answer| matches!(answer.outcome, Outcome::Error(_))).collect();
+    assert!(errors.is_empty(), "{} errors, first {:?}", errors.len(), errors.first());
+    eprintln!(
+        "stopped voters {stopped_voters:?} at {:.2} s, continued at {:.2} s; circuits closed at \
+         {:?}",
+        lost_at.as_secs_f64(),
+        back_at.as_secs_f64(),
+        closed_at.iter().map(|at| at.map(|at| at.as_secs_f64())).collect::<Vec<_>>()
+    );
+
+    // Fail-open accounting over the loss and the 60 s after it.
+    let open = sent_between(&answers, lost_at, end, Some("open"), None);
+    let admitted = count(&open, Outcome::Admitted) as u64;
+    let last_answer = open.iter().map(|answer| answer.answered_at()).max().unwrap_or(end);
+    let span = last_answer.saturating_sub(lost_at);
+    let central = BURST_TOKENS + (LIMIT_PER_SECOND as f64 * span.as_secs_f64()).ceil() as u64;
+    let mut allowance = 0;
+    for (index, gateway) in GATEWAYS.into_iter().enumerate() {
+        let closed = closed_at[index].with_context(|| {
+            format!("gateway {gateway}: the circuit did not close:\n{}", circuit_logs(&cluster))
+        })?;
+        let not_closed = closed.saturating_sub(lost_at);
+        allowance += BURST_TOKENS / NODES_IN_REGION
+            + (FALLBACK_PER_SECOND as f64 * not_closed.as_secs_f64()).ceil() as u64;
+    }
+    let drift_bound_tokens =
+        LeaseTuning::default().drift_bound_tokens(&user_limit(), NODES_IN_REGION, true, None);
+    let bound = central + allowance + drift_bound_tokens;
+    let during = sent_between(&answers, lost_at, back_at, Some("open"), None);
+    eprintln!(
+        "fail-open key: {admitted} admitted over {:.1} s (during the loss {}); a central bucket \
+         allows {central} ({:+.2} %), bound {bound} with the fallback allowance {allowance} and \
+         the drift bound {drift_bound_tokens}",
+        span.as_secs_f64(),
+        count(&during, Outcome::Admitted),
+        (admitted as f64 / central as f64 - 1.0) * 100.0,
+    );
+    let case = "quorum lost for 20 s";
+    figure(
+        case,
+        "fail-open admitted over the loss + 60 s against a central bucket; against the bound",
+        format!(
+            "{:+.2} %; {:.3}",
+            (admitted as f64 / central as f64 - 1.0) * 100.0,
+            admitted as f64 / bound as f64
+        ),
+    );
+    assert!(admitted <= bound, "admitted {admitted} > {bound}");
+
+    // The debt is paid, and the key is at its limit again.
+    let recovered = sent_between(&answers, back_at + DEBT_PAID, end, Some("open"), None);
+    let recovered_admitted = count(&recovered, Outcome::Admitted) as u64;
+    let recovered_span = recovered
+        .iter()
+        .map(|answer| answer.answered_at())
+        .max()
+        .unwrap_or(end)
+        .saturating_sub(back_at + DEBT_PAID);
+    let at_limit = LIMIT_PER_SECOND as f64 * recovered_span.as_secs_f64();
+    eprintln!(
+        "fail-open key from {} s after the quorum's return: {recovered_admitted} admitted, the \
+         limit allows {at_limit:.0} ({:+.2} %)",
+        DEBT_PAID.as_secs(),
+        (recovered_admitted as f64 / at_limit - 1.0) * 100.0
+    );
+    figure(
+        case,
+        "fail-open admitted from 20 s after the return against the limit",
+        format!("{:+.2} %", (recovered_admitted as f64 / at_limit - 1.0) * 100.0),
+    );
+    assert!(
+        recovered_admitted as f64 >= at_limit * 0.98,
+        "{recovered_admitted} admitted after the debt was paid, the limit allows {at_limit:.0}"
+    );
+    assert!(
+        recovered_admitted <= at_limit.ceil() as u64 + BURST_TOKENS + drift_bound_tokens,
+        "{recovered_admitted} admitted after the debt was paid, the limit allows {at_limit:.0}"
+    );
+
+    // Fail-closed: denied while the quorum is lost, admitted again within 2 s of its return.
+    for gateway in GATEWAYS {
+        let lost =
+            sent_between(&answers, lost_at + OUTAGE_SETTLE, back_at, Some("closed"), Some(gateway));
+        assert_eq!(
+            count(&lost, Outcome::Admitted),
+            0,
+            "gateway {gateway}: a fail-closed request admitted without a quorum"
+        );
+        let first_admitted = sent_between(&answers, back_at, end, Some("closed"), Some(gateway))
+            .into_iter()
+            .find(|answer| answer.outcome == Outcome::Admitted)
+            .map(|answer| answer.answered_at() - back_at)
+            .with_context(|| format!("gateway {gateway}: no fail-closed admission after"))?;
+        eprintln!(
+            "gateway {gateway}: fail-closed admitted again {:.0} ms after the quorum's return",
+            ms(first_admitted)
+        );
+        figure(
+            case,
+            &format!("gateway {gateway}: fail-closed admits again after the return"),
+            format!("{:.0} ms", ms(first_admitted)),
+        );
+        assert!(
+            first_admitted <= FAIL_CLOSED_BACK_MAX,
+            "gateway {gateway}: fail-closed admitted again after {first_admitted:?}"
         );
     }
     Ok(())

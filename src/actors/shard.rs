@@ -805,6 +805,7 @@ impl ShardSet {
         let guard_of =
             |id: StripeId| order.binary_search(&id).expect("every probe's stripe is locked");
 
+        let refill_lead_ms = self.broker.refill_lead_ms();
         let mut missing: Vec<Vec<ColdKey>> = Vec::new();
         let mut short: SmallVec<[(usize, usize); 2]> = SmallVec::new();
         let mut refills: SmallVec<[(usize, usize); 2]> = SmallVec::new();
@@ -916,7 +917,9 @@ impl ShardSet {
                 let (key, _) = probe.counters[counter_index];
                 let stripe = &mut guards[guard_of(probe.stripe)];
                 let slot = stripe.get_mut(&key).expect("a short key exists");
-                if let Some(draft) = slot.lease.poll_lease_for(probe.lease, now_ms, probe.hits) {
+                if let Some(draft) =
+                    slot.lease.poll_lease_for(probe.lease, now_ms, probe.hits, refill_lead_ms)
+                {
                     asks.push((probe.stripe, self.ask(probe, key, slot, draft)));
                 }
             }
@@ -938,7 +941,7 @@ impl ShardSet {
                 }
                 // While the circuit is open only the broker's probes reach the ledger.
                 if short_keys == ShortKeys::Wait
-                    && let Some(draft) = slot.lease.poll_refill(probe.lease, now_ms)
+                    && let Some(draft) = slot.lease.poll_refill(probe.lease, now_ms, refill_lead_ms)
                 {
                     asks.push((probe.stripe, self.ask(probe, key, slot, draft)));
                 }
@@ -1096,16 +1099,21 @@ async fn sweep_forever(
             let labels = [rule.domain.as_str(), rule.path.as_str()];
             let held = held_by_rule.get(&rule.id.0).copied().unwrap_or(0);
             metrics.lease_held_tokens.with_label_values(&labels).set(gauge_value(held));
-            let capacity_tokens =
-                rule.limits.iter().map(|limit| limit.spec.capacity_tokens()).max().unwrap_or(0);
             let fallback_permille =
                 (!broker.circuit_closed()).then_some(options.fallback_multiplier_permille);
-            let bound = rule.lease.drift_bound_tokens(
-                capacity_tokens,
-                options.nodes_in_region,
-                rule.failure_mode == FailureMode::Open,
-                fallback_permille,
-            );
+            let bound = rule
+                .limits
+                .iter()
+                .map(|limit| {
+                    rule.lease.drift_bound_tokens(
+                        &limit.spec,
+                        options.nodes_in_region,
+                        rule.failure_mode == FailureMode::Open,
+                        fallback_permille,
+                    )
+                })
+                .max()
+                .unwrap_or(0);
             metrics.lease_drift_bound_tokens.with_label_values(&labels).set(gauge_value(bound));
         }
     }

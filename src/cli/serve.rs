@@ -137,9 +137,13 @@ impl ServeArgs {
 /// When the configuration is invalid or the node cannot start.
 pub async fn run(arguments: ServeArgs) -> anyhow::Result<()> {
     let config = arguments.resolve()?;
+    // The handlers are in place before the node starts: a SIGTERM while it starts (a
+    // supervisor stopping a node that just became ready) ends in the same orderly shutdown
+    // once the start is done, instead of the signal's default, an abrupt exit.
+    let mut termination = Termination::install()?;
     let node = Node::start(config).await.context("cannot start the node")?;
     let failure = tokio::select! {
-        result = wait_for_termination() => { result?; None }
+        () = termination.wait() => None,
         failure = node.failed() => Some(failure),
     };
     match failure {
@@ -163,15 +167,30 @@ pub async fn run(arguments: ServeArgs) -> anyhow::Result<()> {
 /// Longest the shutdown after a group failure may take before the process exits anyway.
 const FAILED_SHUTDOWN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
-async fn wait_for_termination() -> anyhow::Result<()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut terminate =
-        signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
-    tokio::select! {
-        _ = terminate.recv() => {}
-        result = tokio::signal::ctrl_c() => result.context("cannot install the Ctrl-C handler")?,
+/// SIGTERM and SIGINT (Ctrl-C), caught from the moment they are installed.
+struct Termination {
+    terminate: tokio::signal::unix::Signal,
+    interrupt: tokio::signal::unix::Signal,
+}
+
+impl Termination {
+    fn install() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            terminate: signal(SignalKind::terminate())
+                .context("cannot install the SIGTERM handler")?,
+            interrupt: signal(SignalKind::interrupt())
+                .context("cannot install the SIGINT handler")?,
+        })
     }
-    Ok(())
+
+    /// Returns when either signal has come (at once if one came since `install`).
+    async fn wait(&mut self) {
+        tokio::select! {
+            _ = self.terminate.recv() => {}
+            _ = self.interrupt.recv() => {}
+        }
+    }
 }
 
 /// A `--default-algorithm` value, named as in policy files.

@@ -27,6 +27,7 @@
 //! The shard and lease-broker actors (`crate::actors`) hold these states and perform the
 //! requests; nothing here does IO or reads a clock.
 
+use crate::core::fair_share::rate_milli_per_second;
 use crate::core::rate::{LIMIT_TOKENS_MAX, LimitSpec, LimitState};
 
 /// Fixed-point scale of [`RateEstimate`]: values are kept in milli-hits.
@@ -41,6 +42,9 @@ const DECAY_SIXTEENTHS: [u64; 16] = [
 
 /// Largest lease a rule may ask for.
 pub const LEASE_TOKENS_MAX: u64 = 1_000_000;
+/// The refill watermark follows the ledger's round trip up to this share of the lease: a
+/// node then holds at most 1.5 leases.
+pub const REFILL_LEAD_PERCENT_MAX: u64 = 50;
 /// Longest lease TTL: DESIGN caps it at one second so a dead node strands tokens briefly.
 pub const LEASE_TTL_MS_MAX: u64 = 1_000;
 
@@ -140,36 +144,76 @@ impl LeaseTuning {
         u64::try_from(share).unwrap_or(u64::MAX).max(1)
     }
 
+    /// Balance below which a refill is requested, given that a refill takes `lead_ms` to
+    /// arrive (the ledger's measured round trip) at `rate_milli_per_second`: the
+    /// watermark, or twice what the traffic spends in `lead_ms` if that is more, so a warm
+    /// key's refill lands before its balance runs out; the latter at most
+    /// [`REFILL_LEAD_PERCENT_MAX`] of the lease.
+    pub fn refill_watermark_tokens(
+        &self,
+        lease_size_tokens: u64,
+        rate_milli_per_second: u64,
+        lead_ms: u64,
+    ) -> u64 {
+        let spent_in_lead = (u128::from(rate_milli_per_second) * u128::from(lead_ms))
+            .saturating_mul(2)
+            / u128::from(MILLI * MILLI);
+        let lead_max = u128::from(lease_size_tokens) * u128::from(REFILL_LEAD_PERCENT_MAX) / 100;
+        let lead = u64::try_from(spent_in_lead.min(lead_max)).unwrap_or(u64::MAX);
+        self.low_watermark_tokens(lease_size_tokens).max(lead)
+    }
+
     /// Most tokens one node can hold for a key of `capacity_tokens` in a region of `nodes`:
-    /// a refill is asked only below the watermark, so at most `watermark - 1` remain when a
-    /// full lease arrives; a key's lease is capped by its small-key cap.
+    /// a refill is asked only below the (refill) watermark, so at most `watermark - 1`
+    /// remain when a full lease arrives; a key's lease is capped by its small-key cap.
     pub fn held_tokens_max(&self, capacity_tokens: u64, nodes: u64) -> u64 {
         let size = self.max_lease_tokens.min(size_cap_tokens(capacity_tokens, nodes));
-        let watermark = self.low_watermark_tokens(size);
+        self.held_for_size(size)
+    }
+
+    /// What a node may hold with a lease of `size` tokens: the lease, plus what was left
+    /// below the highest watermark when it arrived.
+    fn held_for_size(&self, size: u64) -> u64 {
+        let watermark = self.refill_watermark_tokens(size, u64::MAX, u64::MAX);
         size.saturating_add(watermark.saturating_sub(1))
     }
 
-    /// The drift bound of DESIGN section 3 for one key of `capacity_tokens` in a region of
-    /// `nodes`: the tokens outside the ledger, each node holding at most
-    /// [`LeaseTuning::held_tokens_max`] plus its credit (fail-open rules), and, while the
-    /// circuit is not closed, the fallback allowance `fallback_permille / 1000 x capacity`
-    /// (every node's bucket starts at most at its share; over a window W of outage the
-    /// fallback refills add `multiplier x rate x W` more).
+    /// The drift bound of DESIGN section 3 for one key of `limit` in a region of `nodes`:
+    /// the tokens outside the ledger, each node holding at most
+    /// [`LeaseTuning::held_tokens_max`] plus its credit (fail-open rules), plus what
+    /// contention may add: a contended node's lease is not held to the small-key cap (see
+    /// [`KeyLease::lease_size_tokens`]), but what the ledger grants it beyond the cap is its
+    /// fair share, accrued for at most two lookaheads, and a burst left in the bucket of at
+    /// most as much again, so the nodes together hold at most `4 x rate x lookahead` more
+    /// (and never more than `max_lease` each). While the circuit is not closed, add the
+    /// fallback allowance `fallback_permille / 1000 x capacity` (every node's bucket starts
+    /// at most at its share; over a window W of outage the fallback refills add
+    /// `multiplier x rate x W` more).
     pub fn drift_bound_tokens(
         &self,
-        capacity_tokens: u64,
+        limit: &LimitSpec,
         nodes: u64,
         fail_open: bool,
         fallback_permille: Option<u64>,
     ) -> u64 {
+        let capacity_tokens = limit.capacity_tokens();
         let credit =
             if fail_open { Credit::fail_open(self, capacity_tokens, nodes).tokens_max } else { 0 };
-        let leases = nodes
-            .saturating_mul(self.held_tokens_max(capacity_tokens, nodes).saturating_add(credit));
+        let held_capped = self.held_tokens_max(capacity_tokens, nodes);
+        let leases = nodes.saturating_mul(held_capped.saturating_add(credit));
+        let held_uncapped = self.held_for_size(self.max_lease_tokens);
+        let uncapped_extra = nodes.saturating_mul(held_uncapped.saturating_sub(held_capped));
+        let shares_extra = u64::try_from(
+            u128::from(rate_milli_per_second(limit)) * u128::from(self.lookahead_ms) * 4
+                / u128::from(MILLI * MILLI),
+        )
+        .unwrap_or(u64::MAX);
+        let contended = uncapped_extra.min(shares_extra);
         let fallback = fallback_permille.map_or(0, |permille| {
             let allowance = u128::from(capacity_tokens) * u128::from(permille) / 1000;
             u64::try_from(allowance).unwrap_or(u64::MAX)
         });
+        let leases = leases.saturating_add(contended);
         leases.saturating_add(if fail_open { fallback } else { 0 })
     }
 
@@ -337,6 +381,9 @@ pub enum ReportAnswer {
         retry_after_ms: u64,
         /// Whole tokens left in the ledger's bucket after the grant.
         remaining_tokens: u64,
+        /// The ledger divided the key between nodes: the grant was capped by this node's
+        /// fair share.
+        contended: bool,
     },
     /// Not applied (the ledger had a newer report, or the call failed, or its outcome is
     /// unknown): the next report settles whatever happened, since its counts are totals.
@@ -376,6 +423,9 @@ pub struct KeyLease {
     /// A report's outcome is unknown (no answer): the ledger may count a grant this node
     /// never saw, so a settle report is due until an answer says what it counts.
     unconfirmed: bool,
+    /// The last answer capped the grant by this node's fair share: the ledger bounds what
+    /// the node holds, so its lease size is a lookahead of its demand, uncapped.
+    contended: bool,
     rate: RateEstimate,
 }
 
@@ -473,6 +523,7 @@ impl KeyLease {
         tuning: &LeaseTuning,
         now_ms: u64,
         hits: u64,
+        lead_ms: u64,
     ) -> Option<ReportDraft> {
         self.expire(now_ms);
         if self.in_flight || now_ms < self.retry_at_ms {
@@ -481,7 +532,9 @@ impl KeyLease {
         let size = self.lease_size_tokens(tuning, now_ms);
         let lacking = hits.saturating_sub(self.balance_tokens);
         let small = self.size_cap_tokens < tuning.min_lease_tokens;
-        let below_watermark = self.balance_tokens < tuning.low_watermark_tokens(size);
+        let rate_milli = self.rate.rate_milli_per_second(now_ms, tuning.rate_half_life_ms);
+        let below_watermark =
+            self.balance_tokens < tuning.refill_watermark_tokens(size, rate_milli, lead_ms);
         if lacking == 0 && (small || !below_watermark) {
             return None;
         }
@@ -490,8 +543,13 @@ impl KeyLease {
     }
 
     /// The refill to request now, if any (see [`KeyLease::poll_lease_for`]).
-    pub fn poll_refill(&mut self, tuning: &LeaseTuning, now_ms: u64) -> Option<ReportDraft> {
-        self.poll_lease_for(tuning, now_ms, 0)
+    pub fn poll_refill(
+        &mut self,
+        tuning: &LeaseTuning,
+        now_ms: u64,
+        lead_ms: u64,
+    ) -> Option<ReportDraft> {
+        self.poll_lease_for(tuning, now_ms, 0, lead_ms)
     }
 
     /// A settle-only report, when the ledger's count of this key differs from the node's (it
@@ -557,12 +615,14 @@ impl KeyLease {
         self.in_flight = false;
         self.in_flight_want_tokens = 0;
         self.expire(now_ms);
-        let ReportAnswer::Settled { granted_tokens, retry_after_ms, remaining_tokens } = answer
+        let ReportAnswer::Settled { granted_tokens, retry_after_ms, remaining_tokens, contended } =
+            answer
         else {
             self.unconfirmed = true;
             return;
         };
         self.answered = true;
+        self.contended = contended;
         self.unconfirmed = false;
         self.ledger_remaining_tokens = remaining_tokens;
         self.answered_at_ms = now_ms;
@@ -610,11 +670,20 @@ impl KeyLease {
         std::mem::take(&mut self.balance_tokens)
     }
 
-    /// The lease size this key's traffic calls for now, within its small-key cap.
+    /// The lease size this key's traffic calls for now, within its small-key cap. A
+    /// contended key that is not small asks a lookahead of its demand whatever the cap: the
+    /// ledger grants it no more than its fair share, and a lease capped below a lookahead of
+    /// that share would cost more than one ledger write per lookahead (when fewer than half
+    /// the region's nodes share the key).
     pub fn lease_size_tokens(&self, tuning: &LeaseTuning, now_ms: u64) -> u64 {
         let size = tuning
             .lease_size_tokens(self.rate.rate_milli_per_second(now_ms, tuning.rate_half_life_ms));
-        if self.size_cap_tokens == 0 { size } else { size.min(self.size_cap_tokens) }
+        let small = self.size_cap_tokens < tuning.min_lease_tokens;
+        if self.size_cap_tokens == 0 || (self.contended && !small) {
+            size
+        } else {
+            size.min(self.size_cap_tokens)
+        }
     }
 
     fn expire(&mut self, now_ms: u64) {

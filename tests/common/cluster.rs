@@ -101,6 +101,8 @@ pub struct ClusterNode {
     pub gateway: bool,
     /// The user id its process runs as, when not the test's.
     pub uid: Option<u32>,
+    /// More environment variables for its process (e.g. libfaketime's), set before a start.
+    pub environment: Vec<(&'static str, String)>,
     pub process: Option<NodeProcess>,
 }
 
@@ -121,6 +123,7 @@ impl ClusterNode {
             peers: Vec::new(),
             gateway: false,
             uid: None,
+            environment: Vec::new(),
             process: None,
         })
     }
@@ -179,16 +182,18 @@ impl ClusterNode {
     pub fn spawn(&self, extra: &[&str]) -> anyhow::Result<NodeProcess> {
         let mut arguments: Vec<OsString> = vec!["--config".into(), self.config_path.clone().into()];
         arguments.extend(extra.iter().map(OsString::from));
+        let mut environment = vec![
+            ("QUOTAMESH_ADMIN_ADDR", self.admin_addr.to_string()),
+            // The billing API is not under test here; keep it off the shared default port.
+            ("QUOTAMESH_BILLING_ADDR", format!("{}:0", self.admin_addr.ip())),
+        ];
+        environment.extend(self.environment.iter().cloned());
         NodeProcess::spawn_as(
             self.rls_addr,
             self.metrics_addr,
             &self.data_dir,
             &arguments,
-            &[
-                ("QUOTAMESH_ADMIN_ADDR", self.admin_addr.to_string()),
-                // The billing API is not under test here; keep it off the shared default port.
-                ("QUOTAMESH_BILLING_ADDR", format!("{}:0", self.admin_addr.ip())),
-            ],
+            &environment,
             Some(&self.log_path),
             self.uid,
         )

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use quotamesh::api::proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use quotamesh::api::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use quotamesh::core::rate::{Algorithm, LimitSpec};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
@@ -58,6 +59,11 @@ descriptors:
 pub const LIMIT_PER_SECOND: u64 = 1_000;
 /// Token-bucket capacity of `user` and `payment` (the burst defaults to the rate).
 pub const BURST_TOKENS: u64 = 1_000;
+
+/// The limit of the `user` and `payment` rules.
+pub fn user_limit() -> LimitSpec {
+    LimitSpec::new(Algorithm::TokenBucket, LIMIT_PER_SECOND, 1_000, None).expect("a valid limit")
+}
 /// `leasing.nodes_in_region` on every node: three voters and two gateways.
 pub const NODES_IN_REGION: u64 = 5;
 /// The voters' raft node ids (127.0.0.1 to .3).
@@ -244,4 +250,10 @@ pub fn percentile<'a>(answers: impl Iterator<Item = &'a Answer>, percent: usize)
 /// Milliseconds with a fraction, for printing durations.
 pub fn ms(duration: Duration) -> f64 {
     duration.as_secs_f64() * 1000.0
+}
+
+/// Prints one measured figure on a line of its own, which `benches/leasing_region.sh`
+/// gathers into the leasing benchmark's table.
+pub fn figure(case: &str, what: &str, value: impl std::fmt::Display) {
+    eprintln!("figure | {case} | {what} | {value}");
 }

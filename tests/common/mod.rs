@@ -401,3 +401,17 @@ impl Drop for CpuHog {
         }
     }
 }
+
+/// libfaketime's preload library where Debian installs it (any architecture).
+pub fn libfaketime() -> anyhow::Result<PathBuf> {
+    let library = Path::new("/usr/lib");
+    let mut candidates = vec![library.join("faketime/libfaketime.so.1")];
+    if let Ok(entries) = std::fs::read_dir(library) {
+        for entry in entries.flatten() {
+            candidates.push(entry.path().join("faketime/libfaketime.so.1"));
+        }
+    }
+    candidates.into_iter().find(|path| path.exists()).context(
+        "libfaketime not found: install Debian's `faketime` package (scripts/test.sh does)",
+    )
+}
