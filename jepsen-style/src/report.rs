@@ -1,0 +1,150 @@
+//! The run report (`report.md`, and what `quotamesh-jepsen report` prints): the options,
+//! the verdict with each check's first problems, operations by function and outcome, the
+//! share of operations that succeeded with and without a fault active, and each fault with
+//! the time from its end to the next `ok`. Rendered from the run's files alone.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::path::Path;
+
+use anyhow::Context;
+
+use crate::checker::Verdict;
+use crate::history::{Event, EventType, Function, operations, read_jsonl};
+use crate::nemesis::{NemesisRecord, Phase};
+use crate::run::RunRecord;
+
+/// Renders the report of the run in `directory` (its verdict must have been written).
+///
+/// # Errors
+/// `run.json` or `verdict.json` cannot be read.
+pub fn render(directory: &Path) -> anyhow::Result<String> {
+    let record: RunRecord = serde_json::from_slice(
+        &std::fs::read(directory.join("run.json")).context("read run.json")?,
+    )?;
+    let verdict: Verdict = serde_json::from_slice(
+        &std::fs::read(directory.join("verdict.json")).context("read verdict.json")?,
+    )?;
+    let events: Vec<Event> = read_jsonl(&directory.join("history.jsonl")).unwrap_or_default();
+    let faults: Vec<NemesisRecord> =
+        read_jsonl(&directory.join("nemesis.jsonl")).unwrap_or_default();
+    Ok(render_parts(&record, &verdict, &events, &faults))
+}
+
+/// The report from the run's records. Pure.
+pub fn render_parts(
+    record: &RunRecord,
+    verdict: &Verdict,
+    events: &[Event],
+    faults: &[NemesisRecord],
+) -> String {
+    let options = &record.options;
+    let mut text = String::new();
+    let nemeses: Vec<String> =
+        options.nemeses.iter().map(|kind| format!("{kind:?}").to_lowercase()).collect();
+    let _ = writeln!(
+        text,
+        "# quotamesh-jepsen: {} on {} {} nodes, seed {}\n\n\
+         nemeses: {} · time limit {} s · rate {}/s · {} accounts of {} above a floor of {}\n",
+        options.workload,
+        options.nodes,
+        options.topology,
+        options.seed,
+        if nemeses.is_empty() { "none".to_owned() } else { nemeses.join(", ") },
+        options.time_limit_ms / 1_000,
+        options.rate_per_second,
+        record.bank.accounts,
+        record.bank.initial_balance,
+        record.bank.floor,
+    );
+    let _ = writeln!(text, "## Verdict: {:?}\n", verdict.validity);
+    let _ = writeln!(text, "| check | verdict | checked | problems |\n|---|---|---|---|");
+    for check in &verdict.checks {
+        let _ = writeln!(
+            text,
+            "| {} | {:?} | {} | {} |",
+            check.name, check.validity, check.checked, check.problem_count
+        );
+    }
+    for check in verdict.checks.iter().filter(|check| !check.problems.is_empty()) {
+        let _ = writeln!(text, "\n{} (first problems):\n", check.name);
+        for problem in &check.problems {
+            let _ = writeln!(text, "- {problem}");
+        }
+    }
+
+    let operations = operations(events);
+    let mut counts: BTreeMap<Function, [u64; 3]> = BTreeMap::new();
+    for operation in &operations {
+        let slot = counts.entry(operation.invoke.f).or_default();
+        match operation.outcome() {
+            EventType::Ok => slot[0] += 1,
+            EventType::Fail => slot[1] += 1,
+            _ => slot[2] += 1,
+        }
+    }
+    let _ = writeln!(text, "\n## Operations ({})\n", operations.len());
+    let _ = writeln!(text, "| function | ok | fail | info |\n|---|---|---|---|");
+    for (function, [ok, fail, info]) in &counts {
+        let _ = writeln!(text, "| {function:?} | {ok} | {fail} | {info} |");
+    }
+
+    // Fault intervals, from each start record to its end record.
+    let mut intervals: Vec<(u64, u64)> = Vec::new();
+    for start in faults.iter().filter(|record| record.phase == Phase::Start) {
+        let end = faults
+            .iter()
+            .find(|record| record.fault == start.fault && record.phase == Phase::End)
+            .map_or(u64::MAX, |record| record.time_ns);
+        intervals.push((start.time_ns, end));
+    }
+    let faulty = |at: u64| intervals.iter().any(|(start, end)| *start <= at && at <= *end);
+    let mut shares = [[0_u64; 2]; 2];
+    for operation in &operations {
+        let during = usize::from(faulty(operation.invoke.time_ns));
+        shares[during][0] += 1;
+        shares[during][1] += u64::from(operation.outcome() == EventType::Ok);
+    }
+    let percent = |[all, ok]: [u64; 2]| {
+        if all == 0 { "-".to_owned() } else { format!("{:.1} %", ok as f64 * 100.0 / all as f64) }
+    };
+    let _ = writeln!(
+        text,
+        "\nAvailability (share of operations `ok`): no fault active {} of {}; a fault active \
+         {} of {}.",
+        percent(shares[0]),
+        shares[0][0],
+        percent(shares[1]),
+        shares[1][0]
+    );
+
+    let _ = writeln!(text, "\n## Faults ({})\n", intervals.len());
+    let _ = writeln!(
+        text,
+        "| # | kind | target | nodes | start s | end s | outcome | first ok after end |\n\
+         |---|---|---|---|---|---|---|---|"
+    );
+    for start in faults.iter().filter(|record| record.phase == Phase::Start) {
+        let end =
+            faults.iter().find(|record| record.fault == start.fault && record.phase == Phase::End);
+        let end_ns = end.map_or(u64::MAX, |record| record.time_ns);
+        let recovery = events
+            .iter()
+            .find(|event| event.event_type == EventType::Ok && event.time_ns >= end_ns)
+            .map_or("-".to_owned(), |event| format!("{} ms", (event.time_ns - end_ns) / 1_000_000));
+        let nodes: Vec<String> = start.nodes.iter().map(|node| node.0.to_string()).collect();
+        let _ = writeln!(
+            text,
+            "| {} | {:?} | {:?} | {} | {:.1} | {} | {:?} | {} |",
+            start.fault,
+            start.kind,
+            start.target,
+            nodes.join(","),
+            start.time_ns as f64 / 1e9,
+            end.map_or("-".to_owned(), |record| format!("{:.1}", record.time_ns as f64 / 1e9)),
+            end.map_or(start.outcome, |record| record.outcome),
+            recovery
+        );
+    }
+    text
+}

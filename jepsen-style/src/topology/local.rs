@@ -1,0 +1,443 @@
+//! The `local` topology: N `quotamesh serve` processes on 127.0.0.1, each with its own
+//! ports, TOML config, data directory and log under the run's directory, formed into one
+//! region as an operator would: certificates from `quotamesh cluster certs`, token digests
+//! from `quotamesh billing hash-token`, node 1 bootstrapping the billing group and
+//! `quotamesh cluster init` forming the quota group. Faults are signals: SIGKILL (then a
+//! restart on the same data directory), SIGSTOP and SIGCONT.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::process::{Child, Command};
+
+use crate::history::NodeId;
+
+/// How long a node may take to answer `/healthz` after it is spawned.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long one CLI command (certificates, token digests, `cluster init`) may take.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
+/// One HTTP request to a node's metrics port.
+const HTTP_TIMEOUT: Duration = Duration::from_secs(2);
+/// Between two looks at a starting node.
+const POLL: Duration = Duration::from_millis(50);
+/// Ports handed to nodes: below Linux's ephemeral range, so no outgoing connection takes one
+/// between the check here and the node's bind.
+const PORTS: std::ops::Range<u16> = 20_000..32_000;
+/// The cluster and region the nodes' configs and certificates name.
+const CLUSTER_ID: &str = "jepsen";
+
+/// The operator and billing tokens the nodes accept (made fresh for each run).
+#[derive(Debug, Clone)]
+pub struct Tokens {
+    pub admin: String,
+    pub billing: String,
+}
+
+/// One node's addresses and files; its process while it runs.
+pub struct LocalNode {
+    pub id: NodeId,
+    pub billing_addr: String,
+    pub metrics_addr: String,
+    pub admin_addr: String,
+    pub config_path: PathBuf,
+    pub log_path: PathBuf,
+    child: Option<Child>,
+    paused: bool,
+}
+
+impl LocalNode {
+    /// The process id while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().and_then(Child::id)
+    }
+
+    pub fn running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    /// Stopped by SIGSTOP and not resumed yet.
+    pub fn paused(&self) -> bool {
+        self.paused
+    }
+}
+
+/// A region of local node processes.
+pub struct LocalCluster {
+    binary: PathBuf,
+    pub nodes: Vec<LocalNode>,
+    pub tokens: Tokens,
+}
+
+impl LocalCluster {
+    /// Writes the region's certificates and configs under `directory`, starts `count`
+    /// nodes with `binary` and forms the region.
+    ///
+    /// # Errors
+    /// A CLI command fails, a node does not become ready, or the region forms no leader.
+    pub async fn start(binary: &Path, directory: &Path, count: usize) -> anyhow::Result<Self> {
+        anyhow::ensure!(count >= 1, "a region needs a node");
+        anyhow::ensure!(
+            binary.is_file(),
+            "no quotamesh binary at {} (build it with `cargo build --release --bin quotamesh`, \
+             or give --binary / QUOTAMESH_BIN)",
+            binary.display()
+        );
+        let certs = directory.join("certs");
+        let nodes_directory = directory.join("nodes");
+        let logs = directory.join("logs");
+        for path in [&nodes_directory, &logs] {
+            std::fs::create_dir_all(path).with_context(|| format!("create {}", path.display()))?;
+        }
+        let nonce = format!("{:x}-{}", std::process::id(), crate::run::unix_ms());
+        let tokens = Tokens {
+            admin: format!("jepsen-operator-{nonce}"),
+            billing: format!("jepsen-billing-{nonce}"),
+        };
+        let admin_sha256 = hash_token(binary, &tokens.admin).await?;
+        let billing_sha256 = hash_token(binary, &tokens.billing).await?;
+        let certs_arg = certs.display().to_string();
+        run_cli(
+            binary,
+            &["cluster", "certs", "init", "--cluster-id", CLUSTER_ID, "--out", &certs_arg],
+            None,
+        )
+        .await?;
+        let mut ports = PortPicker::new();
+        let mut nodes = Vec::new();
+        let mut raft_addrs = Vec::new();
+        for position in 0..count {
+            let id = position as u64 + 1;
+            let id_arg = id.to_string();
+            run_cli(
+                binary,
+                &[
+                    "cluster",
+                    "certs",
+                    "issue",
+                    "--ca",
+                    &certs_arg,
+                    "--node-id",
+                    &id_arg,
+                    "--region",
+                    CLUSTER_ID,
+                    "--san",
+                    "127.0.0.1",
+                ],
+                None,
+            )
+            .await?;
+            raft_addrs.push(format!("127.0.0.1:{}", ports.next()?));
+            nodes.push(LocalNode {
+                id: NodeId(id),
+                billing_addr: format!("127.0.0.1:{}", ports.next()?),
+                metrics_addr: format!("127.0.0.1:{}", ports.next()?),
+                admin_addr: format!("127.0.0.1:{}", ports.next()?),
+                config_path: nodes_directory.join(format!("node-{id}.toml")),
+                log_path: logs.join(format!("node-{id}.log")),
+                child: None,
+                paused: false,
+            });
+        }
+        let peers: String = raft_addrs
+            .iter()
+            .enumerate()
+            .map(|(position, address)| {
+                format!("[[peers]]\nid = {}\nraft_addr = \"{address}\"\n\n", position + 1)
+            })
+            .collect();
+        for (position, node) in nodes.iter().enumerate() {
+            let id = node.id.0;
+            let config = format!(
+                "# Written by quotamesh-jepsen for one run.\n\
+                 node_id = \"jepsen-{id}\"\nregion = \"{CLUSTER_ID}\"\ncluster_id = \"{CLUSTER_ID}\"\n\
+                 raft_node_id = {id}\ndata_dir = \"{data}\"\n\
+                 rls_addr = \"127.0.0.1:{rls}\"\nmetrics_addr = \"{metrics}\"\n\
+                 admin_addr = \"{admin}\"\nbilling_addr = \"{billing}\"\nraft_addr = \"{raft}\"\n\n\
+                 {peers}\
+                 [tls]\ncert = \"{certs}/node-{id}.pem\"\nkey = \"{certs}/node-{id}.key\"\n\
+                 ca = \"{certs}/ca.pem\"\n\n\
+                 [[admin.tokens]]\nname = \"jepsen-operator\"\nsha256 = \"{admin_sha256}\"\n\n\
+                 [billing]\nbootstrap = {bootstrap}\n\n\
+                 [[billing.tokens]]\nname = \"jepsen\"\nsha256 = \"{billing_sha256}\"\n\
+                 tenants = [\"*\"]\n",
+                data = nodes_directory.join(format!("node-{id}")).display(),
+                rls = ports.next()?,
+                metrics = node.metrics_addr,
+                admin = node.admin_addr,
+                billing = node.billing_addr,
+                raft = raft_addrs[position],
+                certs = certs.display(),
+                bootstrap = position == 0,
+            );
+            std::fs::write(&node.config_path, config)
+                .with_context(|| format!("write {}", node.config_path.display()))?;
+        }
+        let mut cluster = Self { binary: binary.to_owned(), nodes, tokens };
+        for position in 0..count {
+            cluster.spawn(position).await?;
+        }
+        let admin_addrs: Vec<&str> =
+            cluster.nodes.iter().map(|node| node.admin_addr.as_str()).collect();
+        let admin_addrs = admin_addrs.join(",");
+        run_cli(
+            &cluster.binary,
+            &["cluster", "init", "--admin-addr", &admin_addrs],
+            Some(&cluster.tokens.admin),
+        )
+        .await?;
+        Ok(cluster)
+    }
+
+    /// Starts node `position`'s process on its config and waits until `/healthz` answers.
+    async fn spawn(&mut self, position: usize) -> anyhow::Result<()> {
+        let node = &mut self.nodes[position];
+        anyhow::ensure!(node.child.is_none(), "node {} runs already", node.id.0);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&node.log_path)
+            .with_context(|| format!("open {}", node.log_path.display()))?;
+        let child = Command::new(&self.binary)
+            .arg("serve")
+            .arg("--config")
+            .arg(&node.config_path)
+            // The log an operator gets by default.
+            .env_remove("RUST_LOG")
+            .env("RUST_BACKTRACE", "1")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            // A runner that dies must not leave nodes behind.
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("spawn node {}", node.id.0))?;
+        node.child = Some(child);
+        node.paused = false;
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            if let Some(child) = node.child.as_mut()
+                && let Some(status) = child.try_wait()?
+            {
+                node.child = None;
+                bail!(
+                    "node {} exited while starting ({status}); see {}",
+                    node.id.0,
+                    node.log_path.display()
+                );
+            }
+            if let Ok((200, _)) = http_get(&node.metrics_addr, "/healthz").await {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("node {} was not healthy within {READY_TIMEOUT:?}", node.id.0);
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// SIGKILL (kill -9): no shutdown, no flush; waits until the process is gone.
+    ///
+    /// # Errors
+    /// The node is not running or cannot be signalled.
+    pub async fn kill(&mut self, position: usize) -> anyhow::Result<()> {
+        let node = &mut self.nodes[position];
+        let mut child = node.child.take().with_context(|| format!("node {} is down", node.id.0))?;
+        child.kill().await.with_context(|| format!("kill node {}", node.id.0))?;
+        node.paused = false;
+        Ok(())
+    }
+
+    /// Restarts a killed node on its data directory.
+    ///
+    /// # Errors
+    /// It runs already, or does not become healthy.
+    pub async fn restart(&mut self, position: usize) -> anyhow::Result<()> {
+        self.spawn(position).await
+    }
+
+    /// SIGSTOP: the process freezes; its sockets stay open.
+    ///
+    /// # Errors
+    /// The node is not running or the signal fails.
+    pub async fn pause(&mut self, position: usize) -> anyhow::Result<()> {
+        self.signal(position, "STOP").await?;
+        self.nodes[position].paused = true;
+        Ok(())
+    }
+
+    /// SIGCONT.
+    ///
+    /// # Errors
+    /// The node is not running or the signal fails.
+    pub async fn resume(&mut self, position: usize) -> anyhow::Result<()> {
+        self.signal(position, "CONT").await?;
+        self.nodes[position].paused = false;
+        Ok(())
+    }
+
+    async fn signal(&self, position: usize, signal: &str) -> anyhow::Result<()> {
+        let node = &self.nodes[position];
+        let pid = node.pid().with_context(|| format!("node {} is down", node.id.0))?;
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(pid.to_string())
+            .status()
+            .await
+            .context("run kill")?;
+        anyhow::ensure!(status.success(), "kill -{signal} {pid} (node {}) failed", node.id.0);
+        Ok(())
+    }
+
+    /// Undoes every fault: resumes paused nodes, restarts killed ones. Returns what failed.
+    pub async fn heal(&mut self) -> Vec<String> {
+        let mut problems = Vec::new();
+        for position in 0..self.nodes.len() {
+            let result = if self.nodes[position].paused {
+                self.resume(position).await
+            } else if !self.nodes[position].running() {
+                self.restart(position).await
+            } else {
+                Ok(())
+            };
+            if let Err(error) = result {
+                problems.push(format!("{error:#}"));
+            }
+        }
+        problems
+    }
+
+    /// Node `position`'s Prometheus text.
+    ///
+    /// # Errors
+    /// The node does not answer in time.
+    pub async fn metrics(&self, position: usize) -> anyhow::Result<String> {
+        let (status, body) = http_get(&self.nodes[position].metrics_addr, "/metrics").await?;
+        anyhow::ensure!(status == 200, "/metrics answered {status}");
+        Ok(body)
+    }
+
+    /// Resumes and stops every node (SIGTERM, then SIGKILL after a grace period).
+    pub async fn shutdown(&mut self) {
+        const GRACE: Duration = Duration::from_secs(10);
+        for position in 0..self.nodes.len() {
+            if self.nodes[position].paused {
+                let _ = self.resume(position).await;
+            }
+            if self.nodes[position].running() {
+                let _ = self.signal(position, "TERM").await;
+            }
+        }
+        for node in &mut self.nodes {
+            if let Some(mut child) = node.child.take()
+                && tokio::time::timeout(GRACE, child.wait()).await.is_err()
+            {
+                let _ = child.kill().await;
+            }
+        }
+    }
+}
+
+/// Hands out ports that were free a moment ago, each once.
+struct PortPicker {
+    next: u16,
+}
+
+impl PortPicker {
+    fn new() -> Self {
+        // Each runner starts at its own place, so parallel runs rarely probe the same ports.
+        let span = u32::from(PORTS.end - PORTS.start);
+        let offset = (std::process::id().wrapping_mul(7_919)) % span;
+        Self { next: PORTS.start + u16::try_from(offset).unwrap_or(0) }
+    }
+
+    fn next(&mut self) -> anyhow::Result<u16> {
+        for _ in PORTS {
+            let port = self.next;
+            self.next = if self.next + 1 >= PORTS.end { PORTS.start } else { self.next + 1 };
+            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return Ok(port);
+            }
+        }
+        bail!("no free port on 127.0.0.1 in {PORTS:?}")
+    }
+}
+
+/// Runs a `quotamesh` CLI command (with the operator token when given); returns stdout.
+async fn run_cli(
+    binary: &Path,
+    arguments: &[&str],
+    admin_token: Option<&str>,
+) -> anyhow::Result<String> {
+    let mut command = Command::new(binary);
+    command.args(arguments).env("RUST_BACKTRACE", "0").stdin(Stdio::null()).kill_on_drop(true);
+    if let Some(token) = admin_token {
+        command.env("QUOTAMESH_ADMIN_TOKEN", token);
+    }
+    let output = tokio::time::timeout(COMMAND_TIMEOUT, command.output())
+        .await
+        .with_context(|| {
+            format!("quotamesh {} took over {COMMAND_TIMEOUT:?}", arguments.join(" "))
+        })?
+        .context("run quotamesh")?;
+    if !output.status.success() {
+        bail!(
+            "quotamesh {} failed ({}): {}",
+            arguments.join(" "),
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// `quotamesh billing hash-token`: the digest a node's config stores for `token`.
+async fn hash_token(binary: &Path, token: &str) -> anyhow::Result<String> {
+    let mut child = Command::new(binary)
+        .args(["billing", "hash-token"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .context("run quotamesh billing hash-token")?;
+    let mut stdin = child.stdin.take().context("hash-token's stdin")?;
+    stdin.write_all(token.as_bytes()).await?;
+    drop(stdin);
+    let output = tokio::time::timeout(COMMAND_TIMEOUT, child.wait_with_output())
+        .await
+        .context("hash-token took too long")??;
+    anyhow::ensure!(
+        output.status.success(),
+        "hash-token failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let digest = String::from_utf8_lossy(&output.stdout).trim().to_owned();
+    anyhow::ensure!(digest.len() == 64, "hash-token printed {digest:?}");
+    Ok(digest)
+}
+
+/// A minimal HTTP/1.1 GET (health and metrics endpoints), with a timeout.
+async fn http_get(address: &str, path: &str) -> anyhow::Result<(u16, String)> {
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect(address).await?;
+        let head = format!("GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n");
+        stream.write_all(head.as_bytes()).await?;
+        let mut response = Vec::new();
+        stream.read_to_end(&mut response).await?;
+        anyhow::Ok(String::from_utf8_lossy(&response).into_owned())
+    };
+    let response = tokio::time::timeout(HTTP_TIMEOUT, exchange)
+        .await
+        .with_context(|| format!("GET {address}{path} took over {HTTP_TIMEOUT:?}"))??;
+    let (head, body) = response.split_once("\r\n\r\n").context("no end of the HTTP header")?;
+    let status = head
+        .lines()
+        .next()
+        .and_then(|line| line.split_whitespace().nth(1))
+        .context("no HTTP status line")?
+        .parse()?;
+    Ok((status, body.to_owned()))
+}
