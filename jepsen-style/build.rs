@@ -1,11 +1,15 @@
-//! Generates the gRPC client of the node's billing API from the project's
-//! `proto/` with protox (no system `protoc`). Clients only: the suite serves nothing.
+//! Generates the gRPC clients of the node's billing API and Envoy Rate Limit Service from
+//! the project's `proto/` with protox (no system `protoc`). Clients only: the suite serves
+//! nothing.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=../proto");
     let mut compiler = protox::Compiler::new(["../proto"])?;
     compiler.include_imports(true);
-    compiler.open_files(["quotamesh/billing/v1/billing.proto"])?;
+    compiler.open_files([
+        "quotamesh/billing/v1/billing.proto",
+        "envoy/service/ratelimit/v3/rls.proto",
+    ])?;
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(false)

@@ -1,29 +1,25 @@
-//! The suite's billing client: one lazily connected gRPC channel per node, every call with
-//! a bearer token and a timeout, and the translation of replies into the history's
-//! vocabulary (`ok` with what was decided, `fail` when nothing can have been applied, `info`
-//! when it may have been). Also the two reads of the final phase: which node leads, and
-//! the whole audit trail.
+//! The suite's clients of the nodes' billing API and Rate Limit Service: one lazily
+//! connected gRPC channel per node and API, every call with a timeout (and a bearer token
+//! for billing), and the translation of replies into the history's vocabulary (`ok` with
+//! what was decided, `fail` when nothing can have been applied, `info` when it may have
+//! been). Also the two reads of the final phase: which node leads, and the whole audit trail.
 
 use std::time::Duration;
 
 use anyhow::Context;
 use tonic::transport::Channel;
 
-use crate::history::{Decision, EntryKind, EventType, OpValue, TrailEntry};
+use crate::history::{Decision, EntryKind, EventType, Function, OpValue, TrailEntry};
+use crate::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use crate::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use crate::proto::envoy::service::ratelimit::v3 as rls;
+use crate::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use crate::proto::quotamesh::billing::v1 as pb;
 use crate::workload::bank::TENANT;
-
-/// Code generated from `proto/quotamesh/billing/v1/billing.proto`.
-#[allow(clippy::all, unused_qualifications)]
-pub mod pb {
-    tonic::include_proto!("quotamesh.billing.v1");
-}
-
 use pb::billing_client::BillingClient;
 
-/// How long a node may take to commit (its shipped `[billing] deadline_ms`).
-pub const NODE_DEADLINE: Duration = Duration::from_millis(1_000);
-/// A call's timeout: the node's deadline and a second for the network and a loaded machine.
-/// Past it the outcome of a mutation is unknown.
+/// A call's timeout: a node's shipped billing deadline (`[billing] deadline_ms`, 1 s) and a
+/// second for the network and a loaded machine. Past it the outcome of a mutation is unknown.
 pub const CALL_TIMEOUT: Duration = Duration::from_millis(2_000);
 /// Connecting to a node: a stopped or killed one fails fast.
 const CONNECT_TIMEOUT: Duration = Duration::from_millis(1_000);
@@ -31,6 +27,99 @@ const CONNECT_TIMEOUT: Duration = Duration::from_millis(1_000);
 const METADATA_LEADER: &str = "x-quotamesh-leader";
 /// Entries per `ListEntries` page (the API's maximum).
 const PAGE_SIZE: u32 = 1_000;
+
+/// A lazy channel to `address` (`host:port`) with the suite's timeouts.
+fn channel(address: &str) -> anyhow::Result<Channel> {
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
+        .with_context(|| format!("address {address}"))?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .timeout(CALL_TIMEOUT);
+    Ok(endpoint.connect_lazy())
+}
+
+/// The clients of every node, by position: billing and RLS.
+#[derive(Clone)]
+pub struct Clients {
+    pub billing: BillingNodes,
+    rls: Vec<RateLimitServiceClient<Channel>>,
+}
+
+impl Clients {
+    /// Lazy channels to the nodes' billing and RLS addresses.
+    ///
+    /// # Errors
+    /// An address is not a valid URI.
+    pub fn new(billing: &[String], rls: &[String], token: &str) -> anyhow::Result<Self> {
+        let rls = rls
+            .iter()
+            .map(|address| Ok(RateLimitServiceClient::new(channel(address)?)))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(Self { billing: BillingNodes::new(billing, token)?, rls })
+    }
+
+    pub fn len(&self) -> usize {
+        self.rls.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rls.is_empty()
+    }
+
+    /// Sends an operation to node `position`; returns how it ended and what came back.
+    pub async fn call(
+        &self,
+        position: usize,
+        f: Function,
+        value: &OpValue,
+    ) -> (EventType, OpValue) {
+        match f {
+            Function::Check => self.check(position, value).await,
+            _ => self.billing.call(position, f, value).await,
+        }
+    }
+
+    /// One hit on `value.descriptor`'s key. Any error is `info`: the node may have taken a
+    /// token before it failed, and Envoy would have let the request through or not by its
+    /// own `failure_mode_deny`.
+    async fn check(&self, position: usize, value: &OpValue) -> (EventType, OpValue) {
+        let mut client = self.rls[position].clone();
+        let descriptor = RateLimitDescriptor {
+            entries: vec![Entry {
+                key: value.descriptor.clone().unwrap_or_default(),
+                value: crate::workload::rls::KEY_VALUE.to_owned(),
+            }],
+            limit: None,
+            hits_addend: None,
+        };
+        let mut request = tonic::Request::new(rls::RateLimitRequest {
+            domain: crate::workload::rls::DOMAIN.to_owned(),
+            descriptors: vec![descriptor],
+            hits_addend: 0,
+        });
+        request.set_timeout(CALL_TIMEOUT);
+        let mut reply = value.clone();
+        match client.should_rate_limit(request).await {
+            Ok(response) => match response.into_inner().overall_code() {
+                rls::rate_limit_response::Code::Ok => {
+                    reply.admitted = Some(true);
+                    (EventType::Ok, reply)
+                }
+                rls::rate_limit_response::Code::OverLimit => {
+                    reply.admitted = Some(false);
+                    (EventType::Ok, reply)
+                }
+                rls::rate_limit_response::Code::Unknown => {
+                    reply.error = Some("overall code UNKNOWN".to_owned());
+                    (EventType::Info, reply)
+                }
+            },
+            Err(status) => {
+                reply.error = Some(format!("{:?}: {}", status.code(), status.message()));
+                (EventType::Info, reply)
+            }
+        }
+    }
+}
 
 /// Billing clients of every node of the cluster, by position.
 #[derive(Clone)]
@@ -47,13 +136,7 @@ impl BillingNodes {
     pub fn new(addresses: &[String], token: &str) -> anyhow::Result<Self> {
         let clients = addresses
             .iter()
-            .map(|address| {
-                let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
-                    .with_context(|| format!("billing address {address}"))?
-                    .connect_timeout(CONNECT_TIMEOUT)
-                    .timeout(CALL_TIMEOUT);
-                Ok(BillingClient::new(endpoint.connect_lazy()))
-            })
+            .map(|address| Ok(BillingClient::new(channel(address)?)))
             .collect::<anyhow::Result<Vec<_>>>()?;
         Ok(Self { clients, token: token.to_owned() })
     }
@@ -80,13 +163,7 @@ impl BillingNodes {
     }
 
     /// Sends an operation to node `position`; returns how it ended and what came back.
-    pub async fn call(
-        &self,
-        position: usize,
-        f: crate::history::Function,
-        value: &OpValue,
-    ) -> (EventType, OpValue) {
-        use crate::history::Function;
+    async fn call(&self, position: usize, f: Function, value: &OpValue) -> (EventType, OpValue) {
         let mut client = self.clients[position].clone();
         let account = Self::account(&value.account);
         let amount = value.amount.unwrap_or(0);
@@ -105,6 +182,11 @@ impl BillingNodes {
                 client.debit(self.request(body)).await
             }
             Function::Read => return self.read(position, value).await,
+            Function::Check => {
+                let mut reply = value.clone();
+                reply.error = Some("an RLS hit is no billing call".to_owned());
+                return (EventType::Fail, reply);
+            }
         };
         let mut reply = value.clone();
         match result {

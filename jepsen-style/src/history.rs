@@ -38,12 +38,14 @@ pub enum Function {
     Debit,
     /// A linearizable balance read.
     Read,
+    /// An RLS decision on one hit.
+    Check,
 }
 
 impl Function {
     /// Whether the operation changes the ledger (and so has an idempotency key).
     pub fn is_mutation(self) -> bool {
-        !matches!(self, Self::Read)
+        !matches!(self, Self::Read | Self::Check)
     }
 }
 
@@ -58,8 +60,15 @@ pub enum Decision {
 /// An operation's arguments (on `invoke`) and, on completion, what came back.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OpValue {
-    /// The account's meter name (the tenant is the workload's).
+    /// The account's meter name (the tenant is the workload's); empty for RLS hits.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub account: String,
+    /// The descriptor key an RLS hit carries (its rule).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub descriptor: Option<String>,
+    /// Whether an RLS hit was admitted (`OK`) or refused (`OVER_LIMIT`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub admitted: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub amount: Option<u64>,
     /// The idempotency key of a mutation; retries of one logical operation share it.

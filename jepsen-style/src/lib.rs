@@ -9,6 +9,7 @@ pub mod checker;
 pub mod client;
 pub mod history;
 pub mod nemesis;
+pub mod proto;
 pub mod report;
 pub mod rng;
 pub mod run;

@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use quotamesh_jepsen::nemesis::FaultKind;
-use quotamesh_jepsen::run::{self, RunOptions};
+use quotamesh_jepsen::run::{self, RunOptions, WorkloadKind};
 
 #[derive(Parser)]
 #[command(
@@ -31,8 +31,9 @@ enum Command {
         topology: String,
         #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=9))]
         nodes: u64,
-        /// The workload: `bank` (transfers and reads on the billing API).
-        #[arg(long, default_value = "bank", value_parser = ["bank"])]
+        /// The workload: `bank` (transfers and reads on the billing API) or `rls` (hits on an
+        /// open and a closed rule through the Rate Limit Service).
+        #[arg(long, default_value = "bank", value_parser = ["bank", "rls"])]
         workload: String,
         /// Faults, comma-separated: `kill`, `pause`; `none` for a fault-free baseline.
         #[arg(long, default_value = "kill,pause")]
@@ -114,7 +115,7 @@ fn run_command(command: Command) -> anyhow::Result<u8> {
             let options = RunOptions {
                 topology,
                 nodes: usize::try_from(nodes)?,
-                workload,
+                workload: WorkloadKind::parse(&workload).map_err(anyhow::Error::msg)?,
                 nemeses,
                 time_limit_ms: u64::try_from(time_limit.as_millis())?,
                 rate_per_second: rate,

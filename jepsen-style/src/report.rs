@@ -12,7 +12,7 @@ use anyhow::Context;
 use crate::checker::Verdict;
 use crate::history::{Event, EventType, Function, operations, read_jsonl};
 use crate::nemesis::{NemesisRecord, Phase};
-use crate::run::RunRecord;
+use crate::run::{RunRecord, WorkloadKind};
 
 /// Renders the report of the run in `directory` (its verdict must have been written).
 ///
@@ -42,20 +42,39 @@ pub fn render_parts(
     let mut text = String::new();
     let nemeses: Vec<String> =
         options.nemeses.iter().map(|kind| format!("{kind:?}").to_lowercase()).collect();
+    let shape = match options.workload {
+        WorkloadKind::Bank => format!(
+            "{} accounts of {} above a floor of {}",
+            record.bank.accounts, record.bank.initial_balance, record.bank.floor
+        ),
+        WorkloadKind::Rls => {
+            let rules: Vec<String> = record
+                .rls
+                .rules
+                .iter()
+                .map(|rule| {
+                    format!("{} ({})", rule.key, if rule.fail_open { "open" } else { "closed" })
+                })
+                .collect();
+            format!(
+                "rules {} of {}/s, bursts of {}",
+                rules.join(", "),
+                record.rls.limit_per_second,
+                record.rls.burst_tokens
+            )
+        }
+    };
     let _ = writeln!(
         text,
         "# quotamesh-jepsen: {} on {} {} nodes, seed {}\n\n\
-         nemeses: {} · time limit {} s · rate {}/s · {} accounts of {} above a floor of {}\n",
-        options.workload,
+         nemeses: {} · time limit {} s · rate {}/s · {shape}\n",
+        options.workload.name(),
         options.nodes,
         options.topology,
         options.seed,
         if nemeses.is_empty() { "none".to_owned() } else { nemeses.join(", ") },
         options.time_limit_ms / 1_000,
         options.rate_per_second,
-        record.bank.accounts,
-        record.bank.initial_balance,
-        record.bank.floor,
     );
     let _ = writeln!(text, "## Verdict: {:?}\n", verdict.validity);
     let _ = writeln!(text, "| check | verdict | checked | problems |\n|---|---|---|---|");
@@ -87,6 +106,16 @@ pub fn render_parts(
     let _ = writeln!(text, "| function | ok | fail | info |\n|---|---|---|---|");
     for (function, [ok, fail, info]) in &counts {
         let _ = writeln!(text, "| {function:?} | {ok} | {fail} | {info} |");
+    }
+    let mut admitted: BTreeMap<&str, [u64; 2]> = BTreeMap::new();
+    for operation in operations.iter().filter(|operation| operation.invoke.f == Function::Check) {
+        let rule = operation.invoke.value.descriptor.as_deref().unwrap_or("");
+        let slot = admitted.entry(rule).or_default();
+        slot[0] += 1;
+        slot[1] += u64::from(operation.result().admitted == Some(true));
+    }
+    for (rule, [hits, yes]) in &admitted {
+        let _ = writeln!(text, "\nRule {rule}: {yes} of {hits} hits admitted.");
     }
 
     // Fault intervals, from each start record to its end record.

@@ -28,7 +28,7 @@ use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
 use crate::checker::{self, CheckResult, Verdict};
-use crate::client::BillingNodes;
+use crate::client::{BillingNodes, Clients};
 use crate::history::{
     Event, EventType, Function, JsonlWriter, NodeId, OpValue, ProcessId, TrailEntry, read_jsonl,
 };
@@ -36,7 +36,9 @@ use crate::nemesis::{
     self, FaultKind, FaultOutcome, NemesisRecord, Phase, ScheduleOptions, ScheduledFault, Target,
 };
 use crate::topology::local::LocalCluster;
-use crate::workload::bank::{self, BankOptions, Planned, PlannedOp};
+use crate::workload::bank::{self, BankOptions};
+use crate::workload::rls::{self, RlsOptions};
+use crate::workload::{Planned, PlannedOp};
 
 /// How long the region may take to elect a billing leader, at the start and after healing.
 const LEADER_WAIT: Duration = Duration::from_secs(60);
@@ -56,7 +58,7 @@ const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
 pub struct RunOptions {
     pub topology: String,
     pub nodes: usize,
-    pub workload: String,
+    pub workload: WorkloadKind,
     pub nemeses: Vec<FaultKind>,
     pub time_limit_ms: u64,
     pub rate_per_second: u64,
@@ -64,11 +66,43 @@ pub struct RunOptions {
     pub binary: PathBuf,
 }
 
+/// The workloads a run can drive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WorkloadKind {
+    /// Transfers and reads on the billing API.
+    Bank,
+    /// Hits on an open and a closed rule through the Rate Limit Service.
+    Rls,
+}
+
+impl WorkloadKind {
+    /// Parses a `--workload` name.
+    ///
+    /// # Errors
+    /// An unknown name.
+    pub fn parse(name: &str) -> Result<Self, String> {
+        match name {
+            "bank" => Ok(Self::Bank),
+            "rls" => Ok(Self::Rls),
+            other => Err(format!("unknown workload {other:?}; known: bank, rls")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Bank => "bank",
+            Self::Rls => "rls",
+        }
+    }
+}
+
 /// `run.json`: the options and what the checkers need to know of the workload.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RunRecord {
     pub options: RunOptions,
     pub bank: BankOptions,
+    pub rls: RlsOptions,
     pub started_unix_ms: u64,
 }
 
@@ -85,6 +119,11 @@ pub fn bank_options(options: &RunOptions) -> BankOptions {
     BankOptions::new(options.nodes, options.rate_per_second, options.time_limit_ms)
 }
 
+/// The RLS workload's shape for a run.
+pub fn rls_options(options: &RunOptions) -> RlsOptions {
+    RlsOptions::new(options.nodes, options.rate_per_second, options.time_limit_ms)
+}
+
 /// The operations and faults `options` (its seed included) plan. Pure.
 pub fn schedule(options: &RunOptions) -> Schedule {
     let faults = nemesis::schedule(
@@ -98,7 +137,11 @@ pub fn schedule(options: &RunOptions) -> Schedule {
             fault_ms_max: nemesis::FAULT_MS_MAX_DEFAULT,
         },
     );
-    Schedule { faults, operations: bank::plan(options.seed, &bank_options(options)) }
+    let operations = match options.workload {
+        WorkloadKind::Bank => bank::plan(options.seed, &bank_options(options)),
+        WorkloadKind::Rls => rls::plan(options.seed, &rls_options(options)),
+    };
+    Schedule { faults, operations }
 }
 
 /// Milliseconds since the Unix epoch (names runs, and makes tokens unique).
@@ -149,8 +192,10 @@ impl Recorder {
 /// What the workers and the nemesis share.
 struct Shared {
     recorder: Recorder,
-    clients: BillingNodes,
+    clients: Clients,
     next_process: AtomicU64,
+    /// The RLS workload's rule keys, by position.
+    rule_keys: Vec<String>,
 }
 
 /// When the workload (and the nemesis schedule) started, and for how long it runs.
@@ -285,6 +330,11 @@ async fn worker(
             break;
         }
         match planned.op {
+            PlannedOp::Check { rule } => {
+                let key = shared.rule_keys.get(rule).cloned().unwrap_or_default();
+                let value = OpValue { descriptor: Some(key), ..OpValue::default() };
+                shared.operation(&mut process, planned.node, Function::Check, value).await;
+            }
             PlannedOp::Read { account } => {
                 let value = OpValue { account: bank::account_name(account), ..OpValue::default() };
                 shared.operation(&mut process, planned.node, Function::Read, value).await;
@@ -320,6 +370,7 @@ async fn nemesis_task(
     clock: Clock,
     cluster: std::sync::Arc<tokio::sync::Mutex<LocalCluster>>,
     faults: Vec<ScheduledFault>,
+    directory: PathBuf,
 ) {
     for (number, fault) in faults.into_iter().enumerate() {
         tokio::time::sleep_until(clock.start + Duration::from_millis(fault.start_ms)).await;
@@ -365,8 +416,11 @@ async fn nemesis_task(
         shared.recorder.nemesis(&record(Phase::Start, outcome_of(&problems), joined(&problems)));
         drop(guard);
         tokio::time::sleep(Duration::from_millis(fault.duration_ms)).await;
-        let problems = cluster.lock().await.heal().await;
+        let mut guard = cluster.lock().await;
+        let problems = guard.heal().await;
         shared.recorder.nemesis(&record(Phase::End, outcome_of(&problems), joined(&problems)));
+        // The exported drift bound grows while circuits are open: look right after a fault.
+        snapshot_metrics(&guard, &directory, &format!("fault-{number}")).await;
     }
 }
 
@@ -385,7 +439,8 @@ async fn leader_position(shared: &Shared, cluster: &LocalCluster) -> Option<usiz
             continue;
         }
         if let Ok(Some(leader)) =
-            tokio::time::timeout(PROBE_TIMEOUT, shared.clients.leader_seen_by(position)).await
+            tokio::time::timeout(PROBE_TIMEOUT, shared.clients.billing.leader_seen_by(position))
+                .await
         {
             return cluster.nodes.iter().position(|candidate| candidate.id.0 == leader);
         }
@@ -461,21 +516,30 @@ async fn snapshot_metrics(cluster: &LocalCluster, directory: &Path, label: &str)
 pub async fn run(options: RunOptions, out: &Path) -> anyhow::Result<(PathBuf, Verdict)> {
     let started_unix_ms = unix_ms();
     let directory =
-        out.join(format!("{}-seed{}-{started_unix_ms}", options.workload, options.seed));
+        out.join(format!("{}-seed{}-{started_unix_ms}", options.workload.name(), options.seed));
     std::fs::create_dir_all(&directory)
         .with_context(|| format!("create {}", directory.display()))?;
     let bank = bank_options(&options);
+    let rls = rls_options(&options);
     let plan = schedule(&options);
-    let record = RunRecord { options: options.clone(), bank: bank.clone(), started_unix_ms };
+    let record = RunRecord {
+        options: options.clone(),
+        bank: bank.clone(),
+        rls: rls.clone(),
+        started_unix_ms,
+    };
     std::fs::write(directory.join("run.json"), serde_json::to_vec_pretty(&record)?)?;
     std::fs::write(directory.join("schedule.json"), serde_json::to_vec_pretty(&plan)?)?;
 
-    let cluster = LocalCluster::start(&options.binary, &directory, options.nodes).await?;
-    let addresses: Vec<String> =
-        cluster.nodes.iter().map(|node| node.billing_addr.clone()).collect();
-    let clients = BillingNodes::new(&addresses, &cluster.tokens.billing)?;
+    let policy = (options.workload == WorkloadKind::Rls).then(|| rls.policy_yaml());
+    let cluster =
+        LocalCluster::start(&options.binary, &directory, options.nodes, policy.as_deref()).await?;
+    let billing: Vec<String> = cluster.nodes.iter().map(|node| node.billing_addr.clone()).collect();
+    let rls_addrs: Vec<String> = cluster.nodes.iter().map(|node| node.rls_addr.clone()).collect();
+    let clients = Clients::new(&billing, &rls_addrs, &cluster.tokens.billing)?;
     let cluster = std::sync::Arc::new(tokio::sync::Mutex::new(cluster));
-    let outcome = drive(&options, &bank, plan, &directory, clients, &cluster).await;
+    let rule_keys = rls.rules.iter().map(|rule| rule.key.clone()).collect();
+    let outcome = drive(&options, &bank, rule_keys, plan, &directory, clients, &cluster).await;
     let mut cluster = cluster.lock().await;
     snapshot_metrics(&cluster, &directory, "final").await;
     cluster.shutdown().await;
@@ -496,12 +560,13 @@ pub async fn run(options: RunOptions, out: &Path) -> anyhow::Result<(PathBuf, Ve
 async fn drive(
     options: &RunOptions,
     bank: &BankOptions,
+    rule_keys: Vec<String>,
     plan: Schedule,
     directory: &Path,
-    clients: BillingNodes,
+    clients: Clients,
     cluster: &std::sync::Arc<tokio::sync::Mutex<LocalCluster>>,
 ) -> anyhow::Result<()> {
-    wait_for_leader(&clients, LEADER_WAIT).await?;
+    wait_for_leader(&clients.billing, LEADER_WAIT).await?;
     let shared = std::sync::Arc::new(Shared {
         recorder: Recorder {
             epoch: Instant::now(),
@@ -510,8 +575,11 @@ async fn drive(
         },
         clients,
         next_process: AtomicU64::new(0),
+        rule_keys,
     });
-    open_accounts(&shared, bank).await?;
+    if options.workload == WorkloadKind::Bank {
+        open_accounts(&shared, bank).await?;
+    }
     snapshot_metrics(&*cluster.lock().await, directory, "start").await;
     // The workload's clock starts once the accounts are open.
     let clock = Clock {
@@ -527,12 +595,18 @@ async fn drive(
             tokio::spawn(worker(shared.clone(), clock, ops, healed.clone(), final_deadline.clone()))
         })
         .collect();
-    let nemesis = tokio::spawn(nemesis_task(shared.clone(), clock, cluster.clone(), plan.faults));
+    let nemesis = tokio::spawn(nemesis_task(
+        shared.clone(),
+        clock,
+        cluster.clone(),
+        plan.faults,
+        directory.to_owned(),
+    ));
     tokio::time::sleep_until(clock.start + clock.time_limit).await;
     nemesis.await.context("the nemesis task panicked")?;
     let problems = cluster.lock().await.heal().await;
     anyhow::ensure!(problems.is_empty(), "healing failed: {}", problems.join("; "));
-    wait_for_leader(&shared.clients, LEADER_WAIT).await?;
+    wait_for_leader(&shared.clients.billing, LEADER_WAIT).await?;
     let deadline = tokio::time::Instant::now() + FINAL_WAIT;
     deadline_sender.send_replace(Some(deadline));
     healed_sender.send_replace(true);
@@ -543,7 +617,10 @@ async fn drive(
     if unresolved > 0 {
         eprintln!("quotamesh-jepsen: {unresolved} transfers left unresolved after healing");
     }
-    final_reads(&shared, bank, directory).await
+    match options.workload {
+        WorkloadKind::Bank => final_reads(&shared, bank, directory).await,
+        WorkloadKind::Rls => Ok(()),
+    }
 }
 
 /// Reads every account through every node, then every node's trail (retried until the
@@ -559,7 +636,7 @@ async fn final_reads(shared: &Shared, bank: &BankOptions, directory: &Path) -> a
     let deadline = Instant::now() + FINAL_WAIT;
     for position in 0..shared.clients.len() {
         let trail = loop {
-            match shared.clients.trail(position).await {
+            match shared.clients.billing.trail(position).await {
                 Ok(trail) => break trail,
                 Err(error) if Instant::now() > deadline => {
                     return Err(error.context(format!("read node {}'s trail", position + 1)));
@@ -593,6 +670,15 @@ pub fn check_directory(directory: &Path) -> anyhow::Result<Verdict> {
             return Ok(Verdict::of(vec![harness]));
         }
     };
+    let mut checks = vec![checker::well_formed::check(&events)];
+    match record.options.workload {
+        WorkloadKind::Bank => checks.extend(check_bank(directory, &record, &events)),
+        WorkloadKind::Rls => checks.extend(check_rls(directory, &record, &events)),
+    }
+    Ok(Verdict::of(checks))
+}
+
+fn check_bank(directory: &Path, record: &RunRecord, events: &[Event]) -> Vec<CheckResult> {
     let mut trails: Vec<(NodeId, Vec<TrailEntry>)> = Vec::new();
     let mut missing = CheckResult::new("trails-read");
     for id in 1..=record.options.nodes as u64 {
@@ -606,9 +692,41 @@ pub fn check_directory(directory: &Path) -> anyhow::Result<Verdict> {
         accounts: (0..record.bank.accounts).map(bank::account_name).collect(),
         floor: record.bank.floor,
     };
-    let mut checks = vec![checker::well_formed::check(&events), missing];
-    checks.extend(checker::bank::check(&events, &trails, &model));
-    Ok(Verdict::of(checks))
+    let mut checks = vec![missing];
+    checks.extend(checker::bank::check(events, &trails, &model));
+    checks
+}
+
+/// Every interval of this length is checked for over-admission.
+const RLS_WINDOW_MS: u64 = 1_000;
+
+fn check_rls(directory: &Path, record: &RunRecord, events: &[Event]) -> Vec<CheckResult> {
+    let snapshots: Vec<String> = std::fs::read_dir(directory.join("metrics"))
+        .map(|entries| {
+            entries
+                .filter_map(Result::ok)
+                .filter_map(|entry| std::fs::read_to_string(entry.path()).ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    let options = &record.rls;
+    let rules: Vec<checker::rls::RuleModel> = options
+        .rules
+        .iter()
+        .map(|rule| checker::rls::RuleModel {
+            key: rule.key.clone(),
+            capacity_tokens: options.burst_tokens,
+            rate_per_second: options.limit_per_second,
+            fail_open: rule.fail_open,
+            fallback_multiplier_permille: options.fallback_multiplier_permille,
+            drift_bound_tokens: checker::rls::drift_bound_from_metrics(
+                &snapshots,
+                rls::DOMAIN,
+                &rule.key,
+            ),
+        })
+        .collect();
+    checker::rls::check(events, &rules, RLS_WINDOW_MS)
 }
 
 /// Writes `verdict.json` and `report.md`.
@@ -630,7 +748,7 @@ mod tests {
         RunOptions {
             topology: "local".into(),
             nodes: 3,
-            workload: "bank".into(),
+            workload: WorkloadKind::Bank,
             nemeses: vec![FaultKind::Kill, FaultKind::Pause],
             time_limit_ms: 60_000,
             rate_per_second: 200,

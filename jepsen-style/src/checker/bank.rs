@@ -186,7 +186,7 @@ fn entry_kind(function: Function) -> Option<EntryKind> {
         Function::CreateAccount => Some(EntryKind::CreateAccount),
         Function::Credit => Some(EntryKind::Credit),
         Function::Debit => Some(EntryKind::Debit),
-        Function::Read => None,
+        Function::Read | Function::Check => None,
     }
 }
 

@@ -3,6 +3,7 @@
 //! must flag.
 
 pub mod bank;
+pub mod rls;
 pub mod well_formed;
 
 use serde::{Deserialize, Serialize};

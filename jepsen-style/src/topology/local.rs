@@ -40,6 +40,7 @@ pub struct Tokens {
 pub struct LocalNode {
     pub id: NodeId,
     pub billing_addr: String,
+    pub rls_addr: String,
     pub metrics_addr: String,
     pub admin_addr: String,
     pub config_path: PathBuf,
@@ -73,11 +74,17 @@ pub struct LocalCluster {
 
 impl LocalCluster {
     /// Writes the region's certificates and configs under `directory`, starts `count`
-    /// nodes with `binary` and forms the region.
+    /// nodes with `binary` serving `policy` (a YAML policy; `None`: the node's embedded
+    /// example) and forms the region.
     ///
     /// # Errors
     /// A CLI command fails, a node does not become ready, or the region forms no leader.
-    pub async fn start(binary: &Path, directory: &Path, count: usize) -> anyhow::Result<Self> {
+    pub async fn start(
+        binary: &Path,
+        directory: &Path,
+        count: usize,
+        policy: Option<&str>,
+    ) -> anyhow::Result<Self> {
         anyhow::ensure!(count >= 1, "a region needs a node");
         anyhow::ensure!(
             binary.is_file(),
@@ -133,6 +140,7 @@ impl LocalCluster {
             nodes.push(LocalNode {
                 id: NodeId(id),
                 billing_addr: format!("127.0.0.1:{}", ports.next()?),
+                rls_addr: format!("127.0.0.1:{}", ports.next()?),
                 metrics_addr: format!("127.0.0.1:{}", ports.next()?),
                 admin_addr: format!("127.0.0.1:{}", ports.next()?),
                 config_path: nodes_directory.join(format!("node-{id}.toml")),
@@ -141,6 +149,14 @@ impl LocalCluster {
                 paused: false,
             });
         }
+        let policy_line = match policy {
+            Some(text) => {
+                let path = directory.join("policy.yaml");
+                std::fs::write(&path, text).with_context(|| format!("write {}", path.display()))?;
+                format!("policy = \"{}\"\n", path.display())
+            }
+            None => String::new(),
+        };
         let peers: String = raft_addrs
             .iter()
             .enumerate()
@@ -153,8 +169,8 @@ impl LocalCluster {
             let config = format!(
                 "# Written by quotamesh-jepsen for one run.\n\
                  node_id = \"jepsen-{id}\"\nregion = \"{CLUSTER_ID}\"\ncluster_id = \"{CLUSTER_ID}\"\n\
-                 raft_node_id = {id}\ndata_dir = \"{data}\"\n\
-                 rls_addr = \"127.0.0.1:{rls}\"\nmetrics_addr = \"{metrics}\"\n\
+                 raft_node_id = {id}\ndata_dir = \"{data}\"\n{policy_line}\
+                 rls_addr = \"{rls}\"\nmetrics_addr = \"{metrics}\"\n\
                  admin_addr = \"{admin}\"\nbilling_addr = \"{billing}\"\nraft_addr = \"{raft}\"\n\n\
                  {peers}\
                  [tls]\ncert = \"{certs}/node-{id}.pem\"\nkey = \"{certs}/node-{id}.key\"\n\
@@ -164,7 +180,7 @@ impl LocalCluster {
                  [[billing.tokens]]\nname = \"jepsen\"\nsha256 = \"{billing_sha256}\"\n\
                  tenants = [\"*\"]\n",
                 data = nodes_directory.join(format!("node-{id}")).display(),
-                rls = ports.next()?,
+                rls = node.rls_addr,
                 metrics = node.metrics_addr,
                 admin = node.admin_addr,
                 billing = node.billing_addr,

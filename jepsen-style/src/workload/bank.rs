@@ -9,7 +9,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::rng::SeededRng;
+use super::{OPERATIONS_PER_WORKER_MAX, Planned, PlannedOp, pace};
 
 /// The tenant every account of the workload belongs to.
 pub const TENANT: &str = "jepsen";
@@ -70,63 +70,31 @@ pub fn transfer_keys(transfer: u64) -> (String, String) {
     (format!("transfer-{transfer}-debit"), format!("transfer-{transfer}-credit"))
 }
 
-/// What a planned operation does.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum PlannedOp {
-    Transfer { transfer: u64, from: usize, to: usize, amount: u64 },
-    Read { account: usize },
-}
-
-/// One operation of a worker's plan.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Planned {
-    /// Not started before this, from the workload's start.
-    pub at_ms: u64,
-    /// The node (position) it is sent to first.
-    pub node: usize,
-    pub op: PlannedOp,
-}
-
-/// Transfer ids are `worker x this + sequence`, readable and unique: a worker plans no more
-/// operations (at 500/s over 8 workers, that is over 4 hours).
-const TRANSFERS_PER_WORKER_MAX: u64 = 1_000_000;
-
 /// In percent: the share of planned operations that are transfers (the rest are reads).
 const TRANSFER_PERCENT: u64 = 70;
 
-/// Every worker's operations, in order. Transfer ids are unique across workers.
+/// Every worker's operations, in order. Transfer ids (`worker x`
+/// [`OPERATIONS_PER_WORKER_MAX`] `+ sequence`) are unique across workers.
 pub fn plan(seed: u64, options: &BankOptions) -> Vec<Vec<Planned>> {
-    let workers = options.workers.max(1);
-    let rate = options.rate_per_second.max(1);
-    // Each worker plans one operation per `spacing_ms`, at a seeded point within it.
-    let spacing_ms = (workers as u64).saturating_mul(1_000).div_ceil(rate).max(1);
-    (0..workers)
-        .map(|worker| {
-            let mut rng = SeededRng::fork(seed, worker as u64);
-            let mut ops = Vec::new();
-            let mut slot_ms = 0;
-            let mut sequence = 0_u64;
-            while slot_ms < options.time_limit_ms && sequence < TRANSFERS_PER_WORKER_MAX {
-                let at_ms = slot_ms + rng.between(0, spacing_ms - 1);
-                let node = rng.index(options.nodes.max(1));
-                let op = if options.accounts >= 2 && rng.percent(TRANSFER_PERCENT) {
-                    let from = rng.index(options.accounts);
-                    let to = (from + 1 + rng.index(options.accounts - 1)) % options.accounts;
-                    let amount = rng.between(1, options.transfer_amount_max.max(1));
-                    let transfer = worker as u64 * TRANSFERS_PER_WORKER_MAX + sequence;
-                    PlannedOp::Transfer { transfer, from, to, amount }
-                } else {
-                    PlannedOp::Read { account: rng.index(options.accounts.max(1)) }
-                };
-                sequence += 1;
-                if at_ms < options.time_limit_ms {
-                    ops.push(Planned { at_ms, node, op });
-                }
-                slot_ms += spacing_ms;
+    let accounts = options.accounts;
+    pace(
+        seed,
+        options.workers,
+        options.rate_per_second,
+        options.time_limit_ms,
+        options.nodes,
+        |rng, worker, sequence| {
+            if accounts >= 2 && rng.percent(TRANSFER_PERCENT) {
+                let from = rng.index(accounts);
+                let to = (from + 1 + rng.index(accounts - 1)) % accounts;
+                let amount = rng.between(1, options.transfer_amount_max.max(1));
+                let transfer = worker * OPERATIONS_PER_WORKER_MAX + sequence;
+                PlannedOp::Transfer { transfer, from, to, amount }
+            } else {
+                PlannedOp::Read { account: rng.index(accounts.max(1)) }
             }
-            ops
-        })
-        .collect()
+        },
+    )
 }
 
 #[cfg(test)]
