@@ -10,6 +10,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use quotamesh_jepsen::nemesis::FaultKind;
 use quotamesh_jepsen::run::{self, RunOptions, WorkloadKind};
+use quotamesh_jepsen::topology::Topology;
 
 #[derive(Parser)]
 #[command(
@@ -26,8 +27,9 @@ struct Cli {
 enum Command {
     /// Starts a region, runs a seeded workload under seeded faults, checks the history.
     Run {
-        /// Where the nodes run: `local` (processes on loopback).
-        #[arg(long, default_value = "local", value_parser = ["local"])]
+        /// Where the nodes run: `local` (processes on loopback) or `netns` (a network
+        /// namespace each, on a bridge; needs root; allows partitions).
+        #[arg(long, default_value = "local", value_parser = ["local", "netns"])]
         topology: String,
         #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=9))]
         nodes: u64,
@@ -35,7 +37,8 @@ enum Command {
         /// open and a closed rule through the Rate Limit Service).
         #[arg(long, default_value = "bank", value_parser = ["bank", "rls"])]
         workload: String,
-        /// Faults, comma-separated: `kill`, `pause`; `none` for a fault-free baseline.
+        /// Faults, comma-separated: `kill`, `pause`, `partition` (netns only); `none` for a
+        /// fault-free baseline.
         #[arg(long, default_value = "kill,pause")]
         nemesis: String,
         /// How long the workload runs, e.g. `60s`, `2m`, `1500ms`.
@@ -112,6 +115,11 @@ fn run_command(command: Command) -> anyhow::Result<u8> {
                     .collect::<Result<Vec<_>, _>>()
                     .map_err(anyhow::Error::msg)?
             };
+            let topology = Topology::parse(&topology).map_err(anyhow::Error::msg)?;
+            anyhow::ensure!(
+                topology == Topology::Netns || !nemeses.contains(&FaultKind::Partition),
+                "partitions need --topology netns"
+            );
             let options = RunOptions {
                 topology,
                 nodes: usize::try_from(nodes)?,

@@ -16,6 +16,9 @@ pub enum FaultKind {
     Kill,
     /// SIGSTOP, and SIGCONT when the fault ends.
     Pause,
+    /// The target nodes cut off from the rest, both ways (netns only); every node alone when
+    /// the target is all of them.
+    Partition,
 }
 
 impl FaultKind {
@@ -27,7 +30,8 @@ impl FaultKind {
         match name.trim() {
             "kill" => Ok(Self::Kill),
             "pause" => Ok(Self::Pause),
-            other => Err(format!("unknown nemesis {other:?}; known: kill, pause")),
+            "partition" => Ok(Self::Partition),
+            other => Err(format!("unknown nemesis {other:?}; known: kill, pause, partition")),
         }
     }
 }
@@ -86,6 +90,8 @@ pub const FAULT_MS_MAX_DEFAULT: u64 = 3_000;
 const ALL_NODES_PERCENT: u64 = 15;
 
 /// The faults of a run, in time order, never overlapping, all ended by the time limit.
+/// Kinds are dealt from a seeded shuffle of all of them, refilled when empty, so every kind
+/// asked for comes up once in each round (a short run still sees each kind).
 pub fn schedule(seed: u64, options: &ScheduleOptions) -> Vec<ScheduledFault> {
     let mut rng = SeededRng::fork(seed, u64::from(u32::MAX));
     let mut faults = Vec::new();
@@ -94,8 +100,18 @@ pub fn schedule(seed: u64, options: &ScheduleOptions) -> Vec<ScheduledFault> {
     }
     let half = options.interval_ms / 2;
     let mut at_ms = rng.between(half, options.interval_ms.saturating_add(half));
+    let mut deck: Vec<FaultKind> = Vec::new();
     loop {
-        let kind = options.kinds[rng.index(options.kinds.len())];
+        if deck.is_empty() {
+            deck.clone_from(&options.kinds);
+            // Fisher-Yates; the deck is dealt from its end.
+            for slot in (1..deck.len()).rev() {
+                deck.swap(slot, rng.index(slot + 1));
+            }
+        }
+        let Some(kind) = deck.pop() else {
+            return faults;
+        };
         let target = draw_target(&mut rng, options.nodes);
         let duration_ms = rng.between(options.fault_ms_min, options.fault_ms_max);
         let fault = ScheduledFault { start_ms: at_ms, duration_ms, kind, target };
@@ -199,6 +215,12 @@ mod tests {
             let options = options(nodes, time_limit_ms, kinds.clone());
             let faults = schedule(seed, &options);
             prop_assert_eq!(&faults, &schedule(seed, &options));
+            // Every round of as many faults as kinds holds each kind once.
+            for round in faults.chunks_exact(kinds.len()) {
+                for kind in &kinds {
+                    prop_assert_eq!(round.iter().filter(|fault| fault.kind == *kind).count(), 1);
+                }
+            }
             let mut previous_end_ms = 0;
             for fault in &faults {
                 prop_assert!(fault.start_ms > previous_end_ms);

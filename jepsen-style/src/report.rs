@@ -70,7 +70,7 @@ pub fn render_parts(
          nemeses: {} · time limit {} s · rate {}/s · {shape}\n",
         options.workload.name(),
         options.nodes,
-        options.topology,
+        options.topology.name(),
         options.seed,
         if nemeses.is_empty() { "none".to_owned() } else { nemeses.join(", ") },
         options.time_limit_ms / 1_000,

@@ -35,7 +35,8 @@ use crate::history::{
 use crate::nemesis::{
     self, FaultKind, FaultOutcome, NemesisRecord, Phase, ScheduleOptions, ScheduledFault, Target,
 };
-use crate::topology::local::LocalCluster;
+use crate::topology::Topology;
+use crate::topology::processes::Cluster;
 use crate::workload::bank::{self, BankOptions};
 use crate::workload::rls::{self, RlsOptions};
 use crate::workload::{Planned, PlannedOp};
@@ -56,7 +57,7 @@ const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
 /// What `quotamesh-jepsen run` was asked to do.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunOptions {
-    pub topology: String,
+    pub topology: Topology,
     pub nodes: usize,
     pub workload: WorkloadKind,
     pub nemeses: Vec<FaultKind>,
@@ -368,7 +369,7 @@ async fn worker(
 async fn nemesis_task(
     shared: std::sync::Arc<Shared>,
     clock: Clock,
-    cluster: std::sync::Arc<tokio::sync::Mutex<LocalCluster>>,
+    cluster: std::sync::Arc<tokio::sync::Mutex<Cluster>>,
     faults: Vec<ScheduledFault>,
     directory: PathBuf,
 ) {
@@ -408,10 +409,17 @@ async fn nemesis_task(
             let result = match fault.kind {
                 FaultKind::Kill => guard.kill(*position).await,
                 FaultKind::Pause => guard.pause(*position).await,
+                // One partition cuts all the targets off at once, below.
+                FaultKind::Partition => Ok(()),
             };
             if let Err(error) = result {
                 problems.push(format!("{error:#}"));
             }
+        }
+        if fault.kind == FaultKind::Partition
+            && let Err(error) = guard.partition(&positions).await
+        {
+            problems.push(format!("{error:#}"));
         }
         shared.recorder.nemesis(&record(Phase::Start, outcome_of(&problems), joined(&problems)));
         drop(guard);
@@ -433,7 +441,7 @@ fn joined(problems: &[String]) -> Option<String> {
 }
 
 /// The position of the billing leader, as the first running, unpaused node that answers names it.
-async fn leader_position(shared: &Shared, cluster: &LocalCluster) -> Option<usize> {
+async fn leader_position(shared: &Shared, cluster: &Cluster) -> Option<usize> {
     for (position, node) in cluster.nodes.iter().enumerate() {
         if !node.running() || node.paused() {
             continue;
@@ -496,7 +504,7 @@ async fn open_accounts(shared: &Shared, options: &BankOptions) -> anyhow::Result
 }
 
 /// Saves every running node's metrics as `metrics/node-N-<label>.prom`.
-async fn snapshot_metrics(cluster: &LocalCluster, directory: &Path, label: &str) {
+async fn snapshot_metrics(cluster: &Cluster, directory: &Path, label: &str) {
     let metrics = directory.join("metrics");
     if std::fs::create_dir_all(&metrics).is_err() {
         return;
@@ -532,8 +540,14 @@ pub async fn run(options: RunOptions, out: &Path) -> anyhow::Result<(PathBuf, Ve
     std::fs::write(directory.join("schedule.json"), serde_json::to_vec_pretty(&plan)?)?;
 
     let policy = (options.workload == WorkloadKind::Rls).then(|| rls.policy_yaml());
-    let cluster =
-        LocalCluster::start(&options.binary, &directory, options.nodes, policy.as_deref()).await?;
+    let cluster = Cluster::start(
+        &options.binary,
+        &directory,
+        options.nodes,
+        options.topology,
+        policy.as_deref(),
+    )
+    .await?;
     let billing: Vec<String> = cluster.nodes.iter().map(|node| node.billing_addr.clone()).collect();
     let rls_addrs: Vec<String> = cluster.nodes.iter().map(|node| node.rls_addr.clone()).collect();
     let clients = Clients::new(&billing, &rls_addrs, &cluster.tokens.billing)?;
@@ -564,7 +578,7 @@ async fn drive(
     plan: Schedule,
     directory: &Path,
     clients: Clients,
-    cluster: &std::sync::Arc<tokio::sync::Mutex<LocalCluster>>,
+    cluster: &std::sync::Arc<tokio::sync::Mutex<Cluster>>,
 ) -> anyhow::Result<()> {
     wait_for_leader(&clients.billing, LEADER_WAIT).await?;
     let shared = std::sync::Arc::new(Shared {
@@ -746,7 +760,7 @@ mod tests {
 
     fn options(seed: u64) -> RunOptions {
         RunOptions {
-            topology: "local".into(),
+            topology: Topology::Local,
             nodes: 3,
             workload: WorkloadKind::Bank,
             nemeses: vec![FaultKind::Kill, FaultKind::Pause],

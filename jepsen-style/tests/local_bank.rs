@@ -10,7 +10,7 @@ mod common;
 #[test]
 fn bank_under_kill_and_pause_is_valid() {
     let out = tempfile::tempdir().expect("a temporary directory");
-    let directory = common::valid_run("bank", out.path());
+    let directory = common::valid_run("bank", "local", &["kill", "pause"], out.path());
     let history = common::lines(&directory.join("history.jsonl"));
     let acknowledged = history.iter().filter(|event| event["type"] == "ok").count();
     assert!(acknowledged > 500, "only {acknowledged} operations were acknowledged");

@@ -10,7 +10,7 @@ mod common;
 #[test]
 fn rls_under_kill_and_pause_is_within_bounds() {
     let out = tempfile::tempdir().expect("a temporary directory");
-    let directory = common::valid_run("rls", out.path());
+    let directory = common::valid_run("rls", "local", &["kill", "pause"], out.path());
     let history = common::lines(&directory.join("history.jsonl"));
     let refused = history
         .iter()

@@ -1,9 +1,11 @@
-//! The `local` topology: N `quotamesh serve` processes on 127.0.0.1, each with its own
-//! ports, TOML config, data directory and log under the run's directory, formed into one
-//! region as an operator would: certificates from `quotamesh cluster certs`, token digests
-//! from `quotamesh billing hash-token`, node 1 bootstrapping the billing group and
-//! `quotamesh cluster init` forming the quota group. Faults are signals: SIGKILL (then a
-//! restart on the same data directory), SIGSTOP and SIGCONT.
+//! A region of N `quotamesh serve` child processes, each with its own addresses, TOML
+//! config, data directory and log under the run's directory, formed as an operator would:
+//! certificates from `quotamesh cluster certs`, token digests from `quotamesh billing
+//! hash-token`, node 1 bootstrapping the billing group and `quotamesh cluster init` forming
+//! the quota group. On `local` the nodes share 127.0.0.1 with ports of their own; on `netns`
+//! each has its own namespace and address with the default ports (`super::netns`).
+//! Faults: SIGKILL (then a restart on the same data directory), SIGSTOP and SIGCONT, and on
+//! `netns` partitions.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -13,6 +15,8 @@ use anyhow::{Context, bail};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, Command};
 
+use super::Topology;
+use super::netns::Namespaces;
 use crate::history::NodeId;
 
 /// How long a node may take to answer `/healthz` after it is spawned.
@@ -45,6 +49,8 @@ pub struct LocalNode {
     pub admin_addr: String,
     pub config_path: PathBuf,
     pub log_path: PathBuf,
+    /// On `netns`: the namespace it runs in.
+    namespace: Option<String>,
     child: Option<Child>,
     paused: bool,
 }
@@ -65,17 +71,21 @@ impl LocalNode {
     }
 }
 
-/// A region of local node processes.
-pub struct LocalCluster {
+/// A region of node processes.
+pub struct Cluster {
     binary: PathBuf,
     pub nodes: Vec<LocalNode>,
     pub tokens: Tokens,
+    /// On `netns`: the nodes' namespaces.
+    namespaces: Option<Namespaces>,
+    /// A partition is installed.
+    partitioned: bool,
 }
 
-impl LocalCluster {
+impl Cluster {
     /// Writes the region's certificates and configs under `directory`, starts `count`
-    /// nodes with `binary` serving `policy` (a YAML policy; `None`: the node's embedded
-    /// example) and forms the region.
+    /// nodes with `binary` on `topology` serving `policy` (a YAML policy; `None`: the node's
+    /// embedded example) and forms the region.
     ///
     /// # Errors
     /// A CLI command fails, a node does not become ready, or the region forms no leader.
@@ -83,6 +93,7 @@ impl LocalCluster {
         binary: &Path,
         directory: &Path,
         count: usize,
+        topology: Topology,
         policy: Option<&str>,
     ) -> anyhow::Result<Self> {
         anyhow::ensure!(count >= 1, "a region needs a node");
@@ -112,12 +123,25 @@ impl LocalCluster {
             None,
         )
         .await?;
+        let namespaces = match topology {
+            Topology::Local => None,
+            Topology::Netns => Some(Namespaces::create(count).await?),
+        };
         let mut ports = PortPicker::new();
         let mut nodes = Vec::new();
         let mut raft_addrs = Vec::new();
         for position in 0..count {
             let id = position as u64 + 1;
             let id_arg = id.to_string();
+            // On netns a node has an address of its own and the shipped default ports.
+            let (host, mut port) = match &namespaces {
+                Some(namespaces) => {
+                    let host = namespaces.address(position);
+                    let mut defaults = [8084_u16, 8082, 8081, 6070, 8083].into_iter();
+                    (host, Box::new(move || Ok(defaults.next().unwrap_or(0))) as PortSource)
+                }
+                None => ("127.0.0.1".to_owned(), Box::new(|| ports.next()) as PortSource),
+            };
             run_cli(
                 binary,
                 &[
@@ -131,18 +155,19 @@ impl LocalCluster {
                     "--region",
                     CLUSTER_ID,
                     "--san",
-                    "127.0.0.1",
+                    &host,
                 ],
                 None,
             )
             .await?;
-            raft_addrs.push(format!("127.0.0.1:{}", ports.next()?));
+            raft_addrs.push(format!("{host}:{}", port()?));
             nodes.push(LocalNode {
                 id: NodeId(id),
-                billing_addr: format!("127.0.0.1:{}", ports.next()?),
-                rls_addr: format!("127.0.0.1:{}", ports.next()?),
-                metrics_addr: format!("127.0.0.1:{}", ports.next()?),
-                admin_addr: format!("127.0.0.1:{}", ports.next()?),
+                billing_addr: format!("{host}:{}", port()?),
+                rls_addr: format!("{host}:{}", port()?),
+                metrics_addr: format!("{host}:{}", port()?),
+                admin_addr: format!("{host}:{}", port()?),
+                namespace: namespaces.as_ref().map(|namespaces| namespaces.namespace(position)),
                 config_path: nodes_directory.join(format!("node-{id}.toml")),
                 log_path: logs.join(format!("node-{id}.log")),
                 child: None,
@@ -191,7 +216,8 @@ impl LocalCluster {
             std::fs::write(&node.config_path, config)
                 .with_context(|| format!("write {}", node.config_path.display()))?;
         }
-        let mut cluster = Self { binary: binary.to_owned(), nodes, tokens };
+        let mut cluster =
+            Self { binary: binary.to_owned(), nodes, tokens, namespaces, partitioned: false };
         for position in 0..count {
             cluster.spawn(position).await?;
         }
@@ -216,7 +242,16 @@ impl LocalCluster {
             .append(true)
             .open(&node.log_path)
             .with_context(|| format!("open {}", node.log_path.display()))?;
-        let child = Command::new(&self.binary)
+        let mut command = match &node.namespace {
+            Some(namespace) => {
+                let mut command = Command::new("ip");
+                // `ip netns exec` execs the binary: the child's pid is the node's.
+                command.args(["netns", "exec", namespace]).arg(&self.binary);
+                command
+            }
+            None => Command::new(&self.binary),
+        };
+        let child = command
             .arg("serve")
             .arg("--config")
             .arg(&node.config_path)
@@ -307,9 +342,28 @@ impl LocalCluster {
         Ok(())
     }
 
-    /// Undoes every fault: resumes paused nodes, restarts killed ones. Returns what failed.
+    /// Cuts the nodes at `positions` off from the others (all of them: each node alone).
+    ///
+    /// # Errors
+    /// The topology has no network to cut (`local`), or an nft command fails.
+    pub async fn partition(&mut self, positions: &[usize]) -> anyhow::Result<()> {
+        let namespaces = self.namespaces.as_ref().context("partitions need the netns topology")?;
+        self.partitioned = true;
+        namespaces.partition(positions).await
+    }
+
+    /// Undoes every fault: removes partitions, resumes paused nodes, restarts killed ones.
+    /// Returns what failed.
     pub async fn heal(&mut self) -> Vec<String> {
         let mut problems = Vec::new();
+        if self.partitioned
+            && let Some(namespaces) = &self.namespaces
+        {
+            match namespaces.heal().await {
+                Ok(()) => self.partitioned = false,
+                Err(error) => problems.push(format!("{error:#}")),
+            }
+        }
         for position in 0..self.nodes.len() {
             let result = if self.nodes[position].paused {
                 self.resume(position).await
@@ -353,8 +407,14 @@ impl LocalCluster {
                 let _ = child.kill().await;
             }
         }
+        if let Some(namespaces) = self.namespaces.take() {
+            namespaces.destroy();
+        }
     }
 }
+
+/// Where a node's next port comes from.
+type PortSource<'a> = Box<dyn FnMut() -> anyhow::Result<u16> + 'a>;
 
 /// Hands out ports that were free a moment ago, each once.
 struct PortPicker {
