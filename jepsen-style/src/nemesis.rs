@@ -168,7 +168,8 @@ pub enum FaultOutcome {
 /// One line of `nemesis.jsonl`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NemesisRecord {
-    /// The runner's monotonic clock since the run started (the history's time base).
+    /// The runner's monotonic clock since the run started (the history's time base): for a
+    /// start, when the fault was in place; for an end, when healing began.
     pub time_ns: u64,
     /// The fault's position in the schedule.
     pub fault: usize,

@@ -385,8 +385,8 @@ async fn nemesis_task(
         };
         let nodes: Vec<NodeId> =
             positions.iter().map(|position| guard.nodes[*position].id).collect();
-        let record = |phase, outcome, detail: Option<String>| NemesisRecord {
-            time_ns: shared.recorder.now_ns(),
+        let record = |time_ns, phase, outcome, detail: Option<String>| NemesisRecord {
+            time_ns,
             fault: number,
             phase,
             kind: fault.kind,
@@ -397,11 +397,13 @@ async fn nemesis_task(
         };
         if positions.is_empty() {
             shared.recorder.nemesis(&record(
+                shared.recorder.now_ns(),
                 Phase::Start,
                 FaultOutcome::Skipped,
                 Some("no leader".into()),
             ));
-            shared.recorder.nemesis(&record(Phase::End, FaultOutcome::Skipped, None));
+            let now_ns = shared.recorder.now_ns();
+            shared.recorder.nemesis(&record(now_ns, Phase::End, FaultOutcome::Skipped, None));
             continue;
         }
         let mut problems = Vec::new();
@@ -421,12 +423,26 @@ async fn nemesis_task(
         {
             problems.push(format!("{error:#}"));
         }
-        shared.recorder.nemesis(&record(Phase::Start, outcome_of(&problems), joined(&problems)));
+        // Stamped once the fault is in place...
+        let installed_ns = shared.recorder.now_ns();
+        shared.recorder.nemesis(&record(
+            installed_ns,
+            Phase::Start,
+            outcome_of(&problems),
+            joined(&problems),
+        ));
         drop(guard);
         tokio::time::sleep(Duration::from_millis(fault.duration_ms)).await;
         let mut guard = cluster.lock().await;
+        // ...and its end when healing begins, so [start, end] is surely faulty.
+        let healing_ns = shared.recorder.now_ns();
         let problems = guard.heal().await;
-        shared.recorder.nemesis(&record(Phase::End, outcome_of(&problems), joined(&problems)));
+        shared.recorder.nemesis(&record(
+            healing_ns,
+            Phase::End,
+            outcome_of(&problems),
+            joined(&problems),
+        ));
         // The exported drift bound grows while circuits are open: look right after a fault.
         snapshot_metrics(&guard, &directory, &format!("fault-{number}")).await;
     }
@@ -686,7 +702,12 @@ pub fn check_directory(directory: &Path) -> anyhow::Result<Verdict> {
     };
     let mut checks = vec![checker::well_formed::check(&events)];
     match record.options.workload {
-        WorkloadKind::Bank => checks.extend(check_bank(directory, &record, &events)),
+        WorkloadKind::Bank => {
+            checks.extend(check_bank(directory, &record, &events));
+            let faults: Vec<NemesisRecord> =
+                read_jsonl(&directory.join("nemesis.jsonl")).unwrap_or_default();
+            checks.push(checker::fail_closed::check(&events, &faults, record.options.nodes));
+        }
         WorkloadKind::Rls => checks.extend(check_rls(directory, &record, &events)),
     }
     Ok(Verdict::of(checks))

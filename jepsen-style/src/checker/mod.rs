@@ -3,6 +3,7 @@
 //! must flag.
 
 pub mod bank;
+pub mod fail_closed;
 pub mod rls;
 pub mod well_formed;
 
