@@ -534,7 +534,18 @@ mod tests {
                 .collect()
         }
 
-        /// The position in the trail of the entry with `key`.
+        /// The `ok` completion of the mutation with `key`.
+        fn completion(&mut self, key: &str) -> &mut Event {
+            self.history
+                .events
+                .iter_mut()
+                .find(|event| {
+                    event.event_type == EventType::Ok && event.value.key.as_deref() == Some(key)
+                })
+                .expect("an acknowledged mutation of the key")
+        }
+
+        /// The trail's entry with `key`.
         fn entry(&mut self, key: &str) -> &mut TrailEntry {
             self.trail.iter_mut().find(|entry| entry.key == key).expect("an entry of the key")
         }
@@ -647,16 +658,7 @@ mod tests {
         assert!(failing.contains(&"exactly-once".to_owned()), "{failing:?}");
 
         let mut scenario = Scenario::new();
-        let position = scenario
-            .history
-            .events
-            .iter()
-            .position(|event| {
-                event.event_type == EventType::Ok
-                    && event.value.key.as_deref() == Some("transfer-2-debit")
-            })
-            .expect("the refused debit's completion");
-        scenario.history.events[position].event_type = EventType::Fail;
+        scenario.completion("transfer-2-debit").event_type = EventType::Fail;
         assert_eq!(scenario.failing(), vec!["exactly-once".to_owned()]);
     }
 
@@ -664,16 +666,7 @@ mod tests {
     #[test]
     fn reply_disagreeing_with_trail_is_flagged() {
         let mut scenario = Scenario::new();
-        let position = scenario
-            .history
-            .events
-            .iter()
-            .position(|event| {
-                event.event_type == EventType::Ok
-                    && event.value.key.as_deref() == Some("transfer-1-debit")
-            })
-            .expect("the debit's completion");
-        scenario.history.events[position].value.ledger_index = Some(999);
+        scenario.completion("transfer-1-debit").value.ledger_index = Some(999);
         assert_eq!(scenario.failing(), vec!["exactly-once".to_owned()]);
     }
 

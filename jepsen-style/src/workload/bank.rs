@@ -103,38 +103,19 @@ mod tests {
     use proptest::prelude::*;
 
     proptest! {
-        /// The plan is a function of the seed and options; its operations are within the
-        /// time limit, in time order per worker, on existing nodes and distinct accounts,
-        /// with unique transfer ids and amounts in range; the rate is roughly kept.
+        /// Transfers have unique ids, two distinct existing accounts and amounts in range
+        /// (pacing and seeding are `pace`'s, tested with it).
         #[test]
-        fn plans_are_seeded_and_sane(
-            seed: u64,
-            nodes in 1_usize..6,
-            rate in 1_u64..400,
-            time_limit_ms in 0_u64..30_000,
-        ) {
-            let options = BankOptions::new(nodes, rate, time_limit_ms);
-            let plan_once = plan(seed, &options);
-            prop_assert_eq!(&plan_once, &plan(seed, &options));
+        fn transfers_are_sane(seed: u64, rate in 1_u64..400, time_limit_ms in 0_u64..30_000) {
+            let options = BankOptions::new(3, rate, time_limit_ms);
             let mut transfers = std::collections::HashSet::new();
-            let mut total = 0_u64;
-            for ops in &plan_once {
-                prop_assert!(ops.windows(2).all(|pair| pair[0].at_ms <= pair[1].at_ms));
-                for planned in ops {
-                    total += 1;
-                    prop_assert!(planned.at_ms < time_limit_ms);
-                    prop_assert!(planned.node < nodes);
-                    if let PlannedOp::Transfer { transfer, from, to, amount } = &planned.op {
-                        prop_assert!(transfers.insert(*transfer));
-                        prop_assert!(from != to && *from < options.accounts);
-                        prop_assert!(*to < options.accounts);
-                        prop_assert!(*amount >= 1 && *amount <= options.transfer_amount_max);
-                    }
+            for planned in plan(seed, &options).into_iter().flatten() {
+                if let PlannedOp::Transfer { transfer, from, to, amount } = planned.op {
+                    prop_assert!(transfers.insert(transfer));
+                    prop_assert!(from != to && from.max(to) < options.accounts);
+                    prop_assert!((1..=options.transfer_amount_max).contains(&amount));
                 }
             }
-            let expected = rate * time_limit_ms / 1_000;
-            prop_assert!(total <= expected + options.workers as u64);
-            prop_assert!(total + options.workers as u64 * 2 >= expected * 9 / 10);
         }
     }
 

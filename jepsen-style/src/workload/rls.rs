@@ -94,26 +94,16 @@ mod tests {
     use proptest::prelude::*;
 
     proptest! {
-        /// The plan is a function of the seed and options; every hit names an existing rule
-        /// and node, in time order, within the time limit.
+        /// Every hit names an existing rule (pacing and seeding are `pace`'s).
         #[test]
-        fn plans_are_seeded_and_sane(
-            seed: u64,
-            nodes in 1_usize..6,
-            rate in 1_u64..400,
-            time_limit_ms in 0_u64..20_000,
-        ) {
-            let options = RlsOptions::new(nodes, rate, time_limit_ms);
-            let planned = plan(seed, &options);
-            prop_assert_eq!(&planned, &plan(seed, &options));
-            for ops in &planned {
-                prop_assert!(ops.windows(2).all(|pair| pair[0].at_ms <= pair[1].at_ms));
-                for op in ops {
-                    prop_assert!(op.at_ms < time_limit_ms && op.node < nodes);
-                    let named = matches!(op.op, PlannedOp::Check { rule } if rule < 2);
-                    prop_assert!(named, "{:?}", op.op);
-                }
-            }
+        fn hits_name_rules(seed: u64, rate in 1_u64..400, time_limit_ms in 0_u64..20_000) {
+            let options = RlsOptions::new(3, rate, time_limit_ms);
+            let rules = options.rules.len();
+            let named = plan(seed, &options)
+                .into_iter()
+                .flatten()
+                .all(|hit| matches!(hit.op, PlannedOp::Check { rule } if rule < rules));
+            prop_assert!(named);
         }
     }
 
