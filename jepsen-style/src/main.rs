@@ -37,8 +37,8 @@ enum Command {
         /// open and a closed rule through the Rate Limit Service).
         #[arg(long, default_value = "bank", value_parser = ["bank", "rls"])]
         workload: String,
-        /// Faults, comma-separated: `kill`, `pause`, `partition` (netns only); `none` for a
-        /// fault-free baseline.
+        /// Faults, comma-separated: `kill`, `pause`, `partition` (netns only), `clock`
+        /// (libfaketime); `none` for a fault-free baseline.
         #[arg(long, default_value = "kill,pause")]
         nemesis: String,
         /// How long the workload runs, e.g. `60s`, `2m`, `1500ms`.

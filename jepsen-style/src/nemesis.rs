@@ -19,6 +19,9 @@ pub enum FaultKind {
     /// The target nodes cut off from the rest, both ways (netns only); every node alone when
     /// the target is all of them.
     Partition,
+    /// The target nodes' wall clocks set off by the fault's offset (libfaketime), their
+    /// monotonic clocks untouched; set back when the fault ends.
+    Clock,
 }
 
 impl FaultKind {
@@ -31,7 +34,10 @@ impl FaultKind {
             "kill" => Ok(Self::Kill),
             "pause" => Ok(Self::Pause),
             "partition" => Ok(Self::Partition),
-            other => Err(format!("unknown nemesis {other:?}; known: kill, pause, partition")),
+            "clock" => Ok(Self::Clock),
+            other => {
+                Err(format!("unknown nemesis {other:?}; known: kill, pause, partition, clock"))
+            }
         }
     }
 }
@@ -58,7 +64,14 @@ pub struct ScheduledFault {
     pub duration_ms: u64,
     pub kind: FaultKind,
     pub target: Target,
+    /// For a clock fault: how far the targets' wall clocks move, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clock_offset_s: Option<i64>,
 }
+
+/// The clock offsets a clock fault draws from: past the 24 h idempotency-key retention, an
+/// hour either way (a hold's TTL), and an NTP-sized step.
+pub const CLOCK_OFFSETS_S: [i64; 4] = [25 * 3_600, 3_600, -3_600, 30];
 
 impl ScheduledFault {
     pub fn end_ms(&self) -> u64 {
@@ -114,7 +127,10 @@ pub fn schedule(seed: u64, options: &ScheduleOptions) -> Vec<ScheduledFault> {
         };
         let target = draw_target(&mut rng, options.nodes);
         let duration_ms = rng.between(options.fault_ms_min, options.fault_ms_max);
-        let fault = ScheduledFault { start_ms: at_ms, duration_ms, kind, target };
+        // Drawn only for clock faults, so other kinds' schedules do not depend on it.
+        let clock_offset_s =
+            (kind == FaultKind::Clock).then(|| CLOCK_OFFSETS_S[rng.index(CLOCK_OFFSETS_S.len())]);
+        let fault = ScheduledFault { start_ms: at_ms, duration_ms, kind, target, clock_offset_s };
         if fault.end_ms() > options.time_limit_ms {
             return faults;
         }
@@ -211,7 +227,7 @@ mod tests {
             pause_only: bool,
         ) {
             let kinds = if pause_only { vec![FaultKind::Pause] } else {
-                vec![FaultKind::Kill, FaultKind::Pause]
+                vec![FaultKind::Kill, FaultKind::Pause, FaultKind::Clock]
             };
             let options = options(nodes, time_limit_ms, kinds.clone());
             let faults = schedule(seed, &options);
@@ -229,6 +245,7 @@ mod tests {
                 prop_assert!(kinds.contains(&fault.kind));
                 prop_assert!(fault.duration_ms >= FAULT_MS_MIN_DEFAULT);
                 prop_assert!(fault.duration_ms <= FAULT_MS_MAX_DEFAULT);
+                prop_assert_eq!(fault.clock_offset_s.is_some(), fault.kind == FaultKind::Clock);
                 match &fault.target {
                     Target::One(position) => prop_assert!(*position < nodes),
                     Target::Minority(positions) => {

@@ -150,8 +150,8 @@ pub fn render_parts(
     let _ = writeln!(text, "\n## Faults ({})\n", intervals.len());
     let _ = writeln!(
         text,
-        "| # | kind | target | nodes | start s | end s | outcome | first ok after end |\n\
-         |---|---|---|---|---|---|---|---|"
+        "| # | kind | target | nodes | start s | end s | outcome | first ok after end | detail |\n\
+         |---|---|---|---|---|---|---|---|---|"
     );
     for start in faults.iter().filter(|record| record.phase == Phase::Start) {
         let end =
@@ -164,7 +164,7 @@ pub fn render_parts(
         let nodes: Vec<String> = start.nodes.iter().map(|node| node.0.to_string()).collect();
         let _ = writeln!(
             text,
-            "| {} | {:?} | {:?} | {} | {:.1} | {} | {:?} | {} |",
+            "| {} | {:?} | {:?} | {} | {:.1} | {} | {:?} | {} | {} |",
             start.fault,
             start.kind,
             start.target,
@@ -172,7 +172,8 @@ pub fn render_parts(
             start.time_ns as f64 / 1e9,
             end.map_or("-".to_owned(), |record| format!("{:.1}", record.time_ns as f64 / 1e9)),
             end.map_or(start.outcome, |record| record.outcome),
-            recovery
+            recovery,
+            start.detail.as_deref().unwrap_or("")
         );
     }
     text

@@ -413,6 +413,7 @@ async fn nemesis_task(
                 FaultKind::Pause => guard.pause(*position).await,
                 // One partition cuts all the targets off at once, below.
                 FaultKind::Partition => Ok(()),
+                FaultKind::Clock => guard.set_clock(*position, fault.clock_offset_s.unwrap_or(0)),
             };
             if let Err(error) = result {
                 problems.push(format!("{error:#}"));
@@ -425,12 +426,14 @@ async fn nemesis_task(
         }
         // Stamped once the fault is in place...
         let installed_ns = shared.recorder.now_ns();
-        shared.recorder.nemesis(&record(
-            installed_ns,
-            Phase::Start,
-            outcome_of(&problems),
-            joined(&problems),
-        ));
+        let outcome = outcome_of(&problems);
+        let mut detail = joined(&problems);
+        if let Some(offset_s) = fault.clock_offset_s {
+            let offset = format!("wall clock {offset_s:+} s");
+            detail =
+                Some(detail.map_or(offset.clone(), |problems| format!("{offset}; {problems}")));
+        }
+        shared.recorder.nemesis(&record(installed_ns, Phase::Start, outcome, detail));
         drop(guard);
         tokio::time::sleep(Duration::from_millis(fault.duration_ms)).await;
         let mut guard = cluster.lock().await;
@@ -562,6 +565,7 @@ pub async fn run(options: RunOptions, out: &Path) -> anyhow::Result<(PathBuf, Ve
         options.nodes,
         options.topology,
         policy.as_deref(),
+        options.nemeses.contains(&FaultKind::Clock),
     )
     .await?;
     let billing: Vec<String> = cluster.nodes.iter().map(|node| node.billing_addr.clone()).collect();

@@ -1,16 +1,17 @@
 //! End to end against the real release binary: a short seeded bank run of three local
-//! nodes under kill -9 and SIGSTOP, with both cores busy, ends valid; and `check` on the
+//! nodes under kill -9, SIGSTOP and wall-clock offsets (libfaketime), with both cores busy,
+//! ends valid; and `check` on the
 //! same run, with one acknowledged debit removed from every node's trail, ends invalid (so
 //! the run's verdict is one that can fail).
 
 mod common;
 
-/// The bank run under kill and pause is valid, and is judged invalid once an acknowledged
+/// The bank run under kill, pause and clock offsets is valid, and is judged invalid once an acknowledged
 /// debit disappears from the trails.
 #[test]
-fn bank_under_kill_and_pause_is_valid() {
+fn bank_under_kill_pause_and_clock_is_valid() {
     let out = tempfile::tempdir().expect("a temporary directory");
-    let directory = common::valid_run("bank", "local", &["kill", "pause"], out.path());
+    let directory = common::valid_run("bank", "local", &["kill", "pause", "clock"], out.path());
     let history = common::lines(&directory.join("history.jsonl"));
     let acknowledged = history.iter().filter(|event| event["type"] == "ok").count();
     assert!(acknowledged > 500, "only {acknowledged} operations were acknowledged");

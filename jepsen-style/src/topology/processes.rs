@@ -4,8 +4,9 @@
 //! hash-token`, node 1 bootstrapping the billing group and `quotamesh cluster init` forming
 //! the quota group. On `local` the nodes share 127.0.0.1 with ports of their own; on `netns`
 //! each has its own namespace and address with the default ports (`super::netns`).
-//! Faults: SIGKILL (then a restart on the same data directory), SIGSTOP and SIGCONT, and on
-//! `netns` partitions.
+//! Faults: SIGKILL (then a restart on the same data directory), SIGSTOP and SIGCONT, wall
+//! clock offsets (each node then runs under libfaketime, reading its offset from a file of
+//! its own), and on `netns` partitions.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -51,6 +52,9 @@ pub struct LocalNode {
     pub log_path: PathBuf,
     /// On `netns`: the namespace it runs in.
     namespace: Option<String>,
+    /// With clock faults: the file libfaketime reads the node's wall-clock offset from.
+    clock_file: Option<PathBuf>,
+    clock_offset_s: i64,
     child: Option<Child>,
     paused: bool,
 }
@@ -80,6 +84,8 @@ pub struct Cluster {
     namespaces: Option<Namespaces>,
     /// A partition is installed.
     partitioned: bool,
+    /// With clock faults: libfaketime's preload library.
+    faketime: Option<PathBuf>,
 }
 
 impl Cluster {
@@ -95,7 +101,9 @@ impl Cluster {
         count: usize,
         topology: Topology,
         policy: Option<&str>,
+        clock_faults: bool,
     ) -> anyhow::Result<Self> {
+        let faketime = if clock_faults { Some(libfaketime()?) } else { None };
         anyhow::ensure!(count >= 1, "a region needs a node");
         anyhow::ensure!(
             binary.is_file(),
@@ -168,6 +176,10 @@ impl Cluster {
                 metrics_addr: format!("{host}:{}", port()?),
                 admin_addr: format!("{host}:{}", port()?),
                 namespace: namespaces.as_ref().map(|namespaces| namespaces.namespace(position)),
+                clock_file: faketime
+                    .as_ref()
+                    .map(|_| nodes_directory.join(format!("node-{id}.faketime"))),
+                clock_offset_s: 0,
                 config_path: nodes_directory.join(format!("node-{id}.toml")),
                 log_path: logs.join(format!("node-{id}.log")),
                 child: None,
@@ -216,8 +228,20 @@ impl Cluster {
             std::fs::write(&node.config_path, config)
                 .with_context(|| format!("write {}", node.config_path.display()))?;
         }
-        let mut cluster =
-            Self { binary: binary.to_owned(), nodes, tokens, namespaces, partitioned: false };
+        for node in &nodes {
+            if let Some(file) = &node.clock_file {
+                std::fs::write(file, "+0\n")
+                    .with_context(|| format!("write {}", file.display()))?;
+            }
+        }
+        let mut cluster = Self {
+            binary: binary.to_owned(),
+            nodes,
+            tokens,
+            namespaces,
+            partitioned: false,
+            faketime,
+        };
         for position in 0..count {
             cluster.spawn(position).await?;
         }
@@ -251,6 +275,14 @@ impl Cluster {
             }
             None => Command::new(&self.binary),
         };
+        if let (Some(library), Some(file)) = (&self.faketime, &node.clock_file) {
+            command
+                .env("LD_PRELOAD", library)
+                .env("FAKETIME_TIMESTAMP_FILE", file)
+                // The file is re-read at most once a second; timers keep their pace.
+                .env("FAKETIME_CACHE_DURATION", "1")
+                .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+        }
         let child = command
             .arg("serve")
             .arg("--config")
@@ -352,10 +384,31 @@ impl Cluster {
         namespaces.partition(positions).await
     }
 
-    /// Undoes every fault: removes partitions, resumes paused nodes, restarts killed ones.
-    /// Returns what failed.
+    /// Sets node `position`'s wall clock `offset_s` seconds off (0: true time again); it
+    /// takes effect within libfaketime's one-second cache.
+    ///
+    /// # Errors
+    /// The cluster was started without clock faults, or the file cannot be written.
+    pub fn set_clock(&mut self, position: usize, offset_s: i64) -> anyhow::Result<()> {
+        let node = &mut self.nodes[position];
+        let file = node.clock_file.as_ref().context("the nodes run without libfaketime")?;
+        std::fs::write(file, format!("{offset_s:+}\n"))
+            .with_context(|| format!("write {}", file.display()))?;
+        node.clock_offset_s = offset_s;
+        Ok(())
+    }
+
+    /// Undoes every fault: removes partitions, sets clocks right, resumes paused nodes,
+    /// restarts killed ones. Returns what failed.
     pub async fn heal(&mut self) -> Vec<String> {
         let mut problems = Vec::new();
+        for position in 0..self.nodes.len() {
+            if self.nodes[position].clock_offset_s != 0
+                && let Err(error) = self.set_clock(position, 0)
+            {
+                problems.push(format!("{error:#}"));
+            }
+        }
         if self.partitioned
             && let Some(namespaces) = &self.namespaces
         {
@@ -411,6 +464,16 @@ impl Cluster {
             namespaces.destroy();
         }
     }
+}
+
+/// libfaketime's preload library where Debian's `libfaketime` installs it.
+fn libfaketime() -> anyhow::Result<PathBuf> {
+    let directories = std::fs::read_dir("/usr/lib").context("read /usr/lib")?;
+    directories
+        .filter_map(Result::ok)
+        .map(|entry| entry.path().join("faketime/libfaketime.so.1"))
+        .find(|path| path.is_file())
+        .context("clock faults need libfaketime (Debian: apt-get install faketime)")
 }
 
 /// Where a node's next port comes from.
