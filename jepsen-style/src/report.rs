@@ -1,7 +1,8 @@
 //! The run report (`report.md`, and what `quotamesh-jepsen report` prints): the options,
 //! the verdict with each check's first problems, operations by function and outcome, the
 //! share of operations that succeeded with and without a fault active, and each fault with
-//! the time from its end to the next `ok`. Rendered from the run's files alone.
+//! the time from its end to the next `ok`. Rendered from the run's files alone. Also the
+//! summary of a directory of runs: one row per run.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -177,4 +178,143 @@ pub fn render_parts(
         );
     }
     text
+}
+
+/// One row of the summary across runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SummaryRow {
+    pub name: String,
+    pub workload: &'static str,
+    pub topology: &'static str,
+    pub nemeses: String,
+    pub seed: u64,
+    pub operations: u64,
+    pub unknown: u64,
+    pub faults: u64,
+    pub validity: crate::checker::Validity,
+}
+
+impl SummaryRow {
+    /// The row of one run, from its records. Pure.
+    pub fn of(
+        name: String,
+        record: &RunRecord,
+        verdict: &Verdict,
+        events: &[Event],
+        faults: &[NemesisRecord],
+    ) -> Self {
+        let operations = operations(events);
+        let nemeses: Vec<String> =
+            record.options.nemeses.iter().map(|kind| format!("{kind:?}").to_lowercase()).collect();
+        Self {
+            name,
+            workload: record.options.workload.name(),
+            topology: record.options.topology.name(),
+            nemeses: nemeses.join(","),
+            seed: record.options.seed,
+            operations: operations.len() as u64,
+            unknown: operations
+                .iter()
+                .filter(|operation| operation.outcome() == EventType::Info)
+                .count() as u64,
+            faults: faults.iter().filter(|record| record.phase == Phase::Start).count() as u64,
+            validity: verdict.validity,
+        }
+    }
+}
+
+/// The summary table of every run directly under `directory` (those with a verdict).
+///
+/// # Errors
+/// `directory` cannot be listed.
+pub fn render_summary(directory: &Path) -> anyhow::Result<String> {
+    let mut rows = Vec::new();
+    let mut entries: Vec<_> = std::fs::read_dir(directory)
+        .with_context(|| format!("list {}", directory.display()))?
+        .filter_map(Result::ok)
+        .map(|entry| entry.path())
+        .filter(|path| path.join("verdict.json").is_file())
+        .collect();
+    entries.sort();
+    for run in entries {
+        let read = |name: &str| std::fs::read(run.join(name)).ok();
+        let (Some(record), Some(verdict)) = (read("run.json"), read("verdict.json")) else {
+            continue;
+        };
+        let (Ok(record), Ok(verdict)) = (
+            serde_json::from_slice::<RunRecord>(&record),
+            serde_json::from_slice::<Verdict>(&verdict),
+        ) else {
+            continue;
+        };
+        let events: Vec<Event> = read_jsonl(&run.join("history.jsonl")).unwrap_or_default();
+        let faults: Vec<NemesisRecord> = read_jsonl(&run.join("nemesis.jsonl")).unwrap_or_default();
+        let name =
+            run.file_name().map(|name| name.to_string_lossy().into_owned()).unwrap_or_default();
+        rows.push(SummaryRow::of(name, &record, &verdict, &events, &faults));
+    }
+    Ok(summary_table(&rows))
+}
+
+/// The summary as a Markdown table with totals. Pure.
+pub fn summary_table(rows: &[SummaryRow]) -> String {
+    let mut text = format!("# quotamesh-jepsen: {} runs\n\n", rows.len());
+    text.push_str(
+        "| run | workload | topology | nemeses | seed | operations | info | faults | verdict |\n\
+         |---|---|---|---|---|---|---|---|---|\n",
+    );
+    for row in rows {
+        let _ = writeln!(
+            text,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {:?} |",
+            row.name,
+            row.workload,
+            row.topology,
+            row.nemeses,
+            row.seed,
+            row.operations,
+            row.unknown,
+            row.faults,
+            row.validity
+        );
+    }
+    let count = |validity| rows.iter().filter(|row| row.validity == validity).count();
+    let _ = writeln!(
+        text,
+        "\n{} operations, {} faults; {} valid, {} invalid, {} unknown.",
+        rows.iter().map(|row| row.operations).sum::<u64>(),
+        rows.iter().map(|row| row.faults).sum::<u64>(),
+        count(crate::checker::Validity::Valid),
+        count(crate::checker::Validity::Invalid),
+        count(crate::checker::Validity::Unknown),
+    );
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checker::Validity;
+
+    /// The summary lists every run and totals operations, faults and verdicts.
+    #[test]
+    fn summary_totals_runs() {
+        let row = |seed, validity| SummaryRow {
+            name: format!("bank-seed{seed}"),
+            workload: "bank",
+            topology: "local",
+            nemeses: "kill".into(),
+            seed,
+            operations: 100,
+            unknown: 2,
+            faults: 3,
+            validity,
+        };
+        let text = summary_table(&[row(1, Validity::Valid), row(2, Validity::Invalid)]);
+        assert!(text.contains("| bank-seed2 | bank | local | kill | 2 | 100 | 2 | 3 | Invalid |"));
+        assert!(
+            text.contains("200 operations, 6 faults; 1 valid, 1 invalid, 0 unknown."),
+            "{text}"
+        );
+    }
 }
