@@ -297,6 +297,27 @@ fn reads(chains: &BTreeMap<&str, Vec<&TrailEntry>>, operations: &[Operation<'_>]
             *at = (*at).min(operation.completed_ns());
         }
     }
+    // Per account: each entry's acknowledgement time with its position, by time, and the
+    // furthest position acknowledged up to each of them.
+    let mut acknowledged: HashMap<&str, (Vec<u64>, Vec<usize>)> = HashMap::new();
+    for (account, chain) in chains {
+        let mut times: Vec<(u64, usize)> = chain
+            .iter()
+            .enumerate()
+            .filter_map(|(position, entry)| {
+                Some((*acknowledged_ns.get(entry.key.as_str())?, position))
+            })
+            .collect();
+        times.sort_unstable();
+        let furthest = times
+            .iter()
+            .scan(0, |furthest, (_, position)| {
+                *furthest = (*furthest).max(*position);
+                Some(*furthest)
+            })
+            .collect();
+        acknowledged.insert(account, (times.into_iter().map(|(at, _)| at).collect(), furthest));
+    }
     for operation in operations {
         if operation.invoke.f != Function::Read || operation.outcome() != EventType::Ok {
             continue;
@@ -305,19 +326,16 @@ fn reads(chains: &BTreeMap<&str, Vec<&TrailEntry>>, operations: &[Operation<'_>]
         let read = operation.result();
         let chain = chains.get(read.account.as_str()).map_or(&[][..], Vec::as_slice);
         let read_index = read.ledger_index.unwrap_or(0);
-        // The read must reflect every entry up to its index and every entry acknowledged
-        // before it was invoked.
-        let lowest = chain
-            .iter()
-            .enumerate()
-            .filter(|(_, entry)| {
-                entry.ledger_index <= read_index
-                    || acknowledged_ns
-                        .get(entry.key.as_str())
-                        .is_some_and(|at| *at < operation.invoke.time_ns)
-            })
-            .map(|(position, _)| position)
-            .max();
+        // The read must reflect every entry up to its index (ledger indexes grow along the
+        // chain) and every entry acknowledged before it was invoked.
+        let by_index =
+            chain.partition_point(|entry| entry.ledger_index <= read_index).checked_sub(1);
+        let by_acknowledgement =
+            acknowledged.get(read.account.as_str()).and_then(|(at, furthest)| {
+                let before = at.partition_point(|at| *at < operation.invoke.time_ns);
+                before.checked_sub(1).map(|last| furthest[last])
+            });
+        let lowest = by_index.max(by_acknowledgement);
         let Some(lowest) = lowest else {
             result.problem(format!(
                 "read at event {} saw {} at {:?}, before the account existed",
@@ -328,12 +346,16 @@ fn reads(chains: &BTreeMap<&str, Vec<&TrailEntry>>, operations: &[Operation<'_>]
         if !chain[lowest..].iter().any(|entry| Some(entry.balance_after) == read.balance) {
             result.problem(format!(
                 "read at event {} (index {read_index}) saw {} at {:?}; from entry {} on it was \
-                 {:?}",
+                 {:?}...",
                 operation.invoke.index,
                 read.account,
                 read.balance,
                 chain[lowest].sequence,
-                chain[lowest..].iter().map(|entry| entry.balance_after).collect::<Vec<_>>()
+                chain[lowest..]
+                    .iter()
+                    .take(10)
+                    .map(|entry| entry.balance_after)
+                    .collect::<Vec<_>>()
             ));
         }
     }
@@ -394,9 +416,13 @@ fn conservation(
             _ => {}
         }
     }
+    let transfer_credits: std::collections::HashSet<&str> =
+        transfers.values().filter_map(|(_, credit, _)| *credit).collect();
     let funded: u64 = trail
         .iter()
-        .filter(|entry| entry.kind == EntryKind::Credit && !transfers_key(entry, &transfers))
+        .filter(|entry| {
+            entry.kind == EntryKind::Credit && !transfer_credits.contains(entry.key.as_str())
+        })
         .filter(|entry| entry.decision == Decision::Approved)
         .map(|entry| entry.amount)
         .sum();
@@ -409,14 +435,6 @@ fn conservation(
         ));
     }
     result
-}
-
-/// Whether a credit entry belongs to a transfer (the rest fund the accounts).
-fn transfers_key(
-    entry: &TrailEntry,
-    transfers: &BTreeMap<u64, (Option<&str>, Option<&str>, bool)>,
-) -> bool {
-    transfers.values().any(|(_, credit, _)| *credit == Some(entry.key.as_str()))
 }
 
 #[cfg(test)]
