@@ -1,4 +1,4 @@
-//! Generates the gRPC clients of the node's billing API and Envoy Rate Limit Service from
+//! Generates the gRPC clients of the node's billing and admin APIs and Envoy Rate Limit Service from
 //! the project's `proto/` with protox (no system `protoc`). Clients only: the suite serves
 //! nothing.
 
@@ -8,6 +8,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     compiler.include_imports(true);
     compiler.open_files([
         "quotamesh/billing/v1/billing.proto",
+        "quotamesh/admin/v1/admin.proto",
         "envoy/service/ratelimit/v3/rls.proto",
     ])?;
     tonic_prost_build::configure()

@@ -9,11 +9,15 @@ use std::time::Duration;
 use anyhow::Context;
 use tonic::transport::Channel;
 
+use crate::checker::replicas::ReplicaState;
+use crate::history::NodeId;
 use crate::history::{Decision, EntryKind, EventType, Function, OpValue, TrailEntry};
 use crate::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use crate::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use crate::proto::envoy::service::ratelimit::v3 as rls;
 use crate::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use crate::proto::quotamesh::admin::v1 as admin;
+use crate::proto::quotamesh::admin::v1::admin_client::AdminClient;
 use crate::proto::quotamesh::billing::v1 as pb;
 use crate::workload::bank::TENANT;
 use pb::billing_client::BillingClient;
@@ -37,24 +41,73 @@ fn channel(address: &str) -> anyhow::Result<Channel> {
     Ok(endpoint.connect_lazy())
 }
 
-/// The clients of every node, by position: billing and RLS.
+/// The clients of every node, by position: billing, RLS and admin.
 #[derive(Clone)]
 pub struct Clients {
     pub billing: BillingNodes,
     rls: Vec<RateLimitServiceClient<Channel>>,
+    admin: Vec<AdminClient<Channel>>,
+    admin_token: String,
 }
 
 impl Clients {
-    /// Lazy channels to the nodes' billing and RLS addresses.
+    /// Lazy channels to the nodes' billing, RLS and admin addresses.
     ///
     /// # Errors
     /// An address is not a valid URI.
-    pub fn new(billing: &[String], rls: &[String], token: &str) -> anyhow::Result<Self> {
+    pub fn new(
+        billing: &[String],
+        rls: &[String],
+        admin: &[String],
+        billing_token: &str,
+        admin_token: &str,
+    ) -> anyhow::Result<Self> {
         let rls = rls
             .iter()
             .map(|address| Ok(RateLimitServiceClient::new(channel(address)?)))
             .collect::<anyhow::Result<Vec<_>>>()?;
-        Ok(Self { billing: BillingNodes::new(billing, token)?, rls })
+        let admin = admin
+            .iter()
+            .map(|address| Ok(AdminClient::new(channel(address)?)))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(Self {
+            billing: BillingNodes::new(billing, billing_token)?,
+            rls,
+            admin,
+            admin_token: admin_token.to_owned(),
+        })
+    }
+
+    /// Both groups' applied index and state digest on node `position` (admin `Status`);
+    /// unknown indexes when it does not answer.
+    pub async fn replica_states(&self, position: usize) -> Vec<ReplicaState> {
+        let node = NodeId(position as u64 + 1);
+        let mut client = self.admin[position].clone();
+        let mut request = tonic::Request::new(admin::StatusRequest {});
+        request.set_timeout(CALL_TIMEOUT);
+        if let Ok(value) = format!("Bearer {}", self.admin_token).parse() {
+            request.metadata_mut().insert("authorization", value);
+        }
+        let status = client.status(request).await.ok().map(tonic::Response::into_inner);
+        let billing = status.as_ref().and_then(|status| status.billing.as_ref());
+        let state = |group: &str, applied_index, state_digest| ReplicaState {
+            node,
+            group: group.to_owned(),
+            applied_index,
+            state_digest,
+        };
+        vec![
+            state(
+                "quota",
+                status.as_ref().and_then(|status| status.applied_index),
+                status.as_ref().map_or(0, |status| status.state_digest),
+            ),
+            state(
+                "billing",
+                billing.and_then(|billing| billing.applied_index),
+                billing.map_or(0, |billing| billing.state_digest),
+            ),
+        ]
     }
 
     pub fn len(&self) -> usize {

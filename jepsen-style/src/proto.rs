@@ -3,8 +3,13 @@
 
 #![allow(missing_docs, unreachable_pub, clippy::all, unused_qualifications)]
 
-/// The node's billing API.
+/// The node's billing and admin APIs.
 pub mod quotamesh {
+    pub mod admin {
+        pub mod v1 {
+            tonic::include_proto!("quotamesh.admin.v1");
+        }
+    }
     pub mod billing {
         pub mod v1 {
             tonic::include_proto!("quotamesh.billing.v1");

@@ -570,7 +570,15 @@ pub async fn run(options: RunOptions, out: &Path) -> anyhow::Result<(PathBuf, Ve
     .await?;
     let billing: Vec<String> = cluster.nodes.iter().map(|node| node.billing_addr.clone()).collect();
     let rls_addrs: Vec<String> = cluster.nodes.iter().map(|node| node.rls_addr.clone()).collect();
-    let clients = Clients::new(&billing, &rls_addrs, &cluster.tokens.billing)?;
+    let admin_addrs: Vec<String> =
+        cluster.nodes.iter().map(|node| node.admin_addr.clone()).collect();
+    let clients = Clients::new(
+        &billing,
+        &rls_addrs,
+        &admin_addrs,
+        &cluster.tokens.billing,
+        &cluster.tokens.admin,
+    )?;
     let cluster = std::sync::Arc::new(tokio::sync::Mutex::new(cluster));
     let rule_keys = rls.rules.iter().map(|rule| rule.key.clone()).collect();
     let outcome = drive(&options, &bank, rule_keys, plan, &directory, clients, &cluster).await;
@@ -651,9 +659,33 @@ async fn drive(
     if unresolved > 0 {
         eprintln!("quotamesh-jepsen: {unresolved} transfers left unresolved after healing");
     }
-    match options.workload {
-        WorkloadKind::Bank => final_reads(&shared, bank, directory).await,
-        WorkloadKind::Rls => Ok(()),
+    if options.workload == WorkloadKind::Bank {
+        final_reads(&shared, bank, directory).await?;
+    }
+    replica_states(&shared.clients, directory).await
+}
+
+/// Waits (to the final phase's deadline) until every node reports each group at one
+/// applied index, and writes what they report last to `replicas.json`.
+async fn replica_states(clients: &Clients, directory: &Path) -> anyhow::Result<()> {
+    let deadline = Instant::now() + FINAL_WAIT;
+    loop {
+        let mut states = Vec::new();
+        for position in 0..clients.len() {
+            states.extend(clients.replica_states(position).await);
+        }
+        let converged = states.iter().all(|state| {
+            state.applied_index.is_some()
+                && states
+                    .iter()
+                    .filter(|other| other.group == state.group)
+                    .all(|other| other.applied_index == state.applied_index)
+        });
+        if converged || Instant::now() > deadline {
+            std::fs::write(directory.join("replicas.json"), serde_json::to_vec_pretty(&states)?)?;
+            return Ok(());
+        }
+        tokio::time::sleep(RETRY_PAUSE).await;
     }
 }
 
@@ -704,7 +736,13 @@ pub fn check_directory(directory: &Path) -> anyhow::Result<Verdict> {
             return Ok(Verdict::of(vec![harness]));
         }
     };
-    let mut checks = vec![checker::well_formed::check(&events)];
+    let replicas: Vec<checker::replicas::ReplicaState> =
+        std::fs::read(directory.join("replicas.json"))
+            .ok()
+            .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+            .unwrap_or_default();
+    let mut checks =
+        vec![checker::well_formed::check(&events), checker::replicas::check(&replicas)];
     match record.options.workload {
         WorkloadKind::Bank => {
             checks.extend(check_bank(directory, &record, &events));

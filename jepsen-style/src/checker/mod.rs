@@ -4,6 +4,7 @@
 
 pub mod bank;
 pub mod fail_closed;
+pub mod replicas;
 pub mod rls;
 pub mod well_formed;
 
