@@ -1,7 +1,7 @@
 //! The run report (`report.md`, and what `quotamesh-jepsen report` prints): the options,
 //! the verdict with each check's first problems, operations by function and outcome, the
 //! share of operations that succeeded with and without a fault active, and each fault with
-//! the time from its end to the next `ok`. Rendered from the run's files alone. Also the
+//! the time from its end to the next `ok` through any node and through every node. Rendered from the run's files alone. Also the
 //! summary of a directory of runs: one row per run.
 
 use std::collections::BTreeMap;
@@ -121,6 +121,10 @@ pub fn render_parts(
 
     // Fault intervals, from each start record to its end record.
     let mut intervals: Vec<(u64, u64)> = Vec::new();
+    let mut nodes_seen: Vec<crate::history::NodeId> =
+        events.iter().map(|event| event.node).collect();
+    nodes_seen.sort_unstable();
+    nodes_seen.dedup();
     for start in faults.iter().filter(|record| record.phase == Phase::Start) {
         let end = faults
             .iter()
@@ -151,17 +155,37 @@ pub fn render_parts(
     let _ = writeln!(text, "\n## Faults ({})\n", intervals.len());
     let _ = writeln!(
         text,
-        "| # | kind | target | nodes | start s | end s | outcome | first ok after end | detail |\n\
+        "| # | kind | target | nodes | start s | end s | outcome | first ok after end: any / every node | detail |\n\
          |---|---|---|---|---|---|---|---|---|"
     );
+    let mut nodes_seen: Vec<crate::history::NodeId> =
+        events.iter().map(|event| event.node).collect();
+    nodes_seen.sort_unstable();
+    nodes_seen.dedup();
     for start in faults.iter().filter(|record| record.phase == Phase::Start) {
         let end =
             faults.iter().find(|record| record.fault == start.fault && record.phase == Phase::End);
         let end_ns = end.map_or(u64::MAX, |record| record.time_ns);
-        let recovery = events
-            .iter()
-            .find(|event| event.event_type == EventType::Ok && event.time_ns >= end_ns)
-            .map_or("-".to_owned(), |event| format!("{} ms", (event.time_ns - end_ns) / 1_000_000));
+        // The first `ok` after the end through any node, and the last node's first `ok`.
+        let first_ok_ms = |node: Option<crate::history::NodeId>| {
+            events
+                .iter()
+                .find(|event| {
+                    event.event_type == EventType::Ok
+                        && event.time_ns >= end_ns
+                        && node.is_none_or(|node| event.node == node)
+                })
+                .map(|event| (event.time_ns - end_ns) / 1_000_000)
+        };
+        let every: Option<Vec<u64>> =
+            nodes_seen.iter().map(|node| first_ok_ms(Some(*node))).collect();
+        let recovery = format!(
+            "{} / {}",
+            first_ok_ms(None).map_or("-".to_owned(), |ms| format!("{ms} ms")),
+            every
+                .and_then(|every| every.into_iter().max())
+                .map_or("-".to_owned(), |ms| format!("{ms} ms"))
+        );
         let nodes: Vec<String> = start.nodes.iter().map(|node| node.0.to_string()).collect();
         let _ = writeln!(
             text,
