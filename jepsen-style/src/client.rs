@@ -41,6 +41,16 @@ fn channel(address: &str) -> anyhow::Result<Channel> {
     Ok(endpoint.connect_lazy())
 }
 
+/// A request with the call timeout and `token` as its bearer token.
+fn authorized<T>(body: T, token: &str) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(body);
+    request.set_timeout(CALL_TIMEOUT);
+    if let Ok(value) = format!("Bearer {token}").parse() {
+        request.metadata_mut().insert("authorization", value);
+    }
+    request
+}
+
 /// The clients of every node, by position: billing, RLS and admin.
 #[derive(Clone)]
 pub struct Clients {
@@ -83,11 +93,7 @@ impl Clients {
     pub async fn replica_states(&self, position: usize) -> Vec<ReplicaState> {
         let node = NodeId(position as u64 + 1);
         let mut client = self.admin[position].clone();
-        let mut request = tonic::Request::new(admin::StatusRequest {});
-        request.set_timeout(CALL_TIMEOUT);
-        if let Ok(value) = format!("Bearer {}", self.admin_token).parse() {
-            request.metadata_mut().insert("authorization", value);
-        }
+        let request = authorized(admin::StatusRequest {}, &self.admin_token);
         let status = client.status(request).await.ok().map(tonic::Response::into_inner);
         let billing = status.as_ref().and_then(|status| status.billing.as_ref());
         let state = |group: &str, applied_index, state_digest| ReplicaState {
@@ -203,12 +209,7 @@ impl BillingNodes {
     }
 
     fn request<T>(&self, body: T) -> tonic::Request<T> {
-        let mut request = tonic::Request::new(body);
-        request.set_timeout(CALL_TIMEOUT);
-        if let Ok(value) = format!("Bearer {}", self.token).parse() {
-            request.metadata_mut().insert("authorization", value);
-        }
-        request
+        authorized(body, &self.token)
     }
 
     fn account(meter: &str) -> Option<pb::Account> {
