@@ -54,6 +54,27 @@ pub enum Target {
     Minority(Vec<usize>),
     /// Every node: a coordinated crash, or the whole cluster frozen.
     All,
+    /// Partitions only: the other nodes split in two halves that cannot reach each other,
+    /// this node (by position) reaching both.
+    Bridge(usize),
+}
+
+/// The links a partition of `target` cuts, as pairs of positions (lower first), given the
+/// nodes it resolved to (`positions`) among `nodes`: the targets from the rest, every link
+/// for `All`, and between the two halves for a bridge.
+pub fn cut_links(target: &Target, positions: &[usize], nodes: usize) -> Vec<(usize, usize)> {
+    let pairs = (0..nodes).flat_map(|first| (first + 1..nodes).map(move |second| (first, second)));
+    match target {
+        Target::All => pairs.collect(),
+        Target::Bridge(bridge) => {
+            let others: Vec<usize> = (0..nodes).filter(|node| node != bridge).collect();
+            let (left, right) = others.split_at(others.len() / 2);
+            pairs.filter(|(first, second)| left.contains(first) && right.contains(second)).collect()
+        }
+        Target::One(_) | Target::Leader | Target::Minority(_) => pairs
+            .filter(|(first, second)| positions.contains(first) != positions.contains(second))
+            .collect(),
+    }
 }
 
 /// One planned fault.
@@ -99,6 +120,8 @@ pub const INTERVAL_MS_DEFAULT: u64 = 4_000;
 /// Faults last 1 to 3 s: a pause longer than the longest election timeout deposes a leader.
 pub const FAULT_MS_MIN_DEFAULT: u64 = 1_000;
 pub const FAULT_MS_MAX_DEFAULT: u64 = 3_000;
+/// In percent: how often a partition is a bridge rather than its drawn target.
+const BRIDGE_PERCENT: u64 = 25;
 /// In percent: how often a fault hits every node rather than one, the leader or a minority.
 const ALL_NODES_PERCENT: u64 = 15;
 
@@ -125,7 +148,11 @@ pub fn schedule(seed: u64, options: &ScheduleOptions) -> Vec<ScheduledFault> {
         let Some(kind) = deck.pop() else {
             return faults;
         };
-        let target = draw_target(&mut rng, options.nodes);
+        let mut target = draw_target(&mut rng, options.nodes);
+        // Drawn only for partitions, so other kinds' schedules do not depend on it.
+        if kind == FaultKind::Partition && options.nodes >= 3 && rng.percent(BRIDGE_PERCENT) {
+            target = Target::Bridge(rng.index(options.nodes));
+        }
         let duration_ms = rng.between(options.fault_ms_min, options.fault_ms_max);
         // Drawn only for clock faults, so other kinds' schedules do not depend on it.
         let clock_offset_s =
@@ -254,11 +281,27 @@ mod tests {
                         prop_assert!(positions.windows(2).all(|pair| pair[0] < pair[1]));
                         prop_assert!(positions.iter().all(|position| *position < nodes));
                     }
+                    Target::Bridge(position) => {
+                        prop_assert!(*position < nodes && nodes >= 3);
+                        prop_assert_eq!(fault.kind, FaultKind::Partition);
+                    }
                     Target::Leader | Target::All => {}
                 }
                 previous_end_ms = fault.end_ms();
             }
         }
+    }
+
+    /// The links cut: the targets from the rest; every link for all; a bridge keeps its
+    /// own links and cuts the halves apart.
+    #[test]
+    fn partitions_cut_the_right_links() {
+        assert_eq!(cut_links(&Target::One(1), &[1], 3), vec![(0, 1), (1, 2)]);
+        let minority = cut_links(&Target::Minority(vec![0, 3]), &[0, 3], 5);
+        assert_eq!(minority, vec![(0, 1), (0, 2), (0, 4), (1, 3), (2, 3), (3, 4)]);
+        assert_eq!(cut_links(&Target::All, &[0, 1, 2], 3), vec![(0, 1), (0, 2), (1, 2)]);
+        assert_eq!(cut_links(&Target::Bridge(2), &[2], 3), vec![(0, 1)]);
+        assert_eq!(cut_links(&Target::Bridge(0), &[0], 5), vec![(1, 3), (1, 4), (2, 3), (2, 4)]);
     }
 
     /// A minute-long run of three nodes gets several faults of both kinds and targets beyond

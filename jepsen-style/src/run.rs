@@ -381,6 +381,7 @@ async fn nemesis_task(
             Target::One(position) => vec![*position],
             Target::Minority(positions) => positions.clone(),
             Target::All => (0..count).collect(),
+            Target::Bridge(position) => vec![*position],
             Target::Leader => leader_position(&shared, &guard).await.into_iter().collect(),
         };
         let nodes: Vec<NodeId> =
@@ -420,7 +421,8 @@ async fn nemesis_task(
             }
         }
         if fault.kind == FaultKind::Partition
-            && let Err(error) = guard.partition(&positions).await
+            && let Err(error) =
+                guard.partition(&nemesis::cut_links(&fault.target, &positions, count)).await
         {
             problems.push(format!("{error:#}"));
         }

@@ -112,17 +112,19 @@ impl Namespaces {
         format!("10.77.{}.{}", self.subnet, position + 1)
     }
 
-    /// Cuts every link between a node in `isolated` and one outside it, both ways; when
-    /// `isolated` is every node, cuts every link (each node alone).
+    /// Cuts the links `pairs` (of node positions), both ways, on both ends.
     ///
     /// # Errors
     /// An nft command fails.
-    pub async fn partition(&self, isolated: &[usize]) -> anyhow::Result<()> {
-        let everyone = isolated.len() >= self.nodes;
+    pub async fn partition(&self, pairs: &[(usize, usize)]) -> anyhow::Result<()> {
         for position in 0..self.nodes {
-            let cut: Vec<String> = (0..self.nodes)
-                .filter(|peer| *peer != position)
-                .filter(|peer| everyone || isolated.contains(peer) != isolated.contains(&position))
+            let cut: Vec<String> = pairs
+                .iter()
+                .filter_map(|(first, second)| match position {
+                    _ if position == *first => Some(*second),
+                    _ if position == *second => Some(*first),
+                    _ => None,
+                })
                 .map(|peer| self.address(peer))
                 .collect();
             if cut.is_empty() {

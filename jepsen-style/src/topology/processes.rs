@@ -374,14 +374,14 @@ impl Cluster {
         Ok(())
     }
 
-    /// Cuts the nodes at `positions` off from the others (all of them: each node alone).
+    /// Cuts the links `links` (pairs of node positions; `nemesis::cut_links`).
     ///
     /// # Errors
     /// The topology has no network to cut (`local`), or an nft command fails.
-    pub async fn partition(&mut self, positions: &[usize]) -> anyhow::Result<()> {
+    pub async fn partition(&mut self, links: &[(usize, usize)]) -> anyhow::Result<()> {
         let namespaces = self.namespaces.as_ref().context("partitions need the netns topology")?;
         self.partitioned = true;
-        namespaces.partition(positions).await
+        namespaces.partition(links).await
     }
 
     /// Sets node `position`'s wall clock `offset_s` seconds off (0: true time again); it
