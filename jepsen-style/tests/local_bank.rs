@@ -12,6 +12,10 @@ mod common;
 fn bank_under_kill_pause_and_clock_is_valid() {
     let out = tempfile::tempdir().expect("a temporary directory");
     let directory = common::valid_run("bank", "local", &["kill", "pause", "clock"], out.path());
+    let faults = common::lines(&directory.join("nemesis.jsonl"));
+    for kind in ["kill", "pause", "clock"] {
+        assert!(faults.iter().any(|record| record["kind"] == kind), "no {kind}: {faults:?}");
+    }
     let history = common::lines(&directory.join("history.jsonl"));
     let acknowledged = history.iter().filter(|event| event["type"] == "ok").count();
     assert!(acknowledged > 500, "only {acknowledged} operations were acknowledged");
