@@ -1,10 +1,187 @@
-//! quotamesh's black-box fault-injection runner (nemeses, workloads, history checkers).
-//!
-//! Placeholder: the runner arrives with the regional ledger, whose faults it injects (see
-//! the ledger and leasing issues). Until then it only says so, and exits non-zero so that
-//! nobody mistakes it for a passing run.
+//! The `quotamesh-jepsen` command line: `run` (a seeded run against fresh nodes), `check`
+//! (the checkers again on a saved run) and `report` (a saved run's summary). Exit code 0 for
+//! a valid verdict, 1 for an invalid one, 2 when the run cannot be judged.
 
-fn main() -> std::process::ExitCode {
-    eprintln!("quotamesh-jepsen: no workloads yet; they arrive with the regional ledger");
-    std::process::ExitCode::FAILURE
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use quotamesh_jepsen::nemesis::FaultKind;
+use quotamesh_jepsen::run::{self, RunOptions, WorkloadKind};
+use quotamesh_jepsen::topology::Topology;
+
+#[derive(Parser)]
+#[command(
+    name = "quotamesh-jepsen",
+    version,
+    about = "Fault injection against quotamesh nodes: histories, nemeses, checkers"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// What a run is: the cluster, the workload, the faults and the seed.
+#[derive(Args)]
+struct RunArgs {
+    /// Where the nodes run: `local` (processes on loopback) or `netns` (a network
+    /// namespace each, on a bridge; needs root; allows partitions).
+    #[arg(long, default_value = "local", value_parser = ["local", "netns"])]
+    topology: String,
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=9))]
+    nodes: u64,
+    /// The workload: `bank` (transfers and reads on the billing API) or `rls` (hits on an
+    /// open and a closed rule through the Rate Limit Service).
+    #[arg(long, default_value = "bank", value_parser = ["bank", "rls"])]
+    workload: String,
+    /// Faults, comma-separated: `kill`, `pause`, `partition` (netns only), `clock`
+    /// (libfaketime); `none` for a fault-free baseline.
+    #[arg(long, default_value = "kill,pause")]
+    nemesis: String,
+    /// How long the workload runs, e.g. `60s`, `2m`, `1500ms`.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    time_limit: Duration,
+    /// Operations per second, over all clients.
+    #[arg(long, default_value_t = 200)]
+    rate: u64,
+    /// Fixes every planned operation and fault (the first run's, for `soak`).
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Runs are written to a new directory under this one.
+    #[arg(long, default_value = "runs")]
+    out: PathBuf,
+    /// The quotamesh binary to run.
+    #[arg(long, env = "QUOTAMESH_BIN", default_value = "target/release/quotamesh")]
+    binary: PathBuf,
+}
+
+impl RunArgs {
+    fn options(&self) -> anyhow::Result<RunOptions> {
+        let nemeses = if self.nemesis.trim() == "none" {
+            Vec::new()
+        } else {
+            self.nemesis
+                .split(',')
+                .map(FaultKind::parse)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(anyhow::Error::msg)?
+        };
+        let topology = Topology::parse(&self.topology).map_err(anyhow::Error::msg)?;
+        anyhow::ensure!(
+            topology == Topology::Netns || !nemeses.contains(&FaultKind::Partition),
+            "partitions need --topology netns"
+        );
+        Ok(RunOptions {
+            topology,
+            nodes: usize::try_from(self.nodes)?,
+            workload: WorkloadKind::parse(&self.workload).map_err(anyhow::Error::msg)?,
+            nemeses,
+            time_limit_ms: u64::try_from(self.time_limit.as_millis())?,
+            rate_per_second: self.rate,
+            seed: self.seed,
+            binary: self.binary.clone(),
+        })
+    }
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Starts a region, runs a seeded workload under seeded faults, checks the history.
+    Run(RunArgs),
+    /// Runs again and again, one seed after the other (`--seed`, `--seed` + 1, ...), each on
+    /// a fresh region; prints the summary of the out directory. Exit code: the worst verdict.
+    Soak {
+        #[command(flatten)]
+        run: RunArgs,
+        /// How many runs.
+        #[arg(long, default_value_t = 10)]
+        runs: u64,
+    },
+    /// Runs the checkers again on a saved run; rewrites its verdict and report.
+    Check { directory: PathBuf },
+    /// Prints a saved run's report (Markdown); given a directory of runs, a table of them.
+    Report { directory: PathBuf },
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let (number, unit_ms) = if let Some(number) = text.strip_suffix("ms") {
+        (number, 1)
+    } else if let Some(number) = text.strip_suffix('s') {
+        (number, 1_000)
+    } else if let Some(number) = text.strip_suffix('m') {
+        (number, 60_000)
+    } else if let Some(number) = text.strip_suffix('h') {
+        (number, 3_600_000)
+    } else {
+        return Err(format!("{text:?}: give a unit (ms, s, m, h)"));
+    };
+    let count: u64 = number.trim().parse().map_err(|error| format!("{text:?}: {error}"))?;
+    count
+        .checked_mul(unit_ms)
+        .map(Duration::from_millis)
+        .ok_or_else(|| format!("{text:?} is too long"))
+}
+
+fn main() -> ExitCode {
+    match run_command(Cli::parse().command) {
+        Ok(code) => ExitCode::from(code),
+        Err(error) => {
+            eprintln!("quotamesh-jepsen: {error:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run_command(command: Command) -> anyhow::Result<u8> {
+    match command {
+        Command::Run(arguments) => {
+            let runtime = tokio::runtime::Runtime::new().context("start the async runtime")?;
+            let (directory, verdict) =
+                runtime.block_on(run::run(arguments.options()?, &arguments.out))?;
+            print!("{}", std::fs::read_to_string(directory.join("report.md")).unwrap_or_default());
+            println!("\nrun directory: {}", directory.display());
+            Ok(verdict.exit_code())
+        }
+        Command::Soak { run: arguments, runs } => {
+            let runtime = tokio::runtime::Runtime::new().context("start the async runtime")?;
+            let mut worst = 0;
+            for number in 0..runs {
+                let mut options = arguments.options()?;
+                options.seed = options.seed.saturating_add(number);
+                let seed = options.seed;
+                let (directory, verdict) = runtime.block_on(run::run(options, &arguments.out))?;
+                println!("seed {seed}: {:?} ({})", verdict.validity, directory.display());
+                // Invalid (1) outranks unknown (2): a violation is what a soak looks for.
+                worst = match (worst, verdict.exit_code()) {
+                    (1, _) | (_, 1) => 1,
+                    (current, code) => current.max(code),
+                };
+            }
+            print!("{}", quotamesh_jepsen::report::render_summary(&arguments.out)?);
+            Ok(worst)
+        }
+        Command::Check { directory } => {
+            let verdict = run::check_directory(&directory)?;
+            run::write_verdict(&directory, &verdict)?;
+            for check in &verdict.checks {
+                println!(
+                    "{:<14} {:?} ({} checked, {} problems)",
+                    check.name, check.validity, check.checked, check.problem_count
+                );
+            }
+            println!("verdict: {:?}", verdict.validity);
+            Ok(verdict.exit_code())
+        }
+        Command::Report { directory } => {
+            if directory.join("run.json").is_file() {
+                print!("{}", quotamesh_jepsen::report::render(&directory)?);
+            } else {
+                print!("{}", quotamesh_jepsen::report::render_summary(&directory)?);
+            }
+            Ok(0)
+        }
+    }
 }

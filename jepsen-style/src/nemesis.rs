@@ -1,0 +1,319 @@
+//! The nemesis's plan and record: a schedule of faults drawn from the seed (pure, no IO:
+//! the same seed and options give the same schedule), and the `nemesis.jsonl` records of
+//! each fault's start and end as it was carried out. Carrying a fault out on processes is
+//! the topology's business (`topology::local`).
+
+use serde::{Deserialize, Serialize};
+
+use crate::history::NodeId;
+use crate::rng::SeededRng;
+
+/// A kind of fault the nemesis injects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FaultKind {
+    /// SIGKILL (kill -9), restarted on the same data directory when the fault ends.
+    Kill,
+    /// SIGSTOP, and SIGCONT when the fault ends.
+    Pause,
+    /// The target nodes cut off from the rest, both ways (netns only); every node alone when
+    /// the target is all of them.
+    Partition,
+    /// The target nodes' wall clocks set off by the fault's offset (libfaketime), their
+    /// monotonic clocks untouched; set back when the fault ends.
+    Clock,
+}
+
+impl FaultKind {
+    /// Parses a `--nemesis` name.
+    ///
+    /// # Errors
+    /// An unknown name, with the known ones.
+    pub fn parse(name: &str) -> Result<Self, String> {
+        match name.trim() {
+            "kill" => Ok(Self::Kill),
+            "pause" => Ok(Self::Pause),
+            "partition" => Ok(Self::Partition),
+            "clock" => Ok(Self::Clock),
+            other => {
+                Err(format!("unknown nemesis {other:?}; known: kill, pause, partition, clock"))
+            }
+        }
+    }
+}
+
+/// Which nodes a fault hits.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Target {
+    /// One node, by its position (0-based) among the cluster's nodes.
+    One(usize),
+    /// Whichever node leads the billing group when the fault starts.
+    Leader,
+    /// Fewer than half of the nodes, by position.
+    Minority(Vec<usize>),
+    /// Every node: a coordinated crash, or the whole cluster frozen.
+    All,
+    /// Partitions only: the other nodes split in two halves that cannot reach each other,
+    /// this node (by position) reaching both.
+    Bridge(usize),
+}
+
+/// The links a partition of `target` cuts, as pairs of positions (lower first), given the
+/// nodes it resolved to (`positions`) among `nodes`: the targets from the rest, every link
+/// for `All`, and between the two halves for a bridge.
+pub fn cut_links(target: &Target, positions: &[usize], nodes: usize) -> Vec<(usize, usize)> {
+    let pairs = (0..nodes).flat_map(|first| (first + 1..nodes).map(move |second| (first, second)));
+    match target {
+        Target::All => pairs.collect(),
+        Target::Bridge(bridge) => {
+            let others: Vec<usize> = (0..nodes).filter(|node| node != bridge).collect();
+            let (left, right) = others.split_at(others.len() / 2);
+            pairs.filter(|(first, second)| left.contains(first) && right.contains(second)).collect()
+        }
+        Target::One(_) | Target::Leader | Target::Minority(_) => pairs
+            .filter(|(first, second)| positions.contains(first) != positions.contains(second))
+            .collect(),
+    }
+}
+
+/// One planned fault.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScheduledFault {
+    /// From the start of the workload.
+    pub start_ms: u64,
+    pub duration_ms: u64,
+    pub kind: FaultKind,
+    pub target: Target,
+    /// For a clock fault: how far the targets' wall clocks move, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clock_offset_s: Option<i64>,
+}
+
+/// The clock offsets a clock fault draws from: past the 24 h idempotency-key retention, an
+/// hour either way (a hold's TTL), and an NTP-sized step.
+pub const CLOCK_OFFSETS_S: [i64; 4] = [25 * 3_600, 3_600, -3_600, 30];
+
+impl ScheduledFault {
+    pub fn end_ms(&self) -> u64 {
+        self.start_ms.saturating_add(self.duration_ms)
+    }
+}
+
+/// What the schedule is drawn from, besides the seed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScheduleOptions {
+    pub kinds: Vec<FaultKind>,
+    pub nodes: usize,
+    /// Faults start and end within this, from the workload's start.
+    pub time_limit_ms: u64,
+    /// Mean quiet time between two faults.
+    pub interval_ms: u64,
+    /// Shortest and longest fault.
+    pub fault_ms_min: u64,
+    pub fault_ms_max: u64,
+}
+
+/// The default quiet time between faults: long enough for a region to elect a leader and
+/// serve again (election timeouts are 300 to 600 ms), short enough for several faults a run.
+pub const INTERVAL_MS_DEFAULT: u64 = 4_000;
+/// Faults last 1 to 3 s: a pause longer than the longest election timeout deposes a leader.
+pub const FAULT_MS_MIN_DEFAULT: u64 = 1_000;
+pub const FAULT_MS_MAX_DEFAULT: u64 = 3_000;
+/// In percent: how often a partition is a bridge rather than its drawn target.
+const BRIDGE_PERCENT: u64 = 25;
+/// In percent: how often a fault hits every node rather than one, the leader or a minority.
+const ALL_NODES_PERCENT: u64 = 15;
+
+/// The faults of a run, in time order, never overlapping, all ended by the time limit.
+/// Kinds are dealt from a seeded shuffle of all of them, refilled when empty, so every kind
+/// asked for comes up once in each round (a short run still sees each kind).
+pub fn schedule(seed: u64, options: &ScheduleOptions) -> Vec<ScheduledFault> {
+    let mut rng = SeededRng::fork(seed, u64::from(u32::MAX));
+    let mut faults = Vec::new();
+    if options.kinds.is_empty() || options.nodes == 0 {
+        return faults;
+    }
+    let half = options.interval_ms / 2;
+    let mut at_ms = rng.between(half, options.interval_ms.saturating_add(half));
+    let mut deck: Vec<FaultKind> = Vec::new();
+    loop {
+        if deck.is_empty() {
+            deck.clone_from(&options.kinds);
+            // Fisher-Yates; the deck is dealt from its end.
+            for slot in (1..deck.len()).rev() {
+                deck.swap(slot, rng.index(slot + 1));
+            }
+        }
+        let Some(kind) = deck.pop() else {
+            return faults;
+        };
+        let mut target = draw_target(&mut rng, options.nodes);
+        // Drawn only for partitions, so other kinds' schedules do not depend on it.
+        if kind == FaultKind::Partition && options.nodes >= 3 && rng.percent(BRIDGE_PERCENT) {
+            target = Target::Bridge(rng.index(options.nodes));
+        }
+        let duration_ms = rng.between(options.fault_ms_min, options.fault_ms_max);
+        // Drawn only for clock faults, so other kinds' schedules do not depend on it.
+        let clock_offset_s =
+            (kind == FaultKind::Clock).then(|| CLOCK_OFFSETS_S[rng.index(CLOCK_OFFSETS_S.len())]);
+        let fault = ScheduledFault { start_ms: at_ms, duration_ms, kind, target, clock_offset_s };
+        if fault.end_ms() > options.time_limit_ms {
+            return faults;
+        }
+        at_ms = fault.end_ms().saturating_add(rng.between(half, options.interval_ms + half));
+        faults.push(fault);
+    }
+}
+
+fn draw_target(rng: &mut SeededRng, nodes: usize) -> Target {
+    if rng.percent(ALL_NODES_PERCENT) {
+        return Target::All;
+    }
+    let minority_size = (nodes - 1) / 2;
+    match rng.between(0, if minority_size > 1 { 2 } else { 1 }) {
+        0 => Target::One(rng.index(nodes)),
+        1 => Target::Leader,
+        _ => {
+            let mut positions: Vec<usize> = (0..nodes).collect();
+            // A partial Fisher-Yates shuffle: the first `minority_size` are the pick.
+            for slot in 0..minority_size {
+                let other = slot + rng.index(nodes - slot);
+                positions.swap(slot, other);
+            }
+            positions.truncate(minority_size);
+            positions.sort_unstable();
+            Target::Minority(positions)
+        }
+    }
+}
+
+/// Whether a fault record marks its start or its end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    Start,
+    End,
+}
+
+/// What became of a nemesis step (openraft's Jepsen vocabulary).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FaultOutcome {
+    /// Done on every target.
+    Installed,
+    /// Known not done (no leader to target).
+    Skipped,
+    /// Partly done or unknown (a signal or a restart failed).
+    Indeterminate,
+}
+
+/// One line of `nemesis.jsonl`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NemesisRecord {
+    /// The runner's monotonic clock since the run started (the history's time base): for a
+    /// start, when the fault was in place; for an end, when healing began.
+    pub time_ns: u64,
+    /// The fault's position in the schedule.
+    pub fault: usize,
+    pub phase: Phase,
+    pub kind: FaultKind,
+    pub target: Target,
+    /// The nodes it was applied to.
+    pub nodes: Vec<NodeId>,
+    pub outcome: FaultOutcome,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn options(nodes: usize, time_limit_ms: u64, kinds: Vec<FaultKind>) -> ScheduleOptions {
+        ScheduleOptions {
+            kinds,
+            nodes,
+            time_limit_ms,
+            interval_ms: INTERVAL_MS_DEFAULT,
+            fault_ms_min: FAULT_MS_MIN_DEFAULT,
+            fault_ms_max: FAULT_MS_MAX_DEFAULT,
+        }
+    }
+
+    proptest! {
+        /// A schedule is a function of the seed, its faults are ordered, apart, within the
+        /// time limit, of the asked kinds, and aimed at nodes that exist (a minority is
+        /// fewer than half of them, without repeats).
+        #[test]
+        fn schedules_are_seeded_and_sane(
+            seed: u64,
+            nodes in 1_usize..8,
+            time_limit_ms in 0_u64..600_000,
+            pause_only: bool,
+        ) {
+            let kinds = if pause_only { vec![FaultKind::Pause] } else {
+                vec![FaultKind::Kill, FaultKind::Pause, FaultKind::Clock]
+            };
+            let options = options(nodes, time_limit_ms, kinds.clone());
+            let faults = schedule(seed, &options);
+            prop_assert_eq!(&faults, &schedule(seed, &options));
+            // Every round of as many faults as kinds holds each kind once.
+            for round in faults.chunks_exact(kinds.len()) {
+                for kind in &kinds {
+                    prop_assert_eq!(round.iter().filter(|fault| fault.kind == *kind).count(), 1);
+                }
+            }
+            let mut previous_end_ms = 0;
+            for fault in &faults {
+                prop_assert!(fault.start_ms > previous_end_ms);
+                prop_assert!(fault.end_ms() <= time_limit_ms);
+                prop_assert!(kinds.contains(&fault.kind));
+                prop_assert!(fault.duration_ms >= FAULT_MS_MIN_DEFAULT);
+                prop_assert!(fault.duration_ms <= FAULT_MS_MAX_DEFAULT);
+                prop_assert_eq!(fault.clock_offset_s.is_some(), fault.kind == FaultKind::Clock);
+                match &fault.target {
+                    Target::One(position) => prop_assert!(*position < nodes),
+                    Target::Minority(positions) => {
+                        prop_assert!(!positions.is_empty());
+                        prop_assert!(positions.len() * 2 < nodes);
+                        prop_assert!(positions.windows(2).all(|pair| pair[0] < pair[1]));
+                        prop_assert!(positions.iter().all(|position| *position < nodes));
+                    }
+                    Target::Bridge(position) => {
+                        prop_assert!(*position < nodes && nodes >= 3);
+                        prop_assert_eq!(fault.kind, FaultKind::Partition);
+                    }
+                    Target::Leader | Target::All => {}
+                }
+                previous_end_ms = fault.end_ms();
+            }
+        }
+    }
+
+    /// The links cut: the targets from the rest; every link for all; a bridge keeps its
+    /// own links and cuts the halves apart.
+    #[test]
+    fn partitions_cut_the_right_links() {
+        assert_eq!(cut_links(&Target::One(1), &[1], 3), vec![(0, 1), (1, 2)]);
+        let minority = cut_links(&Target::Minority(vec![0, 3]), &[0, 3], 5);
+        assert_eq!(minority, vec![(0, 1), (0, 2), (0, 4), (1, 3), (2, 3), (3, 4)]);
+        assert_eq!(cut_links(&Target::All, &[0, 1, 2], 3), vec![(0, 1), (0, 2), (1, 2)]);
+        assert_eq!(cut_links(&Target::Bridge(2), &[2], 3), vec![(0, 1)]);
+        assert_eq!(cut_links(&Target::Bridge(0), &[0], 5), vec![(1, 3), (1, 4), (2, 3), (2, 4)]);
+    }
+
+    /// A minute-long run of three nodes gets several faults of both kinds and targets beyond
+    /// one node, and another seed gives another schedule.
+    #[test]
+    fn a_minute_has_varied_faults() {
+        let options = options(3, 60_000, vec![FaultKind::Kill, FaultKind::Pause]);
+        let faults = schedule(42, &options);
+        assert!(faults.len() >= 6, "{faults:?}");
+        assert!(faults.iter().any(|fault| fault.kind == FaultKind::Kill));
+        assert!(faults.iter().any(|fault| fault.kind == FaultKind::Pause));
+        assert!(faults.iter().any(|fault| !matches!(fault.target, Target::One(_))));
+        assert_ne!(faults, schedule(43, &options));
+    }
+}

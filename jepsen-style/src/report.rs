@@ -1,0 +1,344 @@
+//! The run report (`report.md`, and what `quotamesh-jepsen report` prints): the options,
+//! the verdict with each check's first problems, operations by function and outcome, the
+//! share of operations that succeeded with and without a fault active, and each fault with
+//! the time from its end to the next `ok` through any node and through every node. Rendered from the run's files alone. Also the
+//! summary of a directory of runs: one row per run.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::path::Path;
+
+use anyhow::Context;
+
+use crate::checker::Verdict;
+use crate::history::{Event, EventType, Function, operations, read_jsonl};
+use crate::nemesis::{NemesisRecord, Phase};
+use crate::run::{RunRecord, WorkloadKind};
+
+/// Renders the report of the run in `directory` (its verdict must have been written).
+///
+/// # Errors
+/// `run.json` or `verdict.json` cannot be read.
+pub fn render(directory: &Path) -> anyhow::Result<String> {
+    let record: RunRecord = serde_json::from_slice(
+        &std::fs::read(directory.join("run.json")).context("read run.json")?,
+    )?;
+    let verdict: Verdict = serde_json::from_slice(
+        &std::fs::read(directory.join("verdict.json")).context("read verdict.json")?,
+    )?;
+    let events: Vec<Event> = read_jsonl(&directory.join("history.jsonl")).unwrap_or_default();
+    let faults: Vec<NemesisRecord> =
+        read_jsonl(&directory.join("nemesis.jsonl")).unwrap_or_default();
+    Ok(render_parts(&record, &verdict, &events, &faults))
+}
+
+/// The report from the run's records. Pure.
+pub fn render_parts(
+    record: &RunRecord,
+    verdict: &Verdict,
+    events: &[Event],
+    faults: &[NemesisRecord],
+) -> String {
+    let options = &record.options;
+    let mut text = String::new();
+    let nemeses: Vec<String> =
+        options.nemeses.iter().map(|kind| format!("{kind:?}").to_lowercase()).collect();
+    let shape = match options.workload {
+        WorkloadKind::Bank => format!(
+            "{} accounts of {} above a floor of {}",
+            record.bank.accounts, record.bank.initial_balance, record.bank.floor
+        ),
+        WorkloadKind::Rls => {
+            let rules: Vec<String> = record
+                .rls
+                .rules
+                .iter()
+                .map(|rule| {
+                    format!("{} ({})", rule.key, if rule.fail_open { "open" } else { "closed" })
+                })
+                .collect();
+            format!(
+                "rules {} of {}/s, bursts of {}",
+                rules.join(", "),
+                record.rls.limit_per_second,
+                record.rls.burst_tokens
+            )
+        }
+    };
+    let _ = writeln!(
+        text,
+        "# quotamesh-jepsen: {} on {} {} nodes, seed {}\n\n\
+         nemeses: {} · time limit {} s · rate {}/s · {shape}\n",
+        options.workload.name(),
+        options.nodes,
+        options.topology.name(),
+        options.seed,
+        if nemeses.is_empty() { "none".to_owned() } else { nemeses.join(", ") },
+        options.time_limit_ms / 1_000,
+        options.rate_per_second,
+    );
+    let _ = writeln!(text, "## Verdict: {:?}\n", verdict.validity);
+    let _ = writeln!(text, "| check | verdict | checked | problems |\n|---|---|---|---|");
+    for check in &verdict.checks {
+        let _ = writeln!(
+            text,
+            "| {} | {:?} | {} | {} |",
+            check.name, check.validity, check.checked, check.problem_count
+        );
+    }
+    for check in verdict.checks.iter().filter(|check| !check.problems.is_empty()) {
+        let _ = writeln!(text, "\n{} (first problems):\n", check.name);
+        for problem in &check.problems {
+            let _ = writeln!(text, "- {problem}");
+        }
+    }
+
+    let operations = operations(events);
+    let mut counts: BTreeMap<Function, [u64; 3]> = BTreeMap::new();
+    for operation in &operations {
+        let slot = counts.entry(operation.invoke.f).or_default();
+        match operation.outcome() {
+            EventType::Ok => slot[0] += 1,
+            EventType::Fail => slot[1] += 1,
+            _ => slot[2] += 1,
+        }
+    }
+    let _ = writeln!(text, "\n## Operations ({})\n", operations.len());
+    let _ = writeln!(text, "| function | ok | fail | info |\n|---|---|---|---|");
+    for (function, [ok, fail, info]) in &counts {
+        let _ = writeln!(text, "| {function:?} | {ok} | {fail} | {info} |");
+    }
+    let mut admitted: BTreeMap<&str, [u64; 2]> = BTreeMap::new();
+    for operation in operations.iter().filter(|operation| operation.invoke.f == Function::Check) {
+        let rule = operation.invoke.value.descriptor.as_deref().unwrap_or("");
+        let slot = admitted.entry(rule).or_default();
+        slot[0] += 1;
+        slot[1] += u64::from(operation.result().admitted == Some(true));
+    }
+    for (rule, [hits, yes]) in &admitted {
+        let _ = writeln!(text, "\nRule {rule}: {yes} of {hits} hits admitted.");
+    }
+
+    // Fault intervals, from each start record to its end record.
+    let mut intervals: Vec<(u64, u64)> = Vec::new();
+    let mut nodes_seen: Vec<crate::history::NodeId> =
+        events.iter().map(|event| event.node).collect();
+    nodes_seen.sort_unstable();
+    nodes_seen.dedup();
+    for start in faults.iter().filter(|record| record.phase == Phase::Start) {
+        let end = faults
+            .iter()
+            .find(|record| record.fault == start.fault && record.phase == Phase::End)
+            .map_or(u64::MAX, |record| record.time_ns);
+        intervals.push((start.time_ns, end));
+    }
+    let faulty = |at: u64| intervals.iter().any(|(start, end)| *start <= at && at <= *end);
+    let mut shares = [[0_u64; 2]; 2];
+    for operation in &operations {
+        let during = usize::from(faulty(operation.invoke.time_ns));
+        shares[during][0] += 1;
+        shares[during][1] += u64::from(operation.outcome() == EventType::Ok);
+    }
+    let percent = |[all, ok]: [u64; 2]| {
+        if all == 0 { "-".to_owned() } else { format!("{:.1} %", ok as f64 * 100.0 / all as f64) }
+    };
+    let _ = writeln!(
+        text,
+        "\nAvailability (share of operations `ok`): no fault active {} of {}; a fault active \
+         {} of {}.",
+        percent(shares[0]),
+        shares[0][0],
+        percent(shares[1]),
+        shares[1][0]
+    );
+
+    let _ = writeln!(text, "\n## Faults ({})\n", intervals.len());
+    let _ = writeln!(
+        text,
+        "| # | kind | target | nodes | start s | end s | outcome | first ok after end: any / every node | detail |\n\
+         |---|---|---|---|---|---|---|---|---|"
+    );
+    let mut nodes_seen: Vec<crate::history::NodeId> =
+        events.iter().map(|event| event.node).collect();
+    nodes_seen.sort_unstable();
+    nodes_seen.dedup();
+    for start in faults.iter().filter(|record| record.phase == Phase::Start) {
+        let end =
+            faults.iter().find(|record| record.fault == start.fault && record.phase == Phase::End);
+        let end_ns = end.map_or(u64::MAX, |record| record.time_ns);
+        // The first `ok` after the end through any node, and the last node's first `ok`.
+        let first_ok_ms = |node: Option<crate::history::NodeId>| {
+            events
+                .iter()
+                .find(|event| {
+                    event.event_type == EventType::Ok
+                        && event.time_ns >= end_ns
+                        && node.is_none_or(|node| event.node == node)
+                })
+                .map(|event| (event.time_ns - end_ns) / 1_000_000)
+        };
+        let every: Option<Vec<u64>> =
+            nodes_seen.iter().map(|node| first_ok_ms(Some(*node))).collect();
+        let recovery = format!(
+            "{} / {}",
+            first_ok_ms(None).map_or("-".to_owned(), |ms| format!("{ms} ms")),
+            every
+                .and_then(|every| every.into_iter().max())
+                .map_or("-".to_owned(), |ms| format!("{ms} ms"))
+        );
+        let nodes: Vec<String> = start.nodes.iter().map(|node| node.0.to_string()).collect();
+        let _ = writeln!(
+            text,
+            "| {} | {:?} | {:?} | {} | {:.1} | {} | {:?} | {} | {} |",
+            start.fault,
+            start.kind,
+            start.target,
+            nodes.join(","),
+            start.time_ns as f64 / 1e9,
+            end.map_or("-".to_owned(), |record| format!("{:.1}", record.time_ns as f64 / 1e9)),
+            end.map_or(start.outcome, |record| record.outcome),
+            recovery,
+            start.detail.as_deref().unwrap_or("")
+        );
+    }
+    text
+}
+
+/// One row of the summary across runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SummaryRow {
+    pub name: String,
+    pub workload: &'static str,
+    pub topology: &'static str,
+    pub nemeses: String,
+    pub seed: u64,
+    pub operations: u64,
+    pub unknown: u64,
+    pub faults: u64,
+    pub validity: crate::checker::Validity,
+}
+
+impl SummaryRow {
+    /// The row of one run, from its records. Pure.
+    pub fn of(
+        name: String,
+        record: &RunRecord,
+        verdict: &Verdict,
+        events: &[Event],
+        faults: &[NemesisRecord],
+    ) -> Self {
+        let operations = operations(events);
+        let nemeses: Vec<String> =
+            record.options.nemeses.iter().map(|kind| format!("{kind:?}").to_lowercase()).collect();
+        Self {
+            name,
+            workload: record.options.workload.name(),
+            topology: record.options.topology.name(),
+            nemeses: nemeses.join(","),
+            seed: record.options.seed,
+            operations: operations.len() as u64,
+            unknown: operations
+                .iter()
+                .filter(|operation| operation.outcome() == EventType::Info)
+                .count() as u64,
+            faults: faults.iter().filter(|record| record.phase == Phase::Start).count() as u64,
+            validity: verdict.validity,
+        }
+    }
+}
+
+/// The summary table of every run directly under `directory` (those with a verdict).
+///
+/// # Errors
+/// `directory` cannot be listed.
+pub fn render_summary(directory: &Path) -> anyhow::Result<String> {
+    let mut rows = Vec::new();
+    let mut entries: Vec<_> = std::fs::read_dir(directory)
+        .with_context(|| format!("list {}", directory.display()))?
+        .filter_map(Result::ok)
+        .map(|entry| entry.path())
+        .filter(|path| path.join("verdict.json").is_file())
+        .collect();
+    entries.sort();
+    for run in entries {
+        let read = |name: &str| std::fs::read(run.join(name)).ok();
+        let (Some(record), Some(verdict)) = (read("run.json"), read("verdict.json")) else {
+            continue;
+        };
+        let (Ok(record), Ok(verdict)) = (
+            serde_json::from_slice::<RunRecord>(&record),
+            serde_json::from_slice::<Verdict>(&verdict),
+        ) else {
+            continue;
+        };
+        let events: Vec<Event> = read_jsonl(&run.join("history.jsonl")).unwrap_or_default();
+        let faults: Vec<NemesisRecord> = read_jsonl(&run.join("nemesis.jsonl")).unwrap_or_default();
+        let name =
+            run.file_name().map(|name| name.to_string_lossy().into_owned()).unwrap_or_default();
+        rows.push(SummaryRow::of(name, &record, &verdict, &events, &faults));
+    }
+    Ok(summary_table(&rows))
+}
+
+/// The summary as a Markdown table with totals. Pure.
+pub fn summary_table(rows: &[SummaryRow]) -> String {
+    let mut text = format!("# quotamesh-jepsen: {} runs\n\n", rows.len());
+    text.push_str(
+        "| run | workload | topology | nemeses | seed | operations | info | faults | verdict |\n\
+         |---|---|---|---|---|---|---|---|---|\n",
+    );
+    for row in rows {
+        let _ = writeln!(
+            text,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {:?} |",
+            row.name,
+            row.workload,
+            row.topology,
+            row.nemeses,
+            row.seed,
+            row.operations,
+            row.unknown,
+            row.faults,
+            row.validity
+        );
+    }
+    let count = |validity| rows.iter().filter(|row| row.validity == validity).count();
+    let _ = writeln!(
+        text,
+        "\n{} operations, {} faults; {} valid, {} invalid, {} unknown.",
+        rows.iter().map(|row| row.operations).sum::<u64>(),
+        rows.iter().map(|row| row.faults).sum::<u64>(),
+        count(crate::checker::Validity::Valid),
+        count(crate::checker::Validity::Invalid),
+        count(crate::checker::Validity::Unknown),
+    );
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checker::Validity;
+
+    /// The summary lists every run and totals operations, faults and verdicts.
+    #[test]
+    fn summary_totals_runs() {
+        let row = |seed, validity| SummaryRow {
+            name: format!("bank-seed{seed}"),
+            workload: "bank",
+            topology: "local",
+            nemeses: "kill".into(),
+            seed,
+            operations: 100,
+            unknown: 2,
+            faults: 3,
+            validity,
+        };
+        let text = summary_table(&[row(1, Validity::Valid), row(2, Validity::Invalid)]);
+        assert!(text.contains("| bank-seed2 | bank | local | kill | 2 | 100 | 2 | 3 | Invalid |"));
+        assert!(
+            text.contains("200 operations, 6 faults; 1 valid, 1 invalid, 0 unknown."),
+            "{text}"
+        );
+    }
+}

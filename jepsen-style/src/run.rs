@@ -1,0 +1,851 @@
+//! One run, end to end: start the topology, open the bank's accounts, let the workers carry
+//! out their seeded plans while the nemesis carries out its seeded schedule, heal, resolve
+//! every operation left unknown by retrying its idempotency key, read the final balances
+//! and every node's audit trail, and check. Everything lands in the run's directory:
+//!
+//! ```text
+//! run.json          options, seed and the bank's shape
+//! schedule.json     the planned operations and faults (a function of the seed)
+//! history.jsonl     every operation's invoke and completion
+//! nemesis.jsonl     every fault's start and end, with the nodes it hit
+//! trail-node-N.jsonl  node N's audit trail after the run
+//! logs/ nodes/ certs/ metrics/   the nodes' logs, configs and data, certificates, metrics
+//! verdict.json  report.md
+//! ```
+//!
+//! ```text
+//!  workers (8) ──ops──> node 1..N billing API      nemesis ──SIGKILL/STOP/CONT──> nodes
+//!      │                                              │
+//!      └──── history.jsonl <── recorder ──> nemesis.jsonl
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+
+use crate::checker::{self, CheckResult, Verdict};
+use crate::client::{BillingNodes, Clients};
+use crate::history::{
+    Event, EventType, Function, JsonlWriter, NodeId, OpValue, ProcessId, TrailEntry, read_jsonl,
+};
+use crate::nemesis::{
+    self, FaultKind, FaultOutcome, NemesisRecord, Phase, ScheduleOptions, ScheduledFault, Target,
+};
+use crate::topology::Topology;
+use crate::topology::processes::Cluster;
+use crate::workload::bank::{self, BankOptions};
+use crate::workload::rls::{self, RlsOptions};
+use crate::workload::{Planned, PlannedOp};
+
+/// How long the region may take to elect a billing leader, at the start and after healing.
+const LEADER_WAIT: Duration = Duration::from_secs(60);
+/// How long opening the accounts may take.
+const SETUP_WAIT: Duration = Duration::from_secs(60);
+/// How long the final phase may spend resolving unknown operations and reading trails.
+const FINAL_WAIT: Duration = Duration::from_secs(60);
+/// Attempts of one step of a transfer (on successive nodes) before it is left for later.
+const ATTEMPTS: usize = 3;
+/// Between two attempts: long enough for a leader election to progress.
+const RETRY_PAUSE: Duration = Duration::from_millis(100);
+/// A leader probe of one node during a fault: a paused node must not hold the nemesis up.
+const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// What `quotamesh-jepsen run` was asked to do.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunOptions {
+    pub topology: Topology,
+    pub nodes: usize,
+    pub workload: WorkloadKind,
+    pub nemeses: Vec<FaultKind>,
+    pub time_limit_ms: u64,
+    pub rate_per_second: u64,
+    pub seed: u64,
+    pub binary: PathBuf,
+}
+
+/// The workloads a run can drive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WorkloadKind {
+    /// Transfers and reads on the billing API.
+    Bank,
+    /// Hits on an open and a closed rule through the Rate Limit Service.
+    Rls,
+}
+
+impl WorkloadKind {
+    /// Parses a `--workload` name.
+    ///
+    /// # Errors
+    /// An unknown name.
+    pub fn parse(name: &str) -> Result<Self, String> {
+        match name {
+            "bank" => Ok(Self::Bank),
+            "rls" => Ok(Self::Rls),
+            other => Err(format!("unknown workload {other:?}; known: bank, rls")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Bank => "bank",
+            Self::Rls => "rls",
+        }
+    }
+}
+
+/// `run.json`: the options and what the checkers need to know of the workload.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunRecord {
+    pub options: RunOptions,
+    pub bank: BankOptions,
+    pub rls: RlsOptions,
+    pub started_unix_ms: u64,
+}
+
+/// `schedule.json`: everything the seed decides.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Schedule {
+    pub faults: Vec<ScheduledFault>,
+    /// Each worker's operations.
+    pub operations: Vec<Vec<Planned>>,
+}
+
+/// The bank's shape for a run.
+pub fn bank_options(options: &RunOptions) -> BankOptions {
+    BankOptions::new(options.nodes, options.rate_per_second, options.time_limit_ms)
+}
+
+/// The RLS workload's shape for a run.
+pub fn rls_options(options: &RunOptions) -> RlsOptions {
+    RlsOptions::new(options.nodes, options.rate_per_second, options.time_limit_ms)
+}
+
+/// The operations and faults `options` (its seed included) plan. Pure.
+pub fn schedule(options: &RunOptions) -> Schedule {
+    let faults = nemesis::schedule(
+        options.seed,
+        &ScheduleOptions {
+            kinds: options.nemeses.clone(),
+            nodes: options.nodes,
+            time_limit_ms: options.time_limit_ms,
+            interval_ms: nemesis::INTERVAL_MS_DEFAULT,
+            fault_ms_min: nemesis::FAULT_MS_MIN_DEFAULT,
+            fault_ms_max: nemesis::FAULT_MS_MAX_DEFAULT,
+        },
+    );
+    let operations = match options.workload {
+        WorkloadKind::Bank => bank::plan(options.seed, &bank_options(options)),
+        WorkloadKind::Rls => rls::plan(options.seed, &rls_options(options)),
+    };
+    Schedule { faults, operations }
+}
+
+/// Milliseconds since the Unix epoch (names runs, and makes tokens unique).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| u64::try_from(since.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// Writes the history and nemesis files, stamping events with the run's monotonic clock.
+struct Recorder {
+    epoch: Instant,
+    history: Mutex<(u64, JsonlWriter)>,
+    nemesis: Mutex<JsonlWriter>,
+}
+
+impl Recorder {
+    fn now_ns(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    fn event(
+        &self,
+        process: ProcessId,
+        event_type: EventType,
+        f: Function,
+        node: NodeId,
+        value: OpValue,
+    ) {
+        let mut history = self.history.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Stamped under the lock, so times never go back along the file.
+        let event =
+            Event { index: history.0, time_ns: self.now_ns(), process, event_type, f, node, value };
+        history.0 += 1;
+        if let Err(error) = history.1.write(&event) {
+            eprintln!("quotamesh-jepsen: {error}");
+        }
+    }
+
+    fn nemesis(&self, record: &NemesisRecord) {
+        let mut file = self.nemesis.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Err(error) = file.write(record) {
+            eprintln!("quotamesh-jepsen: {error}");
+        }
+    }
+}
+
+/// What the workers and the nemesis share.
+struct Shared {
+    recorder: Recorder,
+    clients: Clients,
+    next_process: AtomicU64,
+    /// The RLS workload's rule keys, by position.
+    rule_keys: Vec<String>,
+}
+
+/// When the workload (and the nemesis schedule) started, and for how long it runs.
+#[derive(Clone, Copy)]
+struct Clock {
+    start: tokio::time::Instant,
+    time_limit: Duration,
+}
+
+impl Shared {
+    fn fresh_process(&self) -> ProcessId {
+        ProcessId(self.next_process.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// One operation through node `position`, recorded; an `info` retires `process`.
+    async fn operation(
+        &self,
+        process: &mut ProcessId,
+        position: usize,
+        f: Function,
+        value: OpValue,
+    ) -> (EventType, OpValue) {
+        let node = NodeId(position as u64 + 1);
+        self.recorder.event(*process, EventType::Invoke, f, node, value.clone());
+        let (event_type, reply) = self.clients.call(position, f, &value).await;
+        self.recorder.event(*process, event_type, f, node, reply.clone());
+        if event_type == EventType::Info {
+            *process = self.fresh_process();
+        }
+        (event_type, reply)
+    }
+
+    /// A mutation tried on up to `attempts` nodes from `position` on, with one key.
+    async fn attempt(
+        &self,
+        process: &mut ProcessId,
+        position: usize,
+        f: Function,
+        value: &OpValue,
+        attempts: usize,
+    ) -> Step {
+        let mut unknown = false;
+        for attempt in 0..attempts {
+            let node = (position + attempt) % self.clients.len();
+            match self.operation(process, node, f, value.clone()).await {
+                (EventType::Ok, reply) => return Step::Decided(reply),
+                (EventType::Info, _) => unknown = true,
+                _ => {}
+            }
+            tokio::time::sleep(RETRY_PAUSE).await;
+        }
+        if unknown { Step::Unknown } else { Step::Failed }
+    }
+}
+
+/// How one step of a transfer ended.
+enum Step {
+    Decided(OpValue),
+    /// Every attempt failed: not applied.
+    Failed,
+    /// Some attempt may have applied.
+    Unknown,
+}
+
+/// A transfer and the step it is at.
+#[derive(Debug, Clone)]
+struct Transfer {
+    transfer: u64,
+    from: usize,
+    to: usize,
+    amount: u64,
+    node: usize,
+    credit_due: bool,
+}
+
+impl Transfer {
+    /// Drives the transfer as far as it goes in `attempts` per step; returns it if it is
+    /// left unresolved (an unknown step, or a credit that failed).
+    async fn drive(
+        mut self,
+        shared: &Shared,
+        process: &mut ProcessId,
+        attempts: usize,
+    ) -> Option<Self> {
+        let (debit_key, credit_key) = bank::transfer_keys(self.transfer);
+        if !self.credit_due {
+            let value = OpValue {
+                account: bank::account_name(self.from),
+                amount: Some(self.amount),
+                key: Some(debit_key),
+                transfer: Some(self.transfer),
+                ..OpValue::default()
+            };
+            match shared.attempt(process, self.node, Function::Debit, &value, attempts).await {
+                Step::Decided(reply)
+                    if reply.decision == Some(crate::history::Decision::Approved) =>
+                {
+                    self.credit_due = true;
+                }
+                Step::Decided(_) | Step::Failed => return None,
+                Step::Unknown => return Some(self),
+            }
+        }
+        let value = OpValue {
+            account: bank::account_name(self.to),
+            amount: Some(self.amount),
+            key: Some(credit_key),
+            transfer: Some(self.transfer),
+            ..OpValue::default()
+        };
+        match shared.attempt(process, self.node, Function::Credit, &value, attempts).await {
+            Step::Decided(_) => None,
+            Step::Failed | Step::Unknown => Some(self),
+        }
+    }
+}
+
+/// One worker: its plan until the time limit, then (once the cluster is healed) every
+/// transfer it left unresolved, retried by key until decided or the final phase ends.
+async fn worker(
+    shared: std::sync::Arc<Shared>,
+    clock: Clock,
+    plan: Vec<Planned>,
+    mut healed: tokio::sync::watch::Receiver<bool>,
+    final_deadline: tokio::sync::watch::Receiver<Option<tokio::time::Instant>>,
+) -> usize {
+    let mut process = shared.fresh_process();
+    let mut unresolved = Vec::new();
+    for planned in plan {
+        tokio::time::sleep_until(clock.start + Duration::from_millis(planned.at_ms)).await;
+        if clock.start.elapsed() >= clock.time_limit {
+            break;
+        }
+        match planned.op {
+            PlannedOp::Check { rule } => {
+                let key = shared.rule_keys.get(rule).cloned().unwrap_or_default();
+                let value = OpValue { descriptor: Some(key), ..OpValue::default() };
+                shared.operation(&mut process, planned.node, Function::Check, value).await;
+            }
+            PlannedOp::Read { account } => {
+                let value = OpValue { account: bank::account_name(account), ..OpValue::default() };
+                shared.operation(&mut process, planned.node, Function::Read, value).await;
+            }
+            PlannedOp::Transfer { transfer, from, to, amount } => {
+                let transfer =
+                    Transfer { transfer, from, to, amount, node: planned.node, credit_due: false };
+                if let Some(left) = transfer.drive(&shared, &mut process, ATTEMPTS).await {
+                    unresolved.push(left);
+                }
+            }
+        }
+    }
+    if healed.wait_for(|healed| *healed).await.is_err() {
+        return unresolved.len();
+    }
+    let deadline = final_deadline.borrow().unwrap_or_else(tokio::time::Instant::now);
+    while !unresolved.is_empty() && tokio::time::Instant::now() < deadline {
+        let mut still = Vec::new();
+        for transfer in unresolved {
+            if let Some(left) = transfer.drive(&shared, &mut process, ATTEMPTS).await {
+                still.push(left);
+            }
+        }
+        unresolved = still;
+    }
+    unresolved.len()
+}
+
+/// Carries out the fault schedule; every fault ends (heals) before the next starts.
+async fn nemesis_task(
+    shared: std::sync::Arc<Shared>,
+    clock: Clock,
+    cluster: std::sync::Arc<tokio::sync::Mutex<Cluster>>,
+    faults: Vec<ScheduledFault>,
+    directory: PathBuf,
+) {
+    for (number, fault) in faults.into_iter().enumerate() {
+        tokio::time::sleep_until(clock.start + Duration::from_millis(fault.start_ms)).await;
+        let mut guard = cluster.lock().await;
+        let count = guard.nodes.len();
+        let positions: Vec<usize> = match &fault.target {
+            Target::One(position) => vec![*position],
+            Target::Minority(positions) => positions.clone(),
+            Target::All => (0..count).collect(),
+            Target::Bridge(position) => vec![*position],
+            Target::Leader => leader_position(&shared, &guard).await.into_iter().collect(),
+        };
+        let nodes: Vec<NodeId> =
+            positions.iter().map(|position| guard.nodes[*position].id).collect();
+        let record = |time_ns, phase, outcome, detail: Option<String>| NemesisRecord {
+            time_ns,
+            fault: number,
+            phase,
+            kind: fault.kind,
+            target: fault.target.clone(),
+            nodes: nodes.clone(),
+            outcome,
+            detail,
+        };
+        if positions.is_empty() {
+            shared.recorder.nemesis(&record(
+                shared.recorder.now_ns(),
+                Phase::Start,
+                FaultOutcome::Skipped,
+                Some("no leader".into()),
+            ));
+            let now_ns = shared.recorder.now_ns();
+            shared.recorder.nemesis(&record(now_ns, Phase::End, FaultOutcome::Skipped, None));
+            continue;
+        }
+        let mut problems = Vec::new();
+        for position in &positions {
+            let result = match fault.kind {
+                FaultKind::Kill => guard.kill(*position).await,
+                FaultKind::Pause => guard.pause(*position).await,
+                // One partition cuts all the targets off at once, below.
+                FaultKind::Partition => Ok(()),
+                FaultKind::Clock => guard.set_clock(*position, fault.clock_offset_s.unwrap_or(0)),
+            };
+            if let Err(error) = result {
+                problems.push(format!("{error:#}"));
+            }
+        }
+        if fault.kind == FaultKind::Partition
+            && let Err(error) =
+                guard.partition(&nemesis::cut_links(&fault.target, &positions, count)).await
+        {
+            problems.push(format!("{error:#}"));
+        }
+        // Stamped once the fault is in place...
+        let installed_ns = shared.recorder.now_ns();
+        let outcome = outcome_of(&problems);
+        let mut detail = joined(&problems);
+        if let Some(offset_s) = fault.clock_offset_s {
+            let offset = format!("wall clock {offset_s:+} s");
+            detail =
+                Some(detail.map_or(offset.clone(), |problems| format!("{offset}; {problems}")));
+        }
+        shared.recorder.nemesis(&record(installed_ns, Phase::Start, outcome, detail));
+        drop(guard);
+        tokio::time::sleep(Duration::from_millis(fault.duration_ms)).await;
+        let mut guard = cluster.lock().await;
+        // ...and its end when healing begins, so [start, end] is surely faulty.
+        let healing_ns = shared.recorder.now_ns();
+        let problems = guard.heal().await;
+        shared.recorder.nemesis(&record(
+            healing_ns,
+            Phase::End,
+            outcome_of(&problems),
+            joined(&problems),
+        ));
+        // The exported drift bound grows while circuits are open: look right after a fault.
+        snapshot_metrics(&guard, &directory, &format!("fault-{number}")).await;
+    }
+}
+
+fn outcome_of(problems: &[String]) -> FaultOutcome {
+    if problems.is_empty() { FaultOutcome::Installed } else { FaultOutcome::Indeterminate }
+}
+
+fn joined(problems: &[String]) -> Option<String> {
+    (!problems.is_empty()).then(|| problems.join("; "))
+}
+
+/// The position of the billing leader, as the first running, unpaused node that answers names it.
+async fn leader_position(shared: &Shared, cluster: &Cluster) -> Option<usize> {
+    for (position, node) in cluster.nodes.iter().enumerate() {
+        if !node.running() || node.paused() {
+            continue;
+        }
+        if let Ok(Some(leader)) =
+            tokio::time::timeout(PROBE_TIMEOUT, shared.clients.billing.leader_seen_by(position))
+                .await
+        {
+            return cluster.nodes.iter().position(|candidate| candidate.id.0 == leader);
+        }
+    }
+    None
+}
+
+/// Waits until some node names a billing leader.
+async fn wait_for_leader(clients: &BillingNodes, within: Duration) -> anyhow::Result<u64> {
+    let deadline = Instant::now() + within;
+    loop {
+        for position in 0..clients.len() {
+            if let Some(leader) = clients.leader_seen_by(position).await {
+                return Ok(leader);
+            }
+        }
+        anyhow::ensure!(Instant::now() < deadline, "no billing leader within {within:?}");
+        tokio::time::sleep(RETRY_PAUSE).await;
+    }
+}
+
+/// Opens and funds every account, retrying each key until it is decided.
+async fn open_accounts(shared: &Shared, options: &BankOptions) -> anyhow::Result<()> {
+    let deadline = Instant::now() + SETUP_WAIT;
+    let mut process = shared.fresh_process();
+    for position in 0..options.accounts {
+        let account = bank::account_name(position);
+        let steps = [
+            (Function::CreateAccount, options.floor, bank::create_key(&account)),
+            (Function::Credit, options.initial_balance, bank::fund_key(&account)),
+        ];
+        for (f, amount, key) in steps {
+            let value = OpValue {
+                account: account.clone(),
+                amount: Some(amount),
+                key: Some(key),
+                ..OpValue::default()
+            };
+            loop {
+                if let Step::Decided(_) =
+                    shared.attempt(&mut process, position, f, &value, ATTEMPTS).await
+                {
+                    break;
+                }
+                anyhow::ensure!(
+                    Instant::now() < deadline,
+                    "could not open {account} within {SETUP_WAIT:?}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Saves every running node's metrics as `metrics/node-N-<label>.prom`.
+async fn snapshot_metrics(cluster: &Cluster, directory: &Path, label: &str) {
+    let metrics = directory.join("metrics");
+    if std::fs::create_dir_all(&metrics).is_err() {
+        return;
+    }
+    for (position, node) in cluster.nodes.iter().enumerate() {
+        if let Ok(text) = cluster.metrics(position).await {
+            let _ = std::fs::write(metrics.join(format!("node-{}-{label}.prom", node.id.0)), text);
+        }
+    }
+}
+
+/// Runs once into a fresh directory under `out`; returns the directory and the verdict.
+///
+/// # Errors
+/// The run directory cannot be written or the cluster cannot be started; failures after
+/// that end in an `unknown` verdict instead.
+pub async fn run(options: RunOptions, out: &Path) -> anyhow::Result<(PathBuf, Verdict)> {
+    let started_unix_ms = unix_ms();
+    let directory =
+        out.join(format!("{}-seed{}-{started_unix_ms}", options.workload.name(), options.seed));
+    std::fs::create_dir_all(&directory)
+        .with_context(|| format!("create {}", directory.display()))?;
+    let bank = bank_options(&options);
+    let rls = rls_options(&options);
+    let plan = schedule(&options);
+    let record = RunRecord {
+        options: options.clone(),
+        bank: bank.clone(),
+        rls: rls.clone(),
+        started_unix_ms,
+    };
+    std::fs::write(directory.join("run.json"), serde_json::to_vec_pretty(&record)?)?;
+    std::fs::write(directory.join("schedule.json"), serde_json::to_vec_pretty(&plan)?)?;
+
+    let policy = (options.workload == WorkloadKind::Rls).then(|| rls.policy_yaml());
+    let cluster = Cluster::start(
+        &options.binary,
+        &directory,
+        options.nodes,
+        options.topology,
+        policy.as_deref(),
+        options.nemeses.contains(&FaultKind::Clock),
+    )
+    .await?;
+    let billing: Vec<String> = cluster.nodes.iter().map(|node| node.billing_addr.clone()).collect();
+    let rls_addrs: Vec<String> = cluster.nodes.iter().map(|node| node.rls_addr.clone()).collect();
+    let admin_addrs: Vec<String> =
+        cluster.nodes.iter().map(|node| node.admin_addr.clone()).collect();
+    let clients = Clients::new(
+        &billing,
+        &rls_addrs,
+        &admin_addrs,
+        &cluster.tokens.billing,
+        &cluster.tokens.admin,
+    )?;
+    let cluster = std::sync::Arc::new(tokio::sync::Mutex::new(cluster));
+    let rule_keys = rls.rules.iter().map(|rule| rule.key.clone()).collect();
+    let outcome = drive(&options, &bank, rule_keys, plan, &directory, clients, &cluster).await;
+    let mut cluster = cluster.lock().await;
+    snapshot_metrics(&cluster, &directory, "final").await;
+    cluster.shutdown().await;
+    drop(cluster);
+    let verdict = match outcome {
+        Ok(()) => check_directory(&directory)?,
+        Err(error) => {
+            let mut harness = CheckResult::new("harness");
+            harness.unknown(format!("{error:#}"));
+            Verdict::of(vec![harness])
+        }
+    };
+    write_verdict(&directory, &verdict)?;
+    Ok((directory, verdict))
+}
+
+/// The run between a started cluster and its shutdown.
+async fn drive(
+    options: &RunOptions,
+    bank: &BankOptions,
+    rule_keys: Vec<String>,
+    plan: Schedule,
+    directory: &Path,
+    clients: Clients,
+    cluster: &std::sync::Arc<tokio::sync::Mutex<Cluster>>,
+) -> anyhow::Result<()> {
+    wait_for_leader(&clients.billing, LEADER_WAIT).await?;
+    let shared = std::sync::Arc::new(Shared {
+        recorder: Recorder {
+            epoch: Instant::now(),
+            history: Mutex::new((0, JsonlWriter::create(&directory.join("history.jsonl"))?)),
+            nemesis: Mutex::new(JsonlWriter::create(&directory.join("nemesis.jsonl"))?),
+        },
+        clients,
+        next_process: AtomicU64::new(0),
+        rule_keys,
+    });
+    if options.workload == WorkloadKind::Bank {
+        open_accounts(&shared, bank).await?;
+    }
+    snapshot_metrics(&*cluster.lock().await, directory, "start").await;
+    // The workload's clock starts once the accounts are open.
+    let clock = Clock {
+        start: tokio::time::Instant::now(),
+        time_limit: Duration::from_millis(options.time_limit_ms),
+    };
+    let (healed_sender, healed) = tokio::sync::watch::channel(false);
+    let (deadline_sender, final_deadline) = tokio::sync::watch::channel(None);
+    let workers: Vec<_> = plan
+        .operations
+        .into_iter()
+        .map(|ops| {
+            tokio::spawn(worker(shared.clone(), clock, ops, healed.clone(), final_deadline.clone()))
+        })
+        .collect();
+    let nemesis = tokio::spawn(nemesis_task(
+        shared.clone(),
+        clock,
+        cluster.clone(),
+        plan.faults,
+        directory.to_owned(),
+    ));
+    tokio::time::sleep_until(clock.start + clock.time_limit).await;
+    nemesis.await.context("the nemesis task panicked")?;
+    let problems = cluster.lock().await.heal().await;
+    anyhow::ensure!(problems.is_empty(), "healing failed: {}", problems.join("; "));
+    wait_for_leader(&shared.clients.billing, LEADER_WAIT).await?;
+    let deadline = tokio::time::Instant::now() + FINAL_WAIT;
+    deadline_sender.send_replace(Some(deadline));
+    healed_sender.send_replace(true);
+    let mut unresolved = 0;
+    for handle in workers {
+        unresolved += handle.await.context("a worker panicked")?;
+    }
+    if unresolved > 0 {
+        eprintln!("quotamesh-jepsen: {unresolved} transfers left unresolved after healing");
+    }
+    if options.workload == WorkloadKind::Bank {
+        final_reads(&shared, bank, directory).await?;
+    }
+    replica_states(&shared.clients, directory).await
+}
+
+/// Waits (to the final phase's deadline) until every node reports each group at one
+/// applied index, and writes what they report last to `replicas.json`.
+async fn replica_states(clients: &Clients, directory: &Path) -> anyhow::Result<()> {
+    let deadline = Instant::now() + FINAL_WAIT;
+    loop {
+        let mut states = Vec::new();
+        for position in 0..clients.len() {
+            states.extend(clients.replica_states(position).await);
+        }
+        let converged = states.iter().all(|state| {
+            state.applied_index.is_some()
+                && states
+                    .iter()
+                    .filter(|other| other.group == state.group)
+                    .all(|other| other.applied_index == state.applied_index)
+        });
+        if converged || Instant::now() > deadline {
+            std::fs::write(directory.join("replicas.json"), serde_json::to_vec_pretty(&states)?)?;
+            return Ok(());
+        }
+        tokio::time::sleep(RETRY_PAUSE).await;
+    }
+}
+
+/// Reads every account through every node, then every node's trail (retried until the
+/// final phase's deadline).
+async fn final_reads(shared: &Shared, bank: &BankOptions, directory: &Path) -> anyhow::Result<()> {
+    let mut process = shared.fresh_process();
+    for position in 0..shared.clients.len() {
+        for account in 0..bank.accounts {
+            let value = OpValue { account: bank::account_name(account), ..OpValue::default() };
+            shared.operation(&mut process, position, Function::Read, value).await;
+        }
+    }
+    let deadline = Instant::now() + FINAL_WAIT;
+    for position in 0..shared.clients.len() {
+        let trail = loop {
+            match shared.clients.billing.trail(position).await {
+                Ok(trail) => break trail,
+                Err(error) if Instant::now() > deadline => {
+                    return Err(error.context(format!("read node {}'s trail", position + 1)));
+                }
+                Err(_) => tokio::time::sleep(RETRY_PAUSE).await,
+            }
+        };
+        let mut writer =
+            JsonlWriter::create(&directory.join(format!("trail-node-{}.jsonl", position + 1)))?;
+        for entry in &trail {
+            writer.write(entry)?;
+        }
+    }
+    Ok(())
+}
+
+/// Checks a run's directory from its files (what `check` does).
+///
+/// # Errors
+/// `run.json` cannot be read; a missing or broken history makes the verdict unknown.
+pub fn check_directory(directory: &Path) -> anyhow::Result<Verdict> {
+    let record: RunRecord = serde_json::from_slice(
+        &std::fs::read(directory.join("run.json"))
+            .with_context(|| format!("read {}/run.json", directory.display()))?,
+    )?;
+    let events: Vec<Event> = match read_jsonl(&directory.join("history.jsonl")) {
+        Ok(events) => events,
+        Err(error) => {
+            let mut harness = CheckResult::new("history");
+            harness.unknown(error.to_string());
+            return Ok(Verdict::of(vec![harness]));
+        }
+    };
+    let replicas: Vec<checker::replicas::ReplicaState> =
+        std::fs::read(directory.join("replicas.json"))
+            .ok()
+            .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+            .unwrap_or_default();
+    let mut checks =
+        vec![checker::well_formed::check(&events), checker::replicas::check(&replicas)];
+    match record.options.workload {
+        WorkloadKind::Bank => {
+            checks.extend(check_bank(directory, &record, &events));
+            let faults: Vec<NemesisRecord> =
+                read_jsonl(&directory.join("nemesis.jsonl")).unwrap_or_default();
+            checks.push(checker::fail_closed::check(&events, &faults, record.options.nodes));
+        }
+        WorkloadKind::Rls => checks.extend(check_rls(directory, &record, &events)),
+    }
+    Ok(Verdict::of(checks))
+}
+
+fn check_bank(directory: &Path, record: &RunRecord, events: &[Event]) -> Vec<CheckResult> {
+    let mut trails: Vec<(NodeId, Vec<TrailEntry>)> = Vec::new();
+    let mut missing = CheckResult::new("trails-read");
+    for id in 1..=record.options.nodes as u64 {
+        match read_jsonl(&directory.join(format!("trail-node-{id}.jsonl"))) {
+            Ok(trail) => trails.push((NodeId(id), trail)),
+            Err(error) => missing.unknown(error.to_string()),
+        }
+        missing.checked += 1;
+    }
+    let model = checker::bank::BankModel {
+        accounts: (0..record.bank.accounts).map(bank::account_name).collect(),
+        floor: record.bank.floor,
+    };
+    let mut checks = vec![missing];
+    checks.extend(checker::bank::check(events, &trails, &model));
+    checks
+}
+
+/// Every interval of this length is checked for over-admission.
+const RLS_WINDOW_MS: u64 = 1_000;
+
+fn check_rls(directory: &Path, record: &RunRecord, events: &[Event]) -> Vec<CheckResult> {
+    let snapshots: Vec<String> = std::fs::read_dir(directory.join("metrics"))
+        .map(|entries| {
+            entries
+                .filter_map(Result::ok)
+                .filter_map(|entry| std::fs::read_to_string(entry.path()).ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    let options = &record.rls;
+    let rules: Vec<checker::rls::RuleModel> = options
+        .rules
+        .iter()
+        .map(|rule| checker::rls::RuleModel {
+            key: rule.key.clone(),
+            capacity_tokens: options.burst_tokens,
+            rate_per_second: options.limit_per_second,
+            fail_open: rule.fail_open,
+            fallback_multiplier_permille: options.fallback_multiplier_permille,
+            drift_bound_tokens: checker::rls::drift_bound_from_metrics(
+                &snapshots,
+                rls::DOMAIN,
+                &rule.key,
+            ),
+        })
+        .collect();
+    checker::rls::check(events, &rules, RLS_WINDOW_MS)
+}
+
+/// Writes `verdict.json` and `report.md`.
+///
+/// # Errors
+/// The files cannot be written or the run's records read.
+pub fn write_verdict(directory: &Path, verdict: &Verdict) -> anyhow::Result<()> {
+    std::fs::write(directory.join("verdict.json"), serde_json::to_vec_pretty(verdict)?)?;
+    let report = crate::report::render(directory)?;
+    std::fs::write(directory.join("report.md"), report)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options(seed: u64) -> RunOptions {
+        RunOptions {
+            topology: Topology::Local,
+            nodes: 3,
+            workload: WorkloadKind::Bank,
+            nemeses: vec![FaultKind::Kill, FaultKind::Pause],
+            time_limit_ms: 60_000,
+            rate_per_second: 200,
+            seed,
+            binary: PathBuf::from("quotamesh"),
+        }
+    }
+
+    /// The same seed plans the same operations and faults, byte for byte as written to
+    /// `schedule.json`; another seed plans others.
+    #[test]
+    fn same_seed_same_schedule() {
+        let first = serde_json::to_string(&schedule(&options(42))).expect("serializable");
+        let second = serde_json::to_string(&schedule(&options(42))).expect("serializable");
+        assert_eq!(first, second);
+        assert_ne!(first, serde_json::to_string(&schedule(&options(7))).expect("serializable"));
+        let planned = schedule(&options(42));
+        assert!(!planned.faults.is_empty());
+        assert!(planned.operations.iter().map(Vec::len).sum::<usize>() > 10_000);
+    }
+}

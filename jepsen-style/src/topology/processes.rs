@@ -1,0 +1,582 @@
+//! A region of N `quotamesh serve` child processes, each with its own addresses, TOML
+//! config, data directory and log under the run's directory, formed as an operator would:
+//! certificates from `quotamesh cluster certs`, token digests from `quotamesh billing
+//! hash-token`, node 1 bootstrapping the billing group and `quotamesh cluster init` forming
+//! the quota group. On `local` the nodes share 127.0.0.1 with ports of their own; on `netns`
+//! each has its own namespace and address with the default ports (`super::netns`).
+//! Faults: SIGKILL (then a restart on the same data directory), SIGSTOP and SIGCONT, wall
+//! clock offsets (each node then runs under libfaketime, reading its offset from a file of
+//! its own), and on `netns` partitions.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::process::{Child, Command};
+
+use super::Topology;
+use super::netns::Namespaces;
+use crate::history::NodeId;
+
+/// How long a node may take to answer `/healthz` after it is spawned.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long one CLI command (certificates, token digests, `cluster init`) may take.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
+/// One HTTP request to a node's metrics port.
+const HTTP_TIMEOUT: Duration = Duration::from_secs(2);
+/// Between two looks at a starting node.
+const POLL: Duration = Duration::from_millis(50);
+/// Ports handed to nodes: below Linux's ephemeral range, so no outgoing connection takes one
+/// between the check here and the node's bind.
+const PORTS: std::ops::Range<u16> = 20_000..32_000;
+/// The cluster and region the nodes' configs and certificates name.
+const CLUSTER_ID: &str = "jepsen";
+
+/// The operator and billing tokens the nodes accept (made fresh for each run).
+#[derive(Debug, Clone)]
+pub struct Tokens {
+    pub admin: String,
+    pub billing: String,
+}
+
+/// One node's addresses and files; its process while it runs.
+pub struct LocalNode {
+    pub id: NodeId,
+    pub billing_addr: String,
+    pub rls_addr: String,
+    pub metrics_addr: String,
+    pub admin_addr: String,
+    pub config_path: PathBuf,
+    pub log_path: PathBuf,
+    /// On `netns`: the namespace it runs in.
+    namespace: Option<String>,
+    /// With clock faults: the file libfaketime reads the node's wall-clock offset from.
+    clock_file: Option<PathBuf>,
+    clock_offset_s: i64,
+    child: Option<Child>,
+    paused: bool,
+}
+
+impl LocalNode {
+    /// The process id while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().and_then(Child::id)
+    }
+
+    pub fn running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    /// Stopped by SIGSTOP and not resumed yet.
+    pub fn paused(&self) -> bool {
+        self.paused
+    }
+}
+
+/// A region of node processes.
+pub struct Cluster {
+    binary: PathBuf,
+    pub nodes: Vec<LocalNode>,
+    pub tokens: Tokens,
+    /// On `netns`: the nodes' namespaces.
+    namespaces: Option<Namespaces>,
+    /// A partition is installed.
+    partitioned: bool,
+    /// With clock faults: libfaketime's preload library.
+    faketime: Option<PathBuf>,
+}
+
+impl Cluster {
+    /// Writes the region's certificates and configs under `directory`, starts `count`
+    /// nodes with `binary` on `topology` serving `policy` (a YAML policy; `None`: the node's
+    /// embedded example) and forms the region.
+    ///
+    /// # Errors
+    /// A CLI command fails, a node does not become ready, or the region forms no leader.
+    pub async fn start(
+        binary: &Path,
+        directory: &Path,
+        count: usize,
+        topology: Topology,
+        policy: Option<&str>,
+        clock_faults: bool,
+    ) -> anyhow::Result<Self> {
+        let faketime = if clock_faults { Some(libfaketime()?) } else { None };
+        anyhow::ensure!(count >= 1, "a region needs a node");
+        anyhow::ensure!(
+            binary.is_file(),
+            "no quotamesh binary at {} (build it with `cargo build --release --bin quotamesh`, \
+             or give --binary / QUOTAMESH_BIN)",
+            binary.display()
+        );
+        let certs = directory.join("certs");
+        let nodes_directory = directory.join("nodes");
+        let logs = directory.join("logs");
+        for path in [&nodes_directory, &logs] {
+            std::fs::create_dir_all(path).with_context(|| format!("create {}", path.display()))?;
+        }
+        let nonce = format!("{:x}-{}", std::process::id(), crate::run::unix_ms());
+        let tokens = Tokens {
+            admin: format!("jepsen-operator-{nonce}"),
+            billing: format!("jepsen-billing-{nonce}"),
+        };
+        let admin_sha256 = hash_token(binary, &tokens.admin).await?;
+        let billing_sha256 = hash_token(binary, &tokens.billing).await?;
+        let certs_arg = certs.display().to_string();
+        run_cli(
+            binary,
+            &["cluster", "certs", "init", "--cluster-id", CLUSTER_ID, "--out", &certs_arg],
+            None,
+        )
+        .await?;
+        let namespaces = match topology {
+            Topology::Local => None,
+            Topology::Netns => Some(Namespaces::create(count).await?),
+        };
+        let mut ports = PortPicker::new();
+        let mut nodes = Vec::new();
+        let mut raft_addrs = Vec::new();
+        for position in 0..count {
+            let id = position as u64 + 1;
+            let id_arg = id.to_string();
+            // On netns a node has an address of its own and the shipped default ports.
+            let (host, mut port) = match &namespaces {
+                Some(namespaces) => {
+                    let host = namespaces.address(position);
+                    let mut defaults = [8084_u16, 8082, 8081, 6070, 8083].into_iter();
+                    (host, Box::new(move || Ok(defaults.next().unwrap_or(0))) as PortSource)
+                }
+                None => ("127.0.0.1".to_owned(), Box::new(|| ports.next()) as PortSource),
+            };
+            run_cli(
+                binary,
+                &[
+                    "cluster",
+                    "certs",
+                    "issue",
+                    "--ca",
+                    &certs_arg,
+                    "--node-id",
+                    &id_arg,
+                    "--region",
+                    CLUSTER_ID,
+                    "--san",
+                    &host,
+                ],
+                None,
+            )
+            .await?;
+            raft_addrs.push(format!("{host}:{}", port()?));
+            nodes.push(LocalNode {
+                id: NodeId(id),
+                billing_addr: format!("{host}:{}", port()?),
+                rls_addr: format!("{host}:{}", port()?),
+                metrics_addr: format!("{host}:{}", port()?),
+                admin_addr: format!("{host}:{}", port()?),
+                namespace: namespaces.as_ref().map(|namespaces| namespaces.namespace(position)),
+                clock_file: faketime
+                    .as_ref()
+                    .map(|_| nodes_directory.join(format!("node-{id}.faketime"))),
+                clock_offset_s: 0,
+                config_path: nodes_directory.join(format!("node-{id}.toml")),
+                log_path: logs.join(format!("node-{id}.log")),
+                child: None,
+                paused: false,
+            });
+        }
+        let policy_line = match policy {
+            Some(text) => {
+                let path = directory.join("policy.yaml");
+                std::fs::write(&path, text).with_context(|| format!("write {}", path.display()))?;
+                format!("policy = \"{}\"\n", path.display())
+            }
+            None => String::new(),
+        };
+        let peers: String = raft_addrs
+            .iter()
+            .enumerate()
+            .map(|(position, address)| {
+                format!("[[peers]]\nid = {}\nraft_addr = \"{address}\"\n\n", position + 1)
+            })
+            .collect();
+        for (position, node) in nodes.iter().enumerate() {
+            let id = node.id.0;
+            let config = format!(
+                "# Written by quotamesh-jepsen for one run.\n\
+                 node_id = \"jepsen-{id}\"\nregion = \"{CLUSTER_ID}\"\ncluster_id = \"{CLUSTER_ID}\"\n\
+                 raft_node_id = {id}\ndata_dir = \"{data}\"\n{policy_line}\
+                 rls_addr = \"{rls}\"\nmetrics_addr = \"{metrics}\"\n\
+                 admin_addr = \"{admin}\"\nbilling_addr = \"{billing}\"\nraft_addr = \"{raft}\"\n\n\
+                 {peers}\
+                 [tls]\ncert = \"{certs}/node-{id}.pem\"\nkey = \"{certs}/node-{id}.key\"\n\
+                 ca = \"{certs}/ca.pem\"\n\n\
+                 [[admin.tokens]]\nname = \"jepsen-operator\"\nsha256 = \"{admin_sha256}\"\n\n\
+                 [billing]\nbootstrap = {bootstrap}\n\n\
+                 [[billing.tokens]]\nname = \"jepsen\"\nsha256 = \"{billing_sha256}\"\n\
+                 tenants = [\"*\"]\n",
+                data = nodes_directory.join(format!("node-{id}")).display(),
+                rls = node.rls_addr,
+                metrics = node.metrics_addr,
+                admin = node.admin_addr,
+                billing = node.billing_addr,
+                raft = raft_addrs[position],
+                certs = certs.display(),
+                bootstrap = position == 0,
+            );
+            std::fs::write(&node.config_path, config)
+                .with_context(|| format!("write {}", node.config_path.display()))?;
+        }
+        for node in &nodes {
+            if let Some(file) = &node.clock_file {
+                std::fs::write(file, "+0\n")
+                    .with_context(|| format!("write {}", file.display()))?;
+            }
+        }
+        let mut cluster = Self {
+            binary: binary.to_owned(),
+            nodes,
+            tokens,
+            namespaces,
+            partitioned: false,
+            faketime,
+        };
+        for position in 0..count {
+            cluster.spawn(position).await?;
+        }
+        let admin_addrs: Vec<&str> =
+            cluster.nodes.iter().map(|node| node.admin_addr.as_str()).collect();
+        let admin_addrs = admin_addrs.join(",");
+        run_cli(
+            &cluster.binary,
+            &["cluster", "init", "--admin-addr", &admin_addrs],
+            Some(&cluster.tokens.admin),
+        )
+        .await?;
+        Ok(cluster)
+    }
+
+    /// Starts node `position`'s process on its config and waits until `/healthz` answers.
+    async fn spawn(&mut self, position: usize) -> anyhow::Result<()> {
+        let node = &mut self.nodes[position];
+        anyhow::ensure!(node.child.is_none(), "node {} runs already", node.id.0);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&node.log_path)
+            .with_context(|| format!("open {}", node.log_path.display()))?;
+        let mut command = match &node.namespace {
+            Some(namespace) => {
+                let mut command = Command::new("ip");
+                // `ip netns exec` execs the binary: the child's pid is the node's.
+                command.args(["netns", "exec", namespace]).arg(&self.binary);
+                command
+            }
+            None => Command::new(&self.binary),
+        };
+        if let (Some(library), Some(file)) = (&self.faketime, &node.clock_file) {
+            command
+                .env("LD_PRELOAD", library)
+                .env("FAKETIME_TIMESTAMP_FILE", file)
+                // The file is re-read at most once a second; timers keep their pace.
+                .env("FAKETIME_CACHE_DURATION", "1")
+                .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+        }
+        let child = command
+            .arg("serve")
+            .arg("--config")
+            .arg(&node.config_path)
+            // The log an operator gets by default.
+            .env_remove("RUST_LOG")
+            .env("RUST_BACKTRACE", "1")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            // A runner that dies must not leave nodes behind.
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("spawn node {}", node.id.0))?;
+        node.child = Some(child);
+        node.paused = false;
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            if let Some(child) = node.child.as_mut()
+                && let Some(status) = child.try_wait()?
+            {
+                node.child = None;
+                bail!(
+                    "node {} exited while starting ({status}); see {}",
+                    node.id.0,
+                    node.log_path.display()
+                );
+            }
+            if let Ok((200, _)) = http_get(&node.metrics_addr, "/healthz").await {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("node {} was not healthy within {READY_TIMEOUT:?}", node.id.0);
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// SIGKILL (kill -9): no shutdown, no flush; waits until the process is gone.
+    ///
+    /// # Errors
+    /// The node is not running or cannot be signalled.
+    pub async fn kill(&mut self, position: usize) -> anyhow::Result<()> {
+        let node = &mut self.nodes[position];
+        let mut child = node.child.take().with_context(|| format!("node {} is down", node.id.0))?;
+        child.kill().await.with_context(|| format!("kill node {}", node.id.0))?;
+        node.paused = false;
+        Ok(())
+    }
+
+    /// Restarts a killed node on its data directory.
+    ///
+    /// # Errors
+    /// It runs already, or does not become healthy.
+    pub async fn restart(&mut self, position: usize) -> anyhow::Result<()> {
+        self.spawn(position).await
+    }
+
+    /// SIGSTOP: the process freezes; its sockets stay open.
+    ///
+    /// # Errors
+    /// The node is not running or the signal fails.
+    pub async fn pause(&mut self, position: usize) -> anyhow::Result<()> {
+        self.signal(position, "STOP").await?;
+        self.nodes[position].paused = true;
+        Ok(())
+    }
+
+    /// SIGCONT.
+    ///
+    /// # Errors
+    /// The node is not running or the signal fails.
+    pub async fn resume(&mut self, position: usize) -> anyhow::Result<()> {
+        self.signal(position, "CONT").await?;
+        self.nodes[position].paused = false;
+        Ok(())
+    }
+
+    async fn signal(&self, position: usize, signal: &str) -> anyhow::Result<()> {
+        let node = &self.nodes[position];
+        let pid = node.pid().with_context(|| format!("node {} is down", node.id.0))?;
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(pid.to_string())
+            .status()
+            .await
+            .context("run kill")?;
+        anyhow::ensure!(status.success(), "kill -{signal} {pid} (node {}) failed", node.id.0);
+        Ok(())
+    }
+
+    /// Cuts the links `links` (pairs of node positions; `nemesis::cut_links`).
+    ///
+    /// # Errors
+    /// The topology has no network to cut (`local`), or an nft command fails.
+    pub async fn partition(&mut self, links: &[(usize, usize)]) -> anyhow::Result<()> {
+        let namespaces = self.namespaces.as_ref().context("partitions need the netns topology")?;
+        self.partitioned = true;
+        namespaces.partition(links).await
+    }
+
+    /// Sets node `position`'s wall clock `offset_s` seconds off (0: true time again); it
+    /// takes effect within libfaketime's one-second cache.
+    ///
+    /// # Errors
+    /// The cluster was started without clock faults, or the file cannot be written.
+    pub fn set_clock(&mut self, position: usize, offset_s: i64) -> anyhow::Result<()> {
+        let node = &mut self.nodes[position];
+        let file = node.clock_file.as_ref().context("the nodes run without libfaketime")?;
+        std::fs::write(file, format!("{offset_s:+}\n"))
+            .with_context(|| format!("write {}", file.display()))?;
+        node.clock_offset_s = offset_s;
+        Ok(())
+    }
+
+    /// Undoes every fault: removes partitions, sets clocks right, resumes paused nodes,
+    /// restarts killed ones. Returns what failed.
+    pub async fn heal(&mut self) -> Vec<String> {
+        let mut problems = Vec::new();
+        for position in 0..self.nodes.len() {
+            if self.nodes[position].clock_offset_s != 0
+                && let Err(error) = self.set_clock(position, 0)
+            {
+                problems.push(format!("{error:#}"));
+            }
+        }
+        if self.partitioned
+            && let Some(namespaces) = &self.namespaces
+        {
+            match namespaces.heal().await {
+                Ok(()) => self.partitioned = false,
+                Err(error) => problems.push(format!("{error:#}")),
+            }
+        }
+        for position in 0..self.nodes.len() {
+            let result = if self.nodes[position].paused {
+                self.resume(position).await
+            } else if !self.nodes[position].running() {
+                self.restart(position).await
+            } else {
+                Ok(())
+            };
+            if let Err(error) = result {
+                problems.push(format!("{error:#}"));
+            }
+        }
+        problems
+    }
+
+    /// Node `position`'s Prometheus text.
+    ///
+    /// # Errors
+    /// The node does not answer in time.
+    pub async fn metrics(&self, position: usize) -> anyhow::Result<String> {
+        let (status, body) = http_get(&self.nodes[position].metrics_addr, "/metrics").await?;
+        anyhow::ensure!(status == 200, "/metrics answered {status}");
+        Ok(body)
+    }
+
+    /// Resumes and stops every node (SIGTERM, then SIGKILL after a grace period).
+    pub async fn shutdown(&mut self) {
+        const GRACE: Duration = Duration::from_secs(10);
+        for position in 0..self.nodes.len() {
+            if self.nodes[position].paused {
+                let _ = self.resume(position).await;
+            }
+            if self.nodes[position].running() {
+                let _ = self.signal(position, "TERM").await;
+            }
+        }
+        for node in &mut self.nodes {
+            if let Some(mut child) = node.child.take()
+                && tokio::time::timeout(GRACE, child.wait()).await.is_err()
+            {
+                let _ = child.kill().await;
+            }
+        }
+        if let Some(namespaces) = self.namespaces.take() {
+            namespaces.destroy();
+        }
+    }
+}
+
+/// libfaketime's preload library where Debian's `libfaketime` installs it.
+fn libfaketime() -> anyhow::Result<PathBuf> {
+    let directories = std::fs::read_dir("/usr/lib").context("read /usr/lib")?;
+    directories
+        .filter_map(Result::ok)
+        .map(|entry| entry.path().join("faketime/libfaketime.so.1"))
+        .find(|path| path.is_file())
+        .context("clock faults need libfaketime (Debian: apt-get install faketime)")
+}
+
+/// Where a node's next port comes from.
+type PortSource<'a> = Box<dyn FnMut() -> anyhow::Result<u16> + 'a>;
+
+/// Hands out ports that were free a moment ago, each once.
+struct PortPicker {
+    next: u16,
+}
+
+impl PortPicker {
+    fn new() -> Self {
+        // Each runner starts at its own place, so parallel runs rarely probe the same ports.
+        let span = u32::from(PORTS.end - PORTS.start);
+        let offset = (std::process::id().wrapping_mul(7_919)) % span;
+        Self { next: PORTS.start + u16::try_from(offset).unwrap_or(0) }
+    }
+
+    fn next(&mut self) -> anyhow::Result<u16> {
+        for _ in PORTS {
+            let port = self.next;
+            self.next = if self.next + 1 >= PORTS.end { PORTS.start } else { self.next + 1 };
+            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return Ok(port);
+            }
+        }
+        bail!("no free port on 127.0.0.1 in {PORTS:?}")
+    }
+}
+
+/// Runs a `quotamesh` CLI command (with the operator token when given); returns stdout.
+async fn run_cli(
+    binary: &Path,
+    arguments: &[&str],
+    admin_token: Option<&str>,
+) -> anyhow::Result<String> {
+    let mut command = Command::new(binary);
+    command.args(arguments).env("RUST_BACKTRACE", "0").stdin(Stdio::null()).kill_on_drop(true);
+    if let Some(token) = admin_token {
+        command.env("QUOTAMESH_ADMIN_TOKEN", token);
+    }
+    let output = tokio::time::timeout(COMMAND_TIMEOUT, command.output())
+        .await
+        .with_context(|| {
+            format!("quotamesh {} took over {COMMAND_TIMEOUT:?}", arguments.join(" "))
+        })?
+        .context("run quotamesh")?;
+    if !output.status.success() {
+        bail!(
+            "quotamesh {} failed ({}): {}",
+            arguments.join(" "),
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// `quotamesh billing hash-token`: the digest a node's config stores for `token`.
+async fn hash_token(binary: &Path, token: &str) -> anyhow::Result<String> {
+    let mut child = Command::new(binary)
+        .args(["billing", "hash-token"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .context("run quotamesh billing hash-token")?;
+    let mut stdin = child.stdin.take().context("hash-token's stdin")?;
+    stdin.write_all(token.as_bytes()).await?;
+    drop(stdin);
+    let output = tokio::time::timeout(COMMAND_TIMEOUT, child.wait_with_output())
+        .await
+        .context("hash-token took too long")??;
+    anyhow::ensure!(
+        output.status.success(),
+        "hash-token failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let digest = String::from_utf8_lossy(&output.stdout).trim().to_owned();
+    anyhow::ensure!(digest.len() == 64, "hash-token printed {digest:?}");
+    Ok(digest)
+}
+
+/// A minimal HTTP/1.1 GET (health and metrics endpoints), with a timeout.
+async fn http_get(address: &str, path: &str) -> anyhow::Result<(u16, String)> {
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect(address).await?;
+        let head = format!("GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n");
+        stream.write_all(head.as_bytes()).await?;
+        let mut response = Vec::new();
+        stream.read_to_end(&mut response).await?;
+        anyhow::Ok(String::from_utf8_lossy(&response).into_owned())
+    };
+    let response = tokio::time::timeout(HTTP_TIMEOUT, exchange)
+        .await
+        .with_context(|| format!("GET {address}{path} took over {HTTP_TIMEOUT:?}"))??;
+    let (head, body) = response.split_once("\r\n\r\n").context("no end of the HTTP header")?;
+    let status = head
+        .lines()
+        .next()
+        .and_then(|line| line.split_whitespace().nth(1))
+        .context("no HTTP status line")?
+        .parse()?;
+    Ok((status, body.to_owned()))
+}
