@@ -122,11 +122,6 @@ impl SimNode {
     fn clock(&self, now_ms: u64) -> u64 {
         now_ms.saturating_add_signed(self.offset_ms)
     }
-
-    /// The round trip the node's refills plan for: its slowest, as a measured p90 would be.
-    fn lead_ms(&self) -> u64 {
-        2 * self.latency_ms_max
-    }
 }
 
 struct World {
@@ -399,9 +394,9 @@ impl World {
                 entry.1 += if from_fallback { hits } else { 0 };
             }
             let draft = if admitted_from.is_some() {
-                node.lease.poll_refill(&self.tuning, node_ms, node.lead_ms())
+                node.lease.poll_refill(&self.tuning, node_ms)
             } else {
-                node.lease.poll_lease_for(&self.tuning, node_ms, hits, node.lead_ms())
+                node.lease.poll_lease_for(&self.tuning, node_ms, hits)
             };
             if let Some(draft) = draft {
                 self.send(index, draft, now_ms, faults);

@@ -28,7 +28,7 @@
 //! beyond [`BROKER_QUEUE_MAX`].
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
@@ -105,7 +105,6 @@ pub struct LeaseBroker {
     actor: ActorRef<BrokerMsg>,
     queued: Arc<AtomicUsize>,
     circuit: Arc<AtomicU8>,
-    latency_p90_ms: Arc<AtomicU64>,
 }
 
 /// The broker could not be started.
@@ -125,7 +124,6 @@ impl LeaseBroker {
     ) -> Result<(Self, tokio::task::JoinHandle<()>), BrokerSpawnError> {
         let queued = Arc::new(AtomicUsize::new(0));
         let circuit = Arc::new(AtomicU8::new(CIRCUIT_CLOSED));
-        let latency_p90_ms = Arc::new(AtomicU64::new(0));
         let state = BrokerState {
             ledger,
             settings,
@@ -134,7 +132,6 @@ impl LeaseBroker {
             last_failure: String::new(),
             queued: Arc::clone(&queued),
             circuit: Arc::clone(&circuit),
-            latency_p90_ms: Arc::clone(&latency_p90_ms),
             asks: Vec::new(),
             flush_scheduled: false,
             probe_scheduled: false,
@@ -146,7 +143,7 @@ impl LeaseBroker {
         let join = tokio::spawn(async move {
             let _ = join.await;
         });
-        Ok((Self { actor, queued, circuit, latency_p90_ms }, join))
+        Ok((Self { actor, queued, circuit }, join))
     }
 
     /// Queues a report; false when the broker is full or stopped (it was not sent, so the
@@ -174,12 +171,6 @@ impl LeaseBroker {
         self.circuit.load(Ordering::Relaxed) == CIRCUIT_CLOSED
     }
 
-    /// The p90 of recent ledger calls' round trips (0 before any answered): how long before
-    /// a warm key runs dry its refill should be asked.
-    pub fn refill_lead_ms(&self) -> u64 {
-        self.latency_p90_ms.load(Ordering::Relaxed)
-    }
-
     /// True when the queue is at its bound.
     pub fn saturated(&self) -> bool {
         self.queued.load(Ordering::Relaxed) >= BROKER_QUEUE_MAX
@@ -202,8 +193,6 @@ struct BrokerState {
     last_failure: String,
     queued: Arc<AtomicUsize>,
     circuit: Arc<AtomicU8>,
-    /// The breaker's measured p90, published for the shards' refill watermarks.
-    latency_p90_ms: Arc<AtomicU64>,
     /// Asks waiting for the next call (bounded by the queue bound).
     asks: Vec<LeaseAsk>,
     flush_scheduled: bool,
@@ -363,9 +352,6 @@ impl BrokerState {
         // for good is learnt there).
         if done.result.is_ok() && !done.judged {
             self.breaker.observe_latency(latency_ms);
-            if let Some(p90_ms) = self.breaker.latency_p90_ms() {
-                self.latency_p90_ms.store(p90_ms, Ordering::Relaxed);
-            }
         }
         if !done.judged {
             let (label, outcome) = match &done.result {

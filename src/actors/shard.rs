@@ -805,7 +805,6 @@ impl ShardSet {
         let guard_of =
             |id: StripeId| order.binary_search(&id).expect("every probe's stripe is locked");
 
-        let refill_lead_ms = self.broker.refill_lead_ms();
         let mut missing: Vec<Vec<ColdKey>> = Vec::new();
         let mut short: SmallVec<[(usize, usize); 2]> = SmallVec::new();
         let mut refills: SmallVec<[(usize, usize); 2]> = SmallVec::new();
@@ -917,9 +916,7 @@ impl ShardSet {
                 let (key, _) = probe.counters[counter_index];
                 let stripe = &mut guards[guard_of(probe.stripe)];
                 let slot = stripe.get_mut(&key).expect("a short key exists");
-                if let Some(draft) =
-                    slot.lease.poll_lease_for(probe.lease, now_ms, probe.hits, refill_lead_ms)
-                {
+                if let Some(draft) = slot.lease.poll_lease_for(probe.lease, now_ms, probe.hits) {
                     asks.push((probe.stripe, self.ask(probe, key, slot, draft)));
                 }
             }
@@ -941,7 +938,7 @@ impl ShardSet {
                 }
                 // While the circuit is open only the broker's probes reach the ledger.
                 if short_keys == ShortKeys::Wait
-                    && let Some(draft) = slot.lease.poll_refill(probe.lease, now_ms, refill_lead_ms)
+                    && let Some(draft) = slot.lease.poll_refill(probe.lease, now_ms)
                 {
                     asks.push((probe.stripe, self.ask(probe, key, slot, draft)));
                 }

@@ -378,7 +378,7 @@ mod tests {
         for now_ms in 0..5_000 {
             record_rejected(&mut lease, &counter, now_ms);
         }
-        let draft = lease.poll_lease_for(&tuning, 5_000, 1, 0).expect("a short key asks");
+        let draft = lease.poll_lease_for(&tuning, 5_000, 1).expect("a short key asks");
         // 1,000 hits a second for five half-lives of the estimate: within 1/32 of the rate,
         // less the estimate's integer decay steps.
         assert!(

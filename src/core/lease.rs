@@ -42,9 +42,6 @@ const DECAY_SIXTEENTHS: [u64; 16] = [
 
 /// Largest lease a rule may ask for.
 pub const LEASE_TOKENS_MAX: u64 = 1_000_000;
-/// The refill watermark follows the ledger's round trip up to this share of the lease: a
-/// node then holds at most 1.5 leases.
-pub const REFILL_LEAD_PERCENT_MAX: u64 = 50;
 /// Longest lease TTL: DESIGN caps it at one second so a dead node strands tokens briefly.
 pub const LEASE_TTL_MS_MAX: u64 = 1_000;
 
@@ -144,38 +141,18 @@ impl LeaseTuning {
         u64::try_from(share).unwrap_or(u64::MAX).max(1)
     }
 
-    /// Balance below which a refill is requested, given that a refill takes `lead_ms` to
-    /// arrive (the ledger's measured round trip) at `rate_milli_per_second`: the
-    /// watermark, or twice what the traffic spends in `lead_ms` if that is more, so a warm
-    /// key's refill lands before its balance runs out; the latter at most
-    /// [`REFILL_LEAD_PERCENT_MAX`] of the lease.
-    pub fn refill_watermark_tokens(
-        &self,
-        lease_size_tokens: u64,
-        rate_milli_per_second: u64,
-        lead_ms: u64,
-    ) -> u64 {
-        let spent_in_lead = (u128::from(rate_milli_per_second) * u128::from(lead_ms))
-            .saturating_mul(2)
-            / u128::from(MILLI * MILLI);
-        let lead_max = u128::from(lease_size_tokens) * u128::from(REFILL_LEAD_PERCENT_MAX) / 100;
-        let lead = u64::try_from(spent_in_lead.min(lead_max)).unwrap_or(u64::MAX);
-        self.low_watermark_tokens(lease_size_tokens).max(lead)
-    }
-
     /// Most tokens one node can hold for a key of `capacity_tokens` in a region of `nodes`:
-    /// a refill is asked only below the (refill) watermark, so at most `watermark - 1`
-    /// remain when a full lease arrives; a key's lease is capped by its small-key cap.
+    /// a refill is asked only below the watermark, so at most `watermark - 1` remain when a
+    /// full lease arrives; a key's lease is capped by its small-key cap.
     pub fn held_tokens_max(&self, capacity_tokens: u64, nodes: u64) -> u64 {
         let size = self.max_lease_tokens.min(size_cap_tokens(capacity_tokens, nodes));
         self.held_for_size(size)
     }
 
     /// What a node may hold with a lease of `size` tokens: the lease, plus what was left
-    /// below the highest watermark when it arrived.
+    /// below the watermark when it arrived.
     fn held_for_size(&self, size: u64) -> u64 {
-        let watermark = self.refill_watermark_tokens(size, u64::MAX, u64::MAX);
-        size.saturating_add(watermark.saturating_sub(1))
+        size.saturating_add(self.low_watermark_tokens(size).saturating_sub(1))
     }
 
     /// The drift bound of DESIGN section 3 for one key of `limit` in a region of `nodes`:
@@ -523,7 +500,6 @@ impl KeyLease {
         tuning: &LeaseTuning,
         now_ms: u64,
         hits: u64,
-        lead_ms: u64,
     ) -> Option<ReportDraft> {
         self.expire(now_ms);
         if self.in_flight || now_ms < self.retry_at_ms {
@@ -532,9 +508,7 @@ impl KeyLease {
         let size = self.lease_size_tokens(tuning, now_ms);
         let lacking = hits.saturating_sub(self.balance_tokens);
         let small = self.size_cap_tokens < tuning.min_lease_tokens;
-        let rate_milli = self.rate.rate_milli_per_second(now_ms, tuning.rate_half_life_ms);
-        let below_watermark =
-            self.balance_tokens < tuning.refill_watermark_tokens(size, rate_milli, lead_ms);
+        let below_watermark = self.balance_tokens < tuning.low_watermark_tokens(size);
         if lacking == 0 && (small || !below_watermark) {
             return None;
         }
@@ -543,13 +517,8 @@ impl KeyLease {
     }
 
     /// The refill to request now, if any (see [`KeyLease::poll_lease_for`]).
-    pub fn poll_refill(
-        &mut self,
-        tuning: &LeaseTuning,
-        now_ms: u64,
-        lead_ms: u64,
-    ) -> Option<ReportDraft> {
-        self.poll_lease_for(tuning, now_ms, 0, lead_ms)
+    pub fn poll_refill(&mut self, tuning: &LeaseTuning, now_ms: u64) -> Option<ReportDraft> {
+        self.poll_lease_for(tuning, now_ms, 0)
     }
 
     /// A settle-only report, when the ledger's count of this key differs from the node's (it

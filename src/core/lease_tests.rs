@@ -60,26 +60,20 @@ fn lease_size_is_traffic_proportional() {
     assert_eq!(tuning.lease_size_tokens(10_000 * 1_000), 500, "capped");
     assert_eq!(tuning.low_watermark_tokens(250), 50);
     assert_eq!(tuning.low_watermark_tokens(3), 1, "at least 1");
-    // A lease of 500 plus at most 249 left below the highest watermark (half a lease, when
-    // the ledger is slow) when it arrived.
-    assert_eq!(tuning.held_tokens_max(1_000_000, 3), 749);
+    assert_eq!(tuning.held_tokens_max(1_000_000, 3), 599);
     let large = LimitSpec::new(Algorithm::TokenBucket, 1_000_000, 60_000, None).expect("a limit");
-    assert_eq!(tuning.drift_bound_tokens(&large, 3, false, None), 2_247);
-    assert_eq!(tuning.drift_bound_tokens(&large, 3, true, None), 2_262, "3 x 5 of credit");
-    // 1,000/s over 5 nodes: leases capped at 100 (+49 below the watermark, +5 of credit)
+    assert_eq!(tuning.drift_bound_tokens(&large, 3, false, None), 1_797);
+    assert_eq!(tuning.drift_bound_tokens(&large, 3, true, None), 1_812, "3 x 5 of credit");
+    // 1,000/s over 5 nodes: leases capped at 100 (+19 below the watermark, +5 of credit)
     // each, and contention may lift the cap by four lookaheads of the rate in all.
     let capped = LimitSpec::new(Algorithm::TokenBucket, 1_000, 1_000, None).expect("a limit");
-    assert_eq!(tuning.drift_bound_tokens(&capped, 5, true, None), 5 * 154 + 1_000);
+    assert_eq!(tuning.drift_bound_tokens(&capped, 5, true, None), 5 * 124 + 1_000);
     assert_eq!(
         tuning.drift_bound_tokens(&large, 3, true, Some(1_000)),
-        1_002_262,
+        1_001_812,
         "the fallback allowance while the circuit is not closed"
     );
-    assert_eq!(tuning.held_tokens_max(20, 2), 6, "a key of 20 over 2 nodes: 5 + watermark 2 - 1");
-    // The refill watermark: 20 % of the lease, or two round trips of traffic up to half.
-    assert_eq!(tuning.refill_watermark_tokens(250, 1_000 * 1_000, 0), 50);
-    assert_eq!(tuning.refill_watermark_tokens(250, 1_000 * 1_000, 40), 80, "2 x 40 ms at 1,000/s");
-    assert_eq!(tuning.refill_watermark_tokens(250, 1_000 * 1_000, 400), 125, "half a lease");
+    assert_eq!(tuning.held_tokens_max(20, 2), 5, "a key of 20 over 2 nodes: 5 + watermark 1 - 1");
 }
 
 /// A steady rate is estimated within 5 % once the estimate has settled (10 half-lives).
@@ -129,12 +123,12 @@ fn cold_key_is_admitted_on_credit_then_leases() {
     assert_eq!(credit.tokens_max, 5);
     let mut lease = KeyLease::new(1_000, 1_000);
     assert_eq!(lease.spend(&tuning, credit, 1_000, 2), Spend::AdmittedOnCredit);
-    let draft = lease.poll_lease_for(&tuning, 1_000, 0, 0).expect("the first report");
+    let draft = lease.poll_lease_for(&tuning, 1_000, 0).expect("the first report");
     assert_eq!(
         (draft.seq, draft.spent_tokens, draft.held_tokens, draft.debt_tokens, draft.tokens_wanted),
         (1, 2, 0, 2, 5)
     );
-    assert_eq!(lease.poll_refill(&tuning, 1_001, 0), None, "one report in flight at most");
+    assert_eq!(lease.poll_refill(&tuning, 1_001), None, "one report in flight at most");
     // While it flies, three more hits on credit: 5 of credit in all, the maximum.
     assert_eq!(lease.spend(&tuning, credit, 1_001, 3), Spend::AdmittedOnCredit);
     assert_eq!(lease.spend(&tuning, credit, 1_001, 1), Spend::Short, "credit used up");
@@ -156,7 +150,7 @@ fn a_contended_key_asks_a_lookahead_of_its_demand_whatever_the_cap() {
         lease.observe_demand(&tuning, now_ms, 1);
     }
     assert_eq!(lease.lease_size_tokens(&tuning, 1_000), 100, "capped");
-    let draft = lease.poll_lease_for(&tuning, 1_000, 1, 0).expect("a lease");
+    let draft = lease.poll_lease_for(&tuning, 1_000, 1).expect("a lease");
     let contended = ReportAnswer::Settled {
         granted_tokens: 40,
         retry_after_ms: 250,
@@ -168,7 +162,7 @@ fn a_contended_key_asks_a_lookahead_of_its_demand_whatever_the_cap() {
     assert!(size > 100 && size <= tuning.max_lease_tokens, "a lookahead of demand: {size}");
     assert_eq!(lease.take_surplus(&tuning, 1_002), 0, "nothing above the size goes back");
     assert_eq!(lease.spend(&tuning, Credit::NONE, 1_300, 40), Spend::Admitted);
-    let draft = lease.poll_lease_for(&tuning, 1_300, 1, 0).expect("after retry_after");
+    let draft = lease.poll_lease_for(&tuning, 1_300, 1).expect("after retry_after");
     lease.apply_answer(&tuning, &draft, settled(100, 0, 500), 1_301);
     assert_eq!(lease.lease_size_tokens(&tuning, 1_301), 100, "capped again");
 }
@@ -179,7 +173,7 @@ fn fail_closed_key_waits_for_its_lease() {
     let tuning = LeaseTuning::default();
     let mut lease = KeyLease::new(100, 100);
     assert_eq!(lease.spend(&tuning, Credit::NONE, 1_000, 1), Spend::Short);
-    let draft = lease.poll_lease_for(&tuning, 1_000, 1, 0).expect("a lease");
+    let draft = lease.poll_lease_for(&tuning, 1_000, 1).expect("a lease");
     assert_eq!((draft.spent_tokens, draft.debt_tokens, draft.tokens_wanted), (0, 0, 5));
     lease.apply_answer(&tuning, &draft, settled(5, 0, 95), 1_001);
     assert_eq!(lease.spend(&tuning, Credit::NONE, 1_001, 1), Spend::Admitted);
@@ -191,7 +185,7 @@ fn fail_closed_key_waits_for_its_lease() {
 fn lease_expires_from_its_send_time_and_is_settled_back() {
     let tuning = LeaseTuning::default();
     let mut lease = KeyLease::new(100, 100);
-    let draft = lease.poll_lease_for(&tuning, 10_000, 1, 0).expect("a lease");
+    let draft = lease.poll_lease_for(&tuning, 10_000, 1).expect("a lease");
     lease.apply_answer(&tuning, &draft, settled(5, 0, 95), 10_300);
     assert_eq!(lease.balance_tokens(10_449), 5);
     assert_eq!(lease.poll_settle(&tuning, 10_449), None);
@@ -211,7 +205,7 @@ fn lease_expires_from_its_send_time_and_is_settled_back() {
 fn lease_ended_at_a_window_end_drops_its_balance() {
     let tuning = LeaseTuning::default();
     let mut lease = KeyLease::new(100, 100);
-    let draft = lease.poll_lease_for(&tuning, 59_900, 1, 0).expect("a lease");
+    let draft = lease.poll_lease_for(&tuning, 59_900, 1).expect("a lease");
     lease.apply_answer(&tuning, &draft, settled(5, 0, 95), 59_901);
     lease.expire_by(60_000);
     assert_eq!(lease.balance_tokens(59_999), 5);
@@ -228,16 +222,16 @@ fn empty_ledger_blocks_until_retry_after() {
     let tuning = LeaseTuning::default();
     let credit = Credit::fail_open(&tuning, 200, 1);
     let mut lease = KeyLease::new(100, 100);
-    let draft = lease.poll_lease_for(&tuning, 1_000, 1, 0).expect("a lease");
+    let draft = lease.poll_lease_for(&tuning, 1_000, 1).expect("a lease");
     lease.apply_answer(&tuning, &draft, settled(0, 300, 0), 1_002);
     assert_eq!(lease.spend(&tuning, credit, 1_100, 1), Spend::Blocked { retry_after_ms: 200 });
-    assert_eq!(lease.poll_refill(&tuning, 1_299, 0), None, "no report before 1,300");
+    assert_eq!(lease.poll_refill(&tuning, 1_299), None, "no report before 1,300");
     assert_eq!(
         lease.spend(&tuning, credit, 1_300, 1),
         Spend::Short,
         "no credit past an empty bucket"
     );
-    assert!(lease.poll_lease_for(&tuning, 1_300, 1, 0).is_some());
+    assert!(lease.poll_lease_for(&tuning, 1_300, 1).is_some());
 }
 
 /// A partial grant short of the want (a contended key at its share) is spent, then the key
@@ -246,15 +240,15 @@ fn empty_ledger_blocks_until_retry_after() {
 fn partial_grant_defers_the_next_report() {
     let tuning = LeaseTuning::default();
     let mut lease = KeyLease::new(1_000, 1_000);
-    let draft = lease.poll_lease_for(&tuning, 1_000, 1, 0).expect("a lease");
+    let draft = lease.poll_lease_for(&tuning, 1_000, 1).expect("a lease");
     lease.apply_answer(&tuning, &draft, settled(2, 250, 400), 1_003);
     assert_eq!(lease.spend(&tuning, Credit::NONE, 1_010, 2), Spend::Admitted);
-    assert_eq!(lease.poll_refill(&tuning, 1_010, 0), None, "not before 1,250");
+    assert_eq!(lease.poll_refill(&tuning, 1_010), None, "not before 1,250");
     assert_eq!(
         lease.spend(&tuning, Credit::NONE, 1_100, 1),
         Spend::Blocked { retry_after_ms: 150 }
     );
-    assert!(lease.poll_lease_for(&tuning, 1_250, 1, 0).is_some());
+    assert!(lease.poll_lease_for(&tuning, 1_250, 1).is_some());
 }
 
 /// A report that was not applied (failed, timed out, stale) changes nothing but the request
@@ -265,12 +259,12 @@ fn unanswered_reports_are_carried_by_the_next() {
     let credit = Credit::fail_open(&tuning, 2_000, 1);
     let mut lease = KeyLease::new(1_000, 1_000);
     assert_eq!(lease.spend(&tuning, credit, 1_000, 1), Spend::AdmittedOnCredit);
-    let first = lease.poll_lease_for(&tuning, 1_000, 0, 0).expect("a report");
+    let first = lease.poll_lease_for(&tuning, 1_000, 0).expect("a report");
     lease.apply_answer(&tuning, &first, ReportAnswer::NotApplied, 1_010);
     assert!(!lease.in_flight());
     assert_eq!(lease.debt_tokens(), 1, "still owed");
     assert_eq!(lease.spend(&tuning, credit, 1_011, 1), Spend::AdmittedOnCredit);
-    let second = lease.poll_lease_for(&tuning, 1_011, 0, 0).expect("the next report");
+    let second = lease.poll_lease_for(&tuning, 1_011, 0).expect("the next report");
     assert_eq!((second.seq, second.spent_tokens, second.debt_tokens), (2, 2, 2));
 }
 
@@ -283,11 +277,11 @@ fn small_keys_lease_only_what_a_hit_needs() {
     assert_eq!(cap, 1);
     assert_eq!(Credit::fail_open(&tuning, 2, 2).tokens_max, 0, "two nodes' credit would exceed it");
     let mut lease = KeyLease::new(2, cap);
-    let draft = lease.poll_lease_for(&tuning, 1_000, 1, 0).expect("a lease for the hit");
+    let draft = lease.poll_lease_for(&tuning, 1_000, 1).expect("a lease for the hit");
     assert_eq!(draft.tokens_wanted, 1);
     lease.apply_answer(&tuning, &draft, settled(1, 0, 1), 1_001);
     assert_eq!(lease.spend(&tuning, Credit::NONE, 1_001, 1), Spend::Admitted);
-    assert_eq!(lease.poll_refill(&tuning, 1_002, 0), None, "no prefetch below the watermark");
+    assert_eq!(lease.poll_refill(&tuning, 1_002), None, "no prefetch below the watermark");
 }
 
 /// The surplus above a shrunken lease size is taken for return; the rest stays.
@@ -295,7 +289,7 @@ fn small_keys_lease_only_what_a_hit_needs() {
 fn surplus_is_returned_as_traffic_falls() {
     let tuning = LeaseTuning::default();
     let mut lease = KeyLease::new(1_000, 1_000);
-    let draft = lease.poll_lease_for(&tuning, 1_000, 400, 0).expect("a lease");
+    let draft = lease.poll_lease_for(&tuning, 1_000, 400).expect("a lease");
     lease.apply_answer(&tuning, &draft, settled(400, 0, 600), 1_001);
     assert_eq!(lease.take_surplus(&tuning, 1_002), 395, "idle key: lease size 5");
     assert_eq!(lease.balance_tokens(1_002), 5);
@@ -363,7 +357,7 @@ proptest! {
                 }
                 Step::Refill { after_ms } => {
                     now_ms += after_ms;
-                    if let Some(draft) = lease.poll_refill(&tuning, now_ms, 0) {
+                    if let Some(draft) = lease.poll_refill(&tuning, now_ms) {
                         prop_assert!(flying.is_none(), "two reports in flight");
                         prop_assert!(draft.tokens_wanted <= tuning.max_lease_tokens);
                         flying = Some(draft);
@@ -461,14 +455,14 @@ fn large_requests_and_settling() {
     assert!(lease.is_settled(&spec, 1_000));
     assert_eq!(lease.spend(&tuning, Credit::NONE, 1_000, 40), Spend::Short);
     assert_eq!(lease.last_hit_ms(), 1_000);
-    let draft = lease.poll_lease_for(&tuning, 1_000, 40, 0).expect("a lease");
+    let draft = lease.poll_lease_for(&tuning, 1_000, 40).expect("a lease");
     assert_eq!(draft.tokens_wanted, 40, "more than the minimum lease of 5");
     assert!(!lease.is_settled(&spec, 1_001), "in flight");
     lease.apply_answer(&tuning, &draft, settled(40, 0, 960), 1_002);
     assert!(!lease.is_settled(&spec, 1_003), "holds tokens");
     assert_eq!(lease.spend(&tuning, Credit::NONE, 1_003, 40), Spend::Admitted);
     assert!(lease.is_settled(&spec, 1_003), "the ledger counts the 40 as this node's already");
-    let draft = lease.poll_refill(&tuning, 1_004, 0).expect("below the watermark");
+    let draft = lease.poll_refill(&tuning, 1_004).expect("below the watermark");
     lease.apply_answer(&tuning, &draft, settled(0, 300, 0), 1_005);
     assert!(!lease.is_settled(&spec, 1_200), "blocked until 1,304");
     assert!(lease.is_settled(&spec, 1_304));
@@ -559,12 +553,12 @@ fn credit_stops_at_what_the_ledger_has_left() {
     let credit = Credit::fail_open(&tuning, 20, 1);
     let spec = LimitSpec::new(Algorithm::TokenBucket, 20, 1_000, None).expect("a valid limit");
     let mut lease = KeyLease::new(20, 10);
-    let draft = lease.poll_lease_for(&tuning, 1_000, 1, 0).expect("a lease");
+    let draft = lease.poll_lease_for(&tuning, 1_000, 1).expect("a lease");
     lease.apply_answer(&tuning, &draft, settled(5, 0, 3), 1_001);
     for _ in 0..5 {
         assert_eq!(lease.spend(&tuning, credit, 1_002, 1), Spend::Admitted);
     }
-    let refill = lease.poll_refill(&tuning, 1_002, 0).expect("below the watermark");
+    let refill = lease.poll_refill(&tuning, 1_002).expect("below the watermark");
     assert_eq!(refill.tokens_wanted, 5);
     assert_eq!(
         lease.spend(&tuning, credit, 1_003, 1),
