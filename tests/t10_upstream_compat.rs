@@ -94,10 +94,7 @@ fn upstream_fixtures_load_and_fail_as_upstream() {
 /// domain of its merge test, from its own files unchanged, with `[policy]` set as a migrating
 /// user sets it.
 fn start_upstream_node() -> (NodeProcess, tempfile::TempDir) {
-    let directory = tempfile::tempdir().expect("temp dir");
-    let policies = directory.path().join("policies");
-    std::fs::create_dir(&policies).expect("policy directory");
-    for (name, path) in [
+    start_node_serving(&[
         ("basic.yaml", "test/integration/runtime/current/ratelimit/config/basic.yaml"),
         ("another.yaml", "test/integration/runtime/current/ratelimit/config/another.yaml"),
         ("share.yaml", "test/integration/runtime/current/ratelimit/config/share_threshold.yaml"),
@@ -105,7 +102,17 @@ fn start_upstream_node() -> (NodeProcess, tempfile::TempDir) {
         ("example.yaml", "examples/ratelimit/config/example.yaml"),
         ("merge1.yaml", "test/config/merge_domain_key1.yaml"),
         ("merge2.yaml", "test/config/merge_domain_key2.yaml"),
-    ] {
+    ])
+}
+
+/// A node serving the fixtures `files` (name in the policy directory, fixture path), with
+/// `[policy]` set as a migrating user sets it; the policy directory is `policies` in the
+/// returned one.
+fn start_node_serving(files: &[(&str, &str)]) -> (NodeProcess, tempfile::TempDir) {
+    let directory = tempfile::tempdir().expect("temp dir");
+    let policies = directory.path().join("policies");
+    std::fs::create_dir(&policies).expect("policy directory");
+    for (name, path) in files {
         write_file(&policies, name, &fixture(path).text);
     }
     let config = write_file(
@@ -151,82 +158,256 @@ async fn call(
     client.should_rate_limit(request(domain, descriptors)).await.expect("answer").into_inner()
 }
 
-/// Upstream's basic sequence on a key-only rule of 20 per minute, with both cores busy:
-/// 20 answers OK with remaining 19 down to 0, then OVER_LIMIT with remaining 0; every status
+/// Upstream's basic sequence on a key-only rule of 20 per minute, with both cores busy,
+/// on `key2` and on `key2_local` (upstream runs it again on the `_local` keys with its local
+/// cache on; quotamesh has no such cache to turn on, and the answers are the same): 20
+/// answers OK with remaining 19 down to 0, then OVER_LIMIT with remaining 0; every status
 /// shows the limit (20 per MINUTE, no name) and the time to the end of the aligned minute;
 /// the statistics count 25 hits, 20 within, 4 near (the 17th to 20th, ratio 0.8), 5 over.
 #[tokio::test]
 async fn key_only_minute_limit_counts_as_upstream() {
     let (node, _directory) = start_upstream_node();
     let _hog = CpuHog::start(2);
-    inside_one_window(60_000, 15_000);
-    let value = format!("value-{}", now_ms());
-    for hit in 0..25_u32 {
-        let response = call(&node, "another", vec![descriptor(&[("key2", &value)])]).await;
-        let status = &response.statuses[0];
-        let (code, remaining) = if hit < 20 { (Code::Ok, 19 - hit) } else { (Code::OverLimit, 0) };
-        assert_eq!(
-            (response.overall_code(), status.code(), status.limit_remaining),
-            (code, code, remaining),
-            "hit {hit}"
-        );
-        let limit = status.current_limit.as_ref().expect("current limit");
-        assert_eq!(
-            (limit.requests_per_unit, limit.unit(), limit.name.as_str()),
-            (20, Unit::Minute, "")
-        );
-        let reset = status.duration_until_reset.expect("reset").seconds;
-        assert!((reset - seconds_to_window_end(60_000)).abs() <= 1, "reset {reset} at hit {hit}");
+    for key in ["key2", "key2_local"] {
+        inside_one_window(60_000, 15_000);
+        let value = format!("value-{}", now_ms());
+        for hit in 0..25_u32 {
+            let response = call(&node, "another", vec![descriptor(&[(key, &value)])]).await;
+            let status = &response.statuses[0];
+            let (code, remaining) =
+                if hit < 20 { (Code::Ok, 19 - hit) } else { (Code::OverLimit, 0) };
+            assert_eq!(
+                (response.overall_code(), status.code(), status.limit_remaining),
+                (code, code, remaining),
+                "{key} hit {hit}"
+            );
+            let limit = status.current_limit.as_ref().expect("current limit");
+            assert_eq!(
+                (limit.requests_per_unit, limit.unit(), limit.name.as_str()),
+                (20, Unit::Minute, "")
+            );
+            let reset = status.duration_until_reset.expect("reset").seconds;
+            assert!(
+                (reset - seconds_to_window_end(60_000)).abs() <= 1,
+                "reset {reset} at {key} hit {hit}"
+            );
+        }
+        let metrics = node.metrics().expect("metrics");
+        assert_eq!(statistics(&metrics, "another", key), (25.0, 20.0, 4.0, 5.0), "{metrics}");
     }
-    let metrics = node.metrics().expect("metrics");
-    let series = |name: &str| {
-        metric_value(
-            &metrics,
-            &format!("quotamesh_ratelimit_{name}{{domain=\"another\",key=\"key2\"}}"),
-        )
-    };
-    assert_eq!(
-        (
-            series("total_hits_total"),
-            series("within_limit_total"),
-            series("near_limit_total"),
-            series("over_limit_total")
-        ),
-        (25.0, 20.0, 4.0, 5.0),
-        "{metrics}"
-    );
 }
 
-/// Two descriptors in one request (upstream's key2 at 20/minute and key3 at 10/hour): the
-/// request is OVER_LIMIT once key3 is, with each status saying its own code. The
-/// documented difference: the rejected requests consume nothing on key2 either (upstream
-/// would have counted them there).
+/// Upstream's statistics of one key, as (total, within, near, over).
+fn statistics(metrics: &str, domain: &str, key: &str) -> (f64, f64, f64, f64) {
+    let series = |name: &str| {
+        metric_value(
+            metrics,
+            &format!("quotamesh_ratelimit_{name}_total{{domain=\"{domain}\",key=\"{key}\"}}"),
+        )
+    };
+    (series("total_hits"), series("within_limit"), series("near_limit"), series("over_limit"))
+}
+
+/// Two descriptors in one request (upstream's key2 at 20/minute and key3 at 10/hour, and
+/// again on the `_local` keys), 15 times as upstream sends them: the request is OVER_LIMIT
+/// once key3 is, with each status saying its own code, and the statistics of the two keys
+/// in the same request are counted apart: key2 15 hits all within, key3 15 hits of which
+/// 10 within, 2 near and 5 over (upstream asserts the totals and the over-limit counts).
+/// The documented difference: the rejected requests consume nothing on key2 either
+/// (upstream's remaining for key2 goes on down to 5; here it stays at 10).
 #[tokio::test]
 async fn multiple_descriptors_answer_per_descriptor() {
     let (node, _directory) = start_upstream_node();
-    inside_one_window(60_000, 15_000);
-    let value = format!("multi-{}", now_ms());
-    for hit in 0..12_u32 {
-        let response = call(
-            &node,
-            "another",
-            vec![descriptor(&[("key2", &value)]), descriptor(&[("key3", &value)])],
-        )
-        .await;
-        let (key2, key3) = (&response.statuses[0], &response.statuses[1]);
-        if hit < 10 {
-            assert_eq!(response.overall_code(), Code::Ok, "hit {hit}");
-            assert_eq!((key2.limit_remaining, key3.limit_remaining), (19 - hit, 9 - hit));
-        } else {
-            assert_eq!(response.overall_code(), Code::OverLimit, "hit {hit}");
-            assert_eq!((key2.code(), key3.code()), (Code::Ok, Code::OverLimit));
-            // Nothing was consumed: key2 still has what the 10 admitted requests left.
-            assert_eq!((key2.limit_remaining, key3.limit_remaining), (10, 0));
+    for (key2, key3) in [("key2", "key3"), ("key2_local", "key3_local")] {
+        inside_one_window(60_000, 15_000);
+        let value = format!("multi-{}", now_ms());
+        for hit in 0..15_u32 {
+            let response = call(
+                &node,
+                "another",
+                vec![descriptor(&[(key2, &value)]), descriptor(&[(key3, &value)])],
+            )
+            .await;
+            let (first, second) = (&response.statuses[0], &response.statuses[1]);
+            if hit < 10 {
+                assert_eq!(response.overall_code(), Code::Ok, "{key3} hit {hit}");
+                assert_eq!((first.limit_remaining, second.limit_remaining), (19 - hit, 9 - hit));
+            } else {
+                assert_eq!(response.overall_code(), Code::OverLimit, "{key3} hit {hit}");
+                assert_eq!((first.code(), second.code()), (Code::Ok, Code::OverLimit));
+                // Nothing was consumed: key2 still has what the 10 admitted requests left.
+                assert_eq!((first.limit_remaining, second.limit_remaining), (10, 0));
+            }
+            let limits = [first, second].map(|status| {
+                let limit = status.current_limit.as_ref().expect("limit");
+                (limit.requests_per_unit, limit.unit())
+            });
+            assert_eq!(limits, [(20, Unit::Minute), (10, Unit::Hour)]);
         }
+        let metrics = node.metrics().expect("metrics");
+        assert_eq!(statistics(&metrics, "another", key2), (15.0, 15.0, 0.0, 0.0), "{metrics}");
+        assert_eq!(statistics(&metrics, "another", key3), (15.0, 10.0, 2.0, 5.0), "{metrics}");
     }
-    let key3_limit = call(&node, "another", vec![descriptor(&[("key3", &value)])]).await;
-    let limit = key3_limit.statuses[0].current_limit.as_ref().expect("limit");
-    assert_eq!((limit.requests_per_unit, limit.unit()), (10, Unit::Hour));
+}
+
+/// Upstream's token-quota pattern with a stream that overruns what is left (a check with
+/// `hits_addend: 0`, the stream's tokens charged at its end): upstream adds the whole
+/// charge to its window's counter, so the caller is over its limit for the rest of the
+/// window. On a fixed window quotamesh spends what was left, with the same answers: the
+/// charge is OVER_LIMIT (Envoy ignores that answer), and every later check and hit is
+/// OVER_LIMIT with remaining 0; so is a charge beyond the whole limit. Both cores busy.
+#[tokio::test]
+async fn a_charge_larger_than_what_is_left_spends_the_window() {
+    let (node, _directory) = start_upstream_node();
+    let _hog = CpuHog::start(2);
+    inside_one_window(60_000, 15_000);
+    let value = format!("quota-{}", now_ms());
+    let hits = |value: &str, hits: Option<u64>| {
+        let mut key2 = descriptor(&[("key2", value)]);
+        key2.hits_addend = hits;
+        vec![key2]
+    };
+    let answer = |response: RateLimitResponse| {
+        (response.overall_code(), response.statuses[0].limit_remaining)
+    };
+    let check = Some(0);
+    assert_eq!(answer(call(&node, "another", hits(&value, check)).await), (Code::Ok, 20));
+    assert_eq!(answer(call(&node, "another", hits(&value, Some(15))).await), (Code::Ok, 5));
+    assert_eq!(answer(call(&node, "another", hits(&value, check)).await), (Code::Ok, 5));
+    // The stream's charge is 8 with 5 left: refused, and it spends the 5. (Envoy ignores
+    // this answer; its remaining is the fallback's 5 when the lease asked for it came late,
+    // so only its code is asserted.)
+    let overrun = call(&node, "another", hits(&value, Some(8))).await;
+    assert_eq!(overrun.overall_code(), Code::OverLimit);
+    for request in [check, None, check] {
+        let response = call(&node, "another", hits(&value, request)).await;
+        assert_eq!(answer(response), (Code::OverLimit, 0), "after the overrun: {request:?}");
+    }
+    // A charge beyond the whole limit, on a key never seen: the window is spent at once.
+    let big = format!("{value}-big");
+    assert_eq!(answer(call(&node, "another", hits(&big, Some(30))).await), (Code::OverLimit, 0));
+    assert_eq!(answer(call(&node, "another", hits(&big, check)).await), (Code::OverLimit, 0));
+    let metrics = node.metrics().expect("metrics");
+    // Checks count no hit; the charges and the plain hit do (15 + 8 + 1 + 30).
+    assert_eq!(statistics(&metrics, "another", "key2").0, 54.0, "{metrics}");
+}
+
+/// Per-second windows (upstream's `key1`, 50 per second): 50 hits in one second answer OK
+/// with remaining 49 down to 0 and `duration_until_reset` 1 s, the 51st is OVER_LIMIT, and
+/// the first hit after the second boundary starts a new window (remaining 49): hits spent
+/// at the end of one second count nothing in the next. Likewise a charge beyond the limit
+/// spends its second only: a check just after the boundary has all 50. A sequence that the
+/// loaded machine stretched over a boundary is sent again (at most 5 times); both cores
+/// busy.
+#[tokio::test]
+async fn per_second_windows_restart_at_each_second() {
+    let (node, _directory) = start_upstream_node();
+    let _hog = CpuHog::start(2);
+    let mut fitted = 0;
+    for attempt in 0..5 {
+        inside_one_window(1_000, 800);
+        let value = format!("second-{attempt}-{}", now_ms());
+        let started_ms = now_ms();
+        let mut answers = Vec::with_capacity(51);
+        for _ in 0..51 {
+            let response = call(&node, "basic", vec![descriptor(&[("key1", &value)])]).await;
+            let status = &response.statuses[0];
+            let limit = status.current_limit.as_ref().expect("limit");
+            assert_eq!((limit.requests_per_unit, limit.unit()), (50, Unit::Second));
+            let reset = status.duration_until_reset.expect("reset").seconds;
+            answers.push((response.overall_code(), status.limit_remaining, reset));
+        }
+        let overrun = format!("{value}-overrun");
+        let mut charge = descriptor(&[("key1", &overrun)]);
+        charge.hits_addend = Some(60);
+        let charged = call(&node, "basic", vec![charge]).await;
+        if now_ms() / 1_000 != started_ms / 1_000 {
+            continue;
+        }
+        fitted += 1;
+        let expected: Vec<(Code, u32, i64)> = (0..51_u32)
+            .map(|hit| if hit < 50 { (Code::Ok, 49 - hit, 1) } else { (Code::OverLimit, 0, 1) })
+            .collect();
+        assert_eq!(answers, expected);
+        assert_eq!(charged.overall_code(), Code::OverLimit);
+        // Into the next second.
+        std::thread::sleep(Duration::from_millis(1_000 - now_ms() % 1_000 + 50));
+        let next = call(&node, "basic", vec![descriptor(&[("key1", &value)])]).await;
+        assert_eq!((next.overall_code(), next.statuses[0].limit_remaining), (Code::Ok, 49));
+        let mut check = descriptor(&[("key1", &overrun)]);
+        check.hits_addend = Some(0);
+        let checked = call(&node, "basic", vec![check]).await;
+        assert_eq!(
+            (checked.overall_code(), checked.statuses[0].limit_remaining),
+            (Code::Ok, 50),
+            "the overrun spent its own second only"
+        );
+        break;
+    }
+    assert_eq!(fitted, 1, "no sequence fitted in one second in 5 attempts");
+}
+
+/// Upstream's runtime reload: a policy file added to the watched directory takes effect
+/// without a restart (the `reload` domain's 0-per-second `block` rule answers OVER_LIMIT
+/// where its domain was unknown, OK), a changed file takes effect, and a removed one is
+/// gone again.
+#[tokio::test]
+async fn a_policy_file_changed_on_disk_takes_effect() {
+    let (node, directory) = start_node_serving(&[(
+        "basic.yaml",
+        "test/integration/runtime/current/ratelimit/config/basic.yaml",
+    )]);
+    let policies = directory.path().join("policies");
+    let block = || vec![descriptor(&[("block", "foo")])];
+    let unknown = call(&node, "reload", block()).await;
+    assert_eq!(unknown.overall_code(), Code::Ok);
+    assert!(unknown.statuses[0].current_limit.is_none(), "no rule yet");
+
+    let reload = fixture("test/integration/runtime/current/ratelimit/reload.yaml").text;
+    write_file(&policies, "reload.yaml", &reload);
+    let blocked =
+        until_answer(&node, "reload", block, |answer| answer.overall_code() == Code::OverLimit)
+            .await;
+    let limit = blocked.statuses[0].current_limit.as_ref().expect("limit");
+    assert_eq!(
+        (limit.requests_per_unit, limit.unit(), blocked.statuses[0].limit_remaining),
+        (0, Unit::Second, 0)
+    );
+
+    // Changed on disk: the block rule now admits 5 per second.
+    let zero = "key: block\n    rate_limit:\n      unit: second\n      requests_per_unit: 0";
+    assert!(reload.contains(zero), "the fixture's block rule");
+    write_file(&policies, "reload.yaml", &reload.replace(zero, &zero.replace(": 0", ": 5")));
+    let admitted =
+        until_answer(&node, "reload", block, |answer| answer.overall_code() == Code::Ok).await;
+    let limit = admitted.statuses[0].current_limit.as_ref().expect("limit");
+    assert_eq!((limit.requests_per_unit, limit.unit()), (5, Unit::Second));
+
+    // Removed: the domain is unknown again, the other file's rules stay.
+    std::fs::remove_file(policies.join("reload.yaml")).expect("remove");
+    until_answer(&node, "reload", block, |answer| answer.statuses[0].current_limit.is_none()).await;
+    let basic = call(&node, "basic", vec![descriptor(&[("one_per_minute", "reload-test")])]).await;
+    assert_eq!(basic.statuses[0].current_limit.as_ref().expect("limit").requests_per_unit, 1);
+}
+
+/// Asks until `wanted` holds for the answer, for at most 10 s (the watcher folds a burst of
+/// file events into one reload).
+async fn until_answer(
+    node: &NodeProcess,
+    domain: &str,
+    descriptors: impl Fn() -> Vec<
+        quotamesh::api::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor,
+    >,
+    wanted: impl Fn(&RateLimitResponse) -> bool,
+) -> RateLimitResponse {
+    for _ in 0..100 {
+        let response = call(node, domain, descriptors()).await;
+        if wanted(&response) {
+            return response;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{domain} never gave the answer waited for");
 }
 
 /// `share_threshold`: every value under `files/*` shares one counter of 10 per hour (the

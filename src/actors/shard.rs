@@ -30,7 +30,10 @@
 //! ascending order (no deadlock), decides every limit with the pure admission procedure
 //! (`crate::core::admission::judge`), and writes the new states back only if the whole
 //! request is admitted: rejected hits never consume quota, but count as the keys' demand.
-//! A check-only probe is decided like the others and never written back.
+//! The one exception is upstream's counting of hits past the limit: a fixed window that
+//! refuses hits past what it has left is overrun until it ends, spending what it holds and
+//! refusing everything (`crate::core::admission::overrun_until_ms`). A check-only probe is decided like the
+//! others and never written back.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher, RandomState};
@@ -193,6 +196,9 @@ struct Slot {
     rule: u32,
     /// The sweep keeps the key at least until then.
     keep_until_ms: u64,
+    /// A fixed window refused hits past what was left: until its end (0: never) every hit is
+    /// refused and every leased token spent (`admission::overrun_until_ms`).
+    overrun_until_ms: u64,
 }
 
 type Stripe = HashMap<CounterKey, Slot, BuildHasherDefault<FingerprintHasher>>;
@@ -390,6 +396,7 @@ impl ShardActorState {
                 fallback: None,
                 rule: cold.rule,
                 keep_until_ms: now_ms.saturating_add(FRESH_KEY_GRACE_MS),
+                overrun_until_ms: 0,
             };
             self.table.stripes[stripe_index].lock().insert(cold.key, slot);
             self.key_count += 1;
@@ -407,6 +414,11 @@ impl ShardActorState {
             if let Some(slot) = stripe.get_mut(&ask.counter).filter(|slot| slot.epoch == ask.epoch)
             {
                 slot.lease.apply_answer(&ask.tuning, &ask.draft, answer, now_ms);
+                if slot.overrun_until_ms > now_ms {
+                    // What a lease brings to an overrun window is spent: the window's count
+                    // stays at its limit.
+                    admission::spend_what_is_left(&mut slot.lease, now_ms);
+                }
                 if slot.spec.algorithm != Algorithm::TokenBucket {
                     // A window's tokens are spent in that window or not at all (the window
                     // of the answer: the grant came between the send and now).
@@ -810,6 +822,8 @@ impl ShardSet {
         let mut refills: SmallVec<[(usize, usize); 2]> = SmallVec::new();
         let mut outcomes: Vec<ProbeOutcome> = Vec::with_capacity(probes.len());
         let mut judged: SmallVec<[(usize, usize); 4]> = SmallVec::new();
+        // Counters that refused hits a request wanted to consume.
+        let mut refused: SmallVec<[(usize, usize); 2]> = SmallVec::new();
         // States this request would write, in order: a counter met twice in one request
         // (two identical descriptors) is decided against its already-consumed state.
         let mut pending: SmallVec<[(usize, usize, Staged); 4]> = SmallVec::new();
@@ -849,7 +863,16 @@ impl ShardSet {
                     |(_, _, staged)| *staged,
                 );
                 let counter = Self::counter(probe, spec);
-                let judgement = admission::judge(&current, &counter, &region, now_ms, short_keys);
+                let judgement = match admission::overrun_verdict(slot.overrun_until_ms, now_ms) {
+                    Some(verdict) => Judged::Decided {
+                        verdict,
+                        staged: current,
+                        bypass: None,
+                        failed_closed: false,
+                        on_credit: false,
+                    },
+                    None => admission::judge(&current, &counter, &region, now_ms, short_keys),
+                };
                 if !matches!(judgement, Judged::Short) {
                     judged.push((probe_index, counter_index));
                 }
@@ -864,6 +887,9 @@ impl ShardSet {
                         if on_credit {
                             self.metrics.lease_credit_admissions.inc();
                         }
+                        if !verdict.admitted && !probe.check_only {
+                            refused.push((probe_index, counter_index));
+                        }
                         verdicts.push(verdict);
                         staged_here.push((counter_index, staged));
                         if verdict.admitted && bypass.is_none() {
@@ -872,6 +898,9 @@ impl ShardSet {
                         failed_closed |= closed && probe.enforced;
                     }
                     Judged::AtLimit { verdict } => {
+                        if !probe.check_only {
+                            refused.push((probe_index, counter_index));
+                        }
                         verdicts.push(verdict);
                         refills.push((probe_index, counter_index));
                     }
@@ -942,6 +971,20 @@ impl ShardSet {
                 {
                     asks.push((probe.stripe, self.ask(probe, key, slot, draft)));
                 }
+            }
+        }
+        // A fixed window that refused hits past what was left is over its limit until it ends,
+        // as upstream counts them.
+        for (probe_index, counter_index) in refused {
+            let probe = &probes[probe_index];
+            let (key, spec) = probe.counters[counter_index];
+            let stripe = &mut guards[guard_of(probe.stripe)];
+            if let Some(slot) = stripe.get_mut(&key)
+                && let Some(until_ms) =
+                    admission::overrun_until_ms(&slot.lease, spec, probe.hits, now_ms)
+            {
+                slot.overrun_until_ms = until_ms;
+                admission::spend_what_is_left(&mut slot.lease, now_ms);
             }
         }
         // A counter whose state was not written (a rejection consumes nothing) still counts

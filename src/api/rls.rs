@@ -374,7 +374,7 @@ impl RlsService {
                 code: code.into(),
                 current_limit: Some(current_limit(limit)),
                 limit_remaining: u32::try_from(evaluation.remaining).unwrap_or(u32::MAX),
-                duration_until_reset: Some(duration_of_ms(evaluation.reset_ms)),
+                duration_until_reset: Some(whole_seconds_of_ms(evaluation.reset_ms)),
                 quota: None,
             });
         }
@@ -735,9 +735,12 @@ fn current_limit(limit: &RuleLimit) -> RateLimit {
     }
 }
 
-fn duration_of_ms(ms: u64) -> prost_types::Duration {
+/// `duration_until_reset` in whole seconds, rounded up, as envoyproxy/ratelimit answers (a
+/// per-second window says 1 s, not 0 s and some nanoseconds: Envoy's `x-ratelimit-reset`
+/// header shows the seconds).
+fn whole_seconds_of_ms(ms: u64) -> prost_types::Duration {
     prost_types::Duration {
-        seconds: i64::try_from(ms / 1000).unwrap_or(i64::MAX),
-        nanos: i32::try_from((ms % 1000) * 1_000_000).expect("below one second fits i32"),
+        seconds: i64::try_from(ms.div_ceil(1000)).unwrap_or(i64::MAX),
+        nanos: 0,
     }
 }

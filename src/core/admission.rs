@@ -9,7 +9,9 @@
 //! admitted only if every enforced counter admits it, and only then are the staged states
 //! written. A rejected request consumes nothing, but its hits are still demand: the caller
 //! counts them with [`record_rejected`], so a key at its limit reports its offered traffic,
-//! which is what the ledger divides between nodes.
+//! which is what the ledger divides between nodes. The exception is a fixed window refusing
+//! hits that did not fit: it is overrun ([`overrun_until_ms`]) and spends the rest of the
+//! window, as envoyproxy/ratelimit counts hits past the limit.
 //!
 //! The shard actors (`crate::actors::shard`) hold the states under their stripe locks and do
 //! the IO (asking leases, waiting for them); the leasing simulation
@@ -18,7 +20,7 @@
 
 use crate::core::lease::{Credit, KeyLease, LeaseTuning, Spend, fallback_limit, fallback_start};
 use crate::core::policy::FailureMode;
-use crate::core::rate::{LimitSpec, LimitState};
+use crate::core::rate::{Algorithm, LimitSpec, LimitState};
 
 /// What a fail-closed rule tells a client to wait while the ledger is out of reach: the
 /// circuit breaker's probe interval, the soonest the ledger can be back.
@@ -151,7 +153,9 @@ pub fn judge(
 ) -> Judged {
     let Counter { spec, hits, tuning, failure_mode } = *counter;
     let capacity_tokens = spec.capacity_tokens();
-    if hits > capacity_tokens {
+    // A fixed window goes on to lease what is left, so that the refusal can spend it
+    // ([`overrun_until_ms`]); other limits reject at once.
+    if hits > capacity_tokens && !can_overrun(spec) {
         // More than the limit can ever admit at once: no lease would cover it.
         let verdict =
             Verdict { admitted: false, remaining: 0, reset_ms: 0, retry_after_ms: u64::MAX };
@@ -172,7 +176,7 @@ pub fn judge(
         _ => Credit::NONE,
     };
     let mut staged = *current;
-    let ledger_remaining_tokens = staged.lease.ledger_remaining_tokens();
+    let ledger_remaining_tokens = staged.lease.ledger_remaining_tokens_at(spec, now_ms);
     let admitted = |staged: Staged, on_credit: bool| {
         let remaining = staged
             .lease
@@ -209,9 +213,11 @@ pub fn judge(
         // ask for what refills (a fallback here would admit above the limit, a wait would
         // hold requests the ledger cannot pay).
         Spend::Short if staged.lease.at_limit(now_ms) => Judged::AtLimit {
-            verdict: rejected(
-                spec.reset_ms_estimate(capacity_tokens.saturating_sub(hits), now_ms).max(1),
-            ),
+            verdict: rejected(if hits > capacity_tokens {
+                u64::MAX
+            } else {
+                spec.reset_ms_estimate(capacity_tokens - hits, now_ms).max(1)
+            }),
         },
         Spend::Short => match (short_keys, failure_mode) {
             (ShortKeys::Wait, _) => Judged::Short,
@@ -281,6 +287,54 @@ pub fn judge(
     }
 }
 
+/// True for a limit whose refused hits can overrun it ([`overrun_until_ms`]): a fixed window
+/// that admits anything at all.
+pub fn can_overrun(spec: &LimitSpec) -> bool {
+    spec.algorithm == Algorithm::FixedWindow && spec.capacity_tokens() > 0
+}
+
+/// Until when a fixed-window counter is over its limit after refusing `hits` that a request
+/// wanted to consume (the end of its window, node time), or `None` when the refusal changes
+/// nothing.
+///
+/// envoyproxy/ratelimit adds every hit to its window's counter, past the limit too, and a
+/// charge sent at a stream's end (Envoy's `apply_on_stream_done`) cannot be refused anyway:
+/// a caller that overran what was left is over its limit for the rest of the window. A
+/// quotamesh counter never goes past its limit, so it goes to it: hits beyond the whole
+/// limit overrun it whatever is left, and so do hits beyond what the node knows is left (its
+/// balance and the ledger's count at its last answer, less its debt), also when the lease
+/// that would have told more came late and the fallback refused them. A refusal with nothing
+/// left changes nothing (the window is spent already, as far as this node can tell). The
+/// rejected hits are not counted past the limit, so nothing of them reaches the next window,
+/// as upstream's counter starts every window at 0.
+pub fn overrun_until_ms(lease: &KeyLease, spec: &LimitSpec, hits: u64, now_ms: u64) -> Option<u64> {
+    let left_tokens = lease
+        .balance_tokens(now_ms)
+        .saturating_add(lease.ledger_remaining_tokens_at(spec, now_ms))
+        .saturating_sub(lease.debt_tokens());
+    let overran = hits > spec.capacity_tokens() || (left_tokens > 0 && hits > left_tokens);
+    if !can_overrun(spec) || !overran {
+        return None;
+    }
+    let window_ms = spec.window_ms.max(1);
+    Some((now_ms / window_ms).saturating_add(1).saturating_mul(window_ms))
+}
+
+/// The answer to every hit and check of a counter overrun until `until_ms`
+/// ([`overrun_until_ms`]): refused, nothing left, back when the window ends; `None` once it
+/// has ended.
+pub fn overrun_verdict(until_ms: u64, now_ms: u64) -> Option<Verdict> {
+    let wait_ms = until_ms.checked_sub(now_ms).filter(|&wait_ms| wait_ms > 0)?;
+    Some(Verdict { admitted: false, remaining: 0, reset_ms: wait_ms, retry_after_ms: wait_ms })
+}
+
+/// Spends the whole balance of an overrun counter (what it holds now, and what a lease
+/// brings until its window ends): the ledger counts it as spent, so the window's count
+/// reaches the limit. Other nodes' leases stay theirs (the drift bound of DESIGN section 3).
+pub fn spend_what_is_left(lease: &mut KeyLease, now_ms: u64) {
+    lease.pay_beyond_lease(lease.balance_tokens(now_ms));
+}
+
 /// Records a decided counter whose request was rejected: nothing is consumed (its staged
 /// state is dropped), but its hits count as the key's demand.
 pub fn record_rejected(lease: &mut KeyLease, counter: &Counter<'_>, now_ms: u64) {
@@ -290,8 +344,7 @@ pub fn record_rejected(lease: &mut KeyLease, counter: &Counter<'_>, now_ms: u64)
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::lease::{Credit, size_cap_tokens};
-    use crate::core::rate::Algorithm;
+    use crate::core::lease::{Credit, ReportAnswer, size_cap_tokens};
     use proptest::prelude::*;
 
     const REGION: Region = Region { nodes_in_region: 5, fallback_multiplier_permille: 1_000 };
@@ -388,7 +441,157 @@ mod tests {
         );
     }
 
+    fn fixed_window(limit: u64) -> LimitSpec {
+        LimitSpec::new(Algorithm::FixedWindow, limit, 60_000, None).expect("a valid limit")
+    }
+
+    /// A key that leased `granted_tokens` at `now_ms`, the ledger saying it had
+    /// `remaining_tokens` left.
+    fn leased(spec: &LimitSpec, granted_tokens: u64, remaining_tokens: u64, now_ms: u64) -> Staged {
+        let tuning = LeaseTuning::default();
+        let mut staged = fresh(spec);
+        let draft = staged
+            .lease
+            .poll_lease_for(&tuning, now_ms, granted_tokens.max(1))
+            .expect("a fresh key asks");
+        // With nothing granted the ledger says when it will grant again: the window's end.
+        let retry_after_ms =
+            if granted_tokens == 0 { spec.window_ms - now_ms % spec.window_ms } else { 0 };
+        let answer = ReportAnswer::Settled { granted_tokens, retry_after_ms, remaining_tokens };
+        staged.lease.apply_answer(&tuning, &draft, answer, now_ms);
+        staged
+    }
+
+    fn consuming<'c>(spec: &'c LimitSpec, tuning: &'c LeaseTuning, hits: u64) -> Counter<'c> {
+        Counter { spec, hits, tuning, failure_mode: FailureMode::Open }
+    }
+
+    /// Proves that a fixed window's hits beyond its whole limit lease what is left (so that
+    /// their refusal can spend it), while other algorithms refuse them at once.
+    #[test]
+    fn fixed_window_hits_beyond_capacity_lease_what_is_left() {
+        let tuning = LeaseTuning::default();
+        let spec = fixed_window(10);
+        let judged =
+            judge(&fresh(&spec), &consuming(&spec, &tuning, 11), &REGION, 0, ShortKeys::Wait);
+        assert_eq!(judged, Judged::Short);
+        let emptied = leased(&spec, 10, 0, 0);
+        let Judged::AtLimit { verdict } =
+            judge(&emptied, &consuming(&spec, &tuning, 11), &REGION, 0, ShortKeys::Wait)
+        else {
+            panic!("at the limit");
+        };
+        assert_eq!((verdict.admitted, verdict.retry_after_ms), (false, u64::MAX));
+        assert_eq!(overrun_until_ms(&emptied.lease, &spec, 11, 0), Some(60_000));
+        let mut spent = emptied.lease;
+        spend_what_is_left(&mut spent, 0);
+        assert_eq!(
+            (spent.balance_tokens(0), spent.spent_tokens(), spent.debt_tokens()),
+            (0, 10, 0)
+        );
+    }
+
+    /// Proves when a refusal overruns a counter: only on a fixed window, for hits beyond its
+    /// whole limit, or beyond what the node knows is left when something is; and that an
+    /// overrun counter refuses everything until its window ends.
+    #[test]
+    fn an_overrun_needs_a_fixed_window_that_is_spent() {
+        let window = fixed_window(10);
+        let bucket = LimitSpec::new(Algorithm::TokenBucket, 10, 60_000, None).expect("valid");
+        let emptied = leased(&window, 4, 0, 61_000).lease;
+        assert_eq!(overrun_until_ms(&emptied, &window, 5, 61_000), Some(120_000));
+        assert_eq!(overrun_until_ms(&fresh(&window).lease, &window, 11, 0), Some(60_000));
+        // What the node holds and the ledger still has covers the hits: no overrun.
+        assert_eq!(overrun_until_ms(&leased(&window, 4, 6, 0).lease, &window, 5, 0), None);
+        assert_eq!(overrun_until_ms(&leased(&window, 4, 2, 0).lease, &window, 7, 0), Some(60_000));
+        // Nothing held: the window is spent already as far as the node can tell.
+        assert_eq!(overrun_until_ms(&leased(&window, 0, 0, 0).lease, &window, 1, 0), None);
+        assert_eq!(overrun_until_ms(&leased(&bucket, 4, 0, 0).lease, &bucket, 5, 0), None);
+        assert_eq!(overrun_until_ms(&fresh(&bucket).lease, &bucket, 11, 0), None);
+        assert!(!can_overrun(&fixed_window(0)));
+        let refused =
+            Verdict { admitted: false, remaining: 0, reset_ms: 1_000, retry_after_ms: 1_000 };
+        assert_eq!(overrun_verdict(60_000, 59_000), Some(refused));
+        assert_eq!(overrun_verdict(60_000, 60_000), None);
+        assert_eq!(overrun_verdict(0, 5), None);
+    }
+
+    /// Proves that a new window starts full for the fallback too: a lease that came late for
+    /// the first hit of a window does not leave the fallback with the last window's count.
+    #[test]
+    fn the_fallback_starts_a_new_window_full() {
+        let tuning = LeaseTuning::default();
+        let spec = LimitSpec::new(Algorithm::FixedWindow, 50, 1_000, None).expect("valid");
+        let spent = leased(&spec, 0, 0, 500);
+        let late = ShortKeys::Fallback(BypassReason::LedgerTimeout);
+        let counter = consuming(&spec, &tuning, 1);
+        let Judged::Decided { verdict, .. } = judge(&spent, &counter, &REGION, 900, late) else {
+            panic!("decided from the fallback");
+        };
+        assert!(!verdict.admitted, "the ledger's window is spent");
+        let Judged::Decided { verdict, bypass, .. } = judge(&spent, &counter, &REGION, 1_050, late)
+        else {
+            panic!("decided from the fallback");
+        };
+        assert!(verdict.admitted && bypass.is_some(), "a new window: {verdict:?}");
+    }
+
     proptest! {
+        /// Proves upstream's counting of a charge larger than what is left, on a fixed window
+        /// the ledger has emptied into this node's lease, as the shard applies it: the charge
+        /// is refused, overruns the window and spends the whole balance (no token minted or
+        /// lost: spent + balance is what was granted), and every later hit in the window is
+        /// refused.
+        #[test]
+        fn a_refused_fixed_window_charge_overruns_the_window(
+            limit in 1_u64..500,
+            granted_share in 0_u64..=100,
+            spent_share in 0_u64..=100,
+            hits in 1_u64..1_200,
+            later_ms in 0_u64..400,
+        ) {
+            let tuning = LeaseTuning::default();
+            let spec = fixed_window(limit);
+            let granted = limit * granted_share / 100;
+            let mut state = leased(&spec, granted, 0, 1_000);
+            let before = granted * spent_share / 100;
+            if before > 0 {
+                let counter = consuming(&spec, &tuning, before);
+                let Judged::Decided { verdict, staged, .. } =
+                    judge(&state, &counter, &REGION, 1_000, ShortKeys::Wait)
+                else {
+                    panic!("paid from the balance");
+                };
+                prop_assert!(verdict.admitted);
+                state = staged;
+            }
+            prop_assume!(hits > granted - before);
+            let counter = consuming(&spec, &tuning, hits);
+            let verdict = match judge(&state, &counter, &REGION, 1_000, ShortKeys::Wait) {
+                Judged::Decided { verdict, .. } | Judged::AtLimit { verdict } => verdict,
+                Judged::Short => panic!("the ledger said it had nothing left"),
+            };
+            prop_assert!(!verdict.admitted);
+            let until_ms = overrun_until_ms(&state.lease, &spec, hits, 1_000);
+            prop_assert_eq!(until_ms.is_some(), hits > limit || granted > before);
+            let mut lease = state.lease;
+            if let Some(until_ms) = until_ms {
+                prop_assert_eq!(until_ms, 60_000);
+                spend_what_is_left(&mut lease, 1_000);
+            }
+            prop_assert_eq!(lease.balance_tokens(1_000), 0);
+            prop_assert_eq!(lease.spent_tokens(), granted);
+            prop_assert_eq!(lease.debt_tokens(), 0);
+            let later_ms = 1_000 + later_ms;
+            let after = Staged { lease, fallback: None };
+            let next = until_ms.and_then(|until_ms| overrun_verdict(until_ms, later_ms)).map_or_else(
+                || judge(&after, &consuming(&spec, &tuning, 1), &REGION, later_ms, ShortKeys::Wait),
+                |verdict| Judged::AtLimit { verdict },
+            );
+            let admitted = matches!(next, Judged::Decided { verdict, .. } if verdict.admitted);
+            prop_assert!(!admitted, "{:?}", next);
+        }
+
         /// Proves that before any answer from the ledger a node admits at most its credit on
         /// a fail-open key and nothing on a fail-closed one, whatever the hits and times.
         #[test]

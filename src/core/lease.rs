@@ -438,6 +438,25 @@ impl KeyLease {
         self.ledger_remaining_tokens
     }
 
+    /// Whole tokens the ledger's bucket for `spec` holds at `now_ms` as far as this node
+    /// knows: its last answer's count, or all of `spec` once the bucket has refilled since
+    /// (a window that ended), so that a new window does not start from the last one's count.
+    pub fn ledger_remaining_tokens_at(&self, spec: &LimitSpec, now_ms: u64) -> u64 {
+        if self.answered && self.ledger_refilled(spec, now_ms) {
+            spec.capacity_tokens()
+        } else {
+            self.ledger_remaining_tokens
+        }
+    }
+
+    /// Whether the ledger's bucket for `spec` has refilled since its last answer.
+    fn ledger_refilled(&self, spec: &LimitSpec, now_ms: u64) -> bool {
+        let refilled_at_ms = self.answered_at_ms.saturating_add(
+            spec.reset_ms_estimate(self.ledger_remaining_tokens, self.answered_at_ms),
+        );
+        now_ms >= refilled_at_ms
+    }
+
     /// Whether a report is in flight.
     pub fn in_flight(&self) -> bool {
         self.in_flight
@@ -562,15 +581,12 @@ impl KeyLease {
     /// slot made for it anew starts on credit, which is safe only where the bucket is full.
     pub fn is_settled(&self, spec: &LimitSpec, now_ms: u64) -> bool {
         let balance_tokens = self.balance_tokens(now_ms);
-        let refilled_at_ms = self.answered_at_ms.saturating_add(
-            spec.reset_ms_estimate(self.ledger_remaining_tokens, self.answered_at_ms),
-        );
         balance_tokens == 0
             && !self.in_flight
             && self.spent_tokens.saturating_add(balance_tokens) == self.settled_tokens
             && !self.unconfirmed
             && now_ms >= self.retry_at_ms
-            && (!self.answered || now_ms >= refilled_at_ms)
+            && (!self.answered || self.ledger_refilled(spec, now_ms))
     }
 
     /// Applies the ledger's answer to the report `sent`.
