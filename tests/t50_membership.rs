@@ -82,13 +82,19 @@ async fn voters_are(cluster: &Cluster, id: u64, voters: &[u64]) -> Result<()> {
 }
 
 // Proves that `quotamesh cluster add-node` returns only once the newcomer has applied every
-// entry the leader's log held when the change was made, though grants kept streaming in and
-// both cores were busy: right after the command returns, the newcomer's own status shows at
+// entry the leader's log held when the change was made, though it had to install a snapshot
+// first, grants kept streaming in and both cores were busy: right after the command returns, the newcomer's own status shows at
 // least the index the command reports it waited for, which is past every grant acknowledged
 // before the command started.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn add_node_returns_once_the_newcomer_has_applied_the_log() -> Result<()> {
-    let mut cluster = Cluster::start(3, ClusterOptions::default()).await?;
+    // Snapshots every 100 entries: the newcomer catches up from a snapshot, then the log.
+    let options = ClusterOptions {
+        snapshot_every_logs: Some(100),
+        logs_kept_after_snapshot: Some(10),
+        ..ClusterOptions::default()
+    };
+    let mut cluster = Cluster::start(3, options).await?;
     let leader = cluster.leader().await?;
     let mut client = cluster.admin(leader).await?;
     for n in 0..300 {
@@ -142,6 +148,7 @@ async fn add_node_returns_once_the_newcomer_has_applied_the_log() -> Result<()> 
         "add-node returned with the newcomer at {:?}, short of {waited_for}",
         newcomer.applied_index
     );
+    assert!(newcomer.snapshot_index.is_some(), "it caught up from a snapshot: {newcomer:?}");
     assert!(newcomer.members.iter().any(|member| member.node_id == 4 && member.voter));
     Ok(())
 }
