@@ -104,7 +104,8 @@ for n in 1 2 3; do
     | awk '/^quotamesh_rls_decisions_total\{.*domain="soak"/ {sum += $2} END {print sum + 0}')
   failed=$(grep -oE '[0-9]+ failed' "$work/h2load-$n.txt" | head -1 | cut -d' ' -f1)
   echo "node $n: $lines log lines, $errors ERROR, $warnings WARN, $escapes with escape codes; $decisions decisions; h2load failed ${failed:-?}"
-  grep -E ' (ERROR|WARN) ' "$log" | head -10 | cut -c1-300
+  # -m: grep stops by itself (a `head` would end it with SIGPIPE, failing under pipefail).
+  grep -m 10 -E ' (ERROR|WARN) ' "$log" | cut -c1-300 || true
   if [ "$errors" != 0 ] || [ "$escapes" != 0 ] || [ "${failed:-1}" != 0 ]; then status=1; fi
 done
 exit "$status"
