@@ -1,7 +1,8 @@
 #!/bin/sh
 # Makes the CA and node certificates of the example region (cluster/region-a): one CA for
-# cluster "region-a", and a certificate for each of the nodes 1 to 4 (three voters and a
-# gateway's for node 4) naming its Raft node id and valid for its loopback address 127.0.0.N.
+# cluster "region-a", and a certificate for each of the nodes 1 to 5 (three voters, a
+# gateway's for node 4, and node 5's, to grow the region with) naming its Raft node id and
+# valid for its loopback address 127.0.0.N.
 #
 #   cluster/make-certs.sh            # uses `quotamesh` on PATH; QUOTAMESH=path/to/quotamesh
 #
@@ -14,7 +15,7 @@ quotamesh=${QUOTAMESH:-quotamesh}
 certs=$(dirname "$0")/region-a/certs
 
 "$quotamesh" cluster certs init --cluster-id region-a --out "$certs"
-for node in 1 2 3; do
+for node in 1 2 3 5; do
     "$quotamesh" cluster certs issue --ca "$certs" --node-id "$node" --region region-a \
         --san "127.0.0.$node" --san localhost
 done

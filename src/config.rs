@@ -32,7 +32,7 @@
 //!                                  # to new connections
 //!
 //! [admin]                          # who may call the admin API
-//! read_open = false                # true: Status and ReadKeys need no token
+//! read_open = false                # true: Status, ReadKeys and HTTP /config need no token
 //! tls = false                      # true: TLS with [tls]'s certificate; operator certificates
 //!                                  # authenticate as tokens do
 //! [[admin.tokens]]                 # none: every admin call is UNAUTHENTICATED
@@ -378,7 +378,8 @@ impl ClusterTlsConfig {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AdminConfig {
-    /// `Status` and `ReadKeys` without a token (the calls that change nothing).
+    /// `Status` and `ReadKeys` without a token (the calls that change nothing), and the
+    /// policy files on the metrics port's `/config` (`crate::api::http`).
     pub read_open: bool,
     /// Serve the admin API over TLS with the node's `[tls]` certificate; an operator
     /// certificate of the cluster's CA (`quotamesh cluster certs issue-operator`) then

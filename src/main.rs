@@ -24,17 +24,17 @@ fn run() -> anyhow::Result<ExitCode> {
     // Before any TLS object exists: ring is the only rustls provider compiled in.
     quotamesh::api::billing::tls::install_crypto_provider();
     match cli.command {
-        Command::Policy(command) => Ok(quotamesh::cli::policy::run(command)),
+        Command::Policy(arguments) => quotamesh::cli::policy::run(arguments),
         Command::Serve(arguments) => {
             runtime()?.block_on(quotamesh::cli::serve::run(arguments))?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Rls(command) => {
-            runtime()?.block_on(quotamesh::cli::rls::run(command))?;
+        Command::Rls(arguments) => {
+            runtime()?.block_on(quotamesh::cli::rls::run(arguments))?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Cluster(command) => {
-            runtime()?.block_on(quotamesh::cli::cluster::run(command))?;
+        Command::Cluster(arguments) => {
+            runtime()?.block_on(quotamesh::cli::cluster::run(arguments))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Billing(arguments) => runtime()?.block_on(quotamesh::cli::billing::run(arguments)),

@@ -259,11 +259,14 @@ impl Node {
                 metrics: metrics.clone(),
             };
             let (metrics, shutdown) = (metrics.clone(), until_stopped(stopped.clone()));
-            let served = policy.served();
+            let served = crate::api::http::Served {
+                readiness,
+                policy: policy.served(),
+                operators: crate::api::operators::Operators::new(&config.admin),
+            };
             tokio::spawn(async move {
                 if let Err(error) =
-                    crate::api::http::serve(metrics_listener, metrics, readiness, served, shutdown)
-                        .await
+                    crate::api::http::serve(metrics_listener, metrics, served, shutdown).await
                 {
                     tracing::error!(%error, "metrics HTTP server stopped");
                 }

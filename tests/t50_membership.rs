@@ -2,6 +2,7 @@
 //! while the region grows from three voters to five and shrinks back to three, removing two
 //! of the original nodes (the leader among them when it is one of the two), all through
 //! `quotamesh cluster add-node` and `remove-node`, which change both of the region's groups.
+//! And `add-node` itself: it returns only once the newcomer has applied the leader's log.
 
 mod common;
 
@@ -9,13 +10,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use common::CpuHog;
 use common::billing::{
     ADMIN_TOKEN as BILLING_TOKEN, BillingCluster, Rng, balance, completion, connect, full_trail,
     open_account, with_token,
 };
 use common::billing_checker::{Attempt, Completion, check_bank, check_exactly_once};
 use common::cluster::{
-    Cluster, ClusterOptions, Outcome, admin_client, call, check_grants, cli, stream_grants,
+    Cluster, ClusterOptions, Outcome, admin_client, call, check_grants, cli, stream_grants, wanted,
 };
 use quotamesh::api::proto::quotamesh::admin::v1 as admin;
 use quotamesh::api::proto::quotamesh::billing::v1 as pb;
@@ -77,6 +79,78 @@ async fn voters_are(cluster: &Cluster, id: u64, voters: &[u64]) -> Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+// Proves that `quotamesh cluster add-node` returns only once the newcomer has applied every
+// entry the leader's log held when the change was made, though it had to install a snapshot
+// first, grants kept streaming in and both cores were busy: right after the command returns, the newcomer's own status shows at
+// least the index the command reports it waited for, which is past every grant acknowledged
+// before the command started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn add_node_returns_once_the_newcomer_has_applied_the_log() -> Result<()> {
+    // Snapshots every 100 entries: the newcomer catches up from a snapshot, then the log.
+    let options = ClusterOptions {
+        snapshot_every_logs: Some(100),
+        logs_kept_after_snapshot: Some(10),
+        ..ClusterOptions::default()
+    };
+    let mut cluster = Cluster::start(3, options).await?;
+    let leader = cluster.leader().await?;
+    let mut client = cluster.admin(leader).await?;
+    for n in 0..300 {
+        let request = admin::AcquireLeasesRequest {
+            leases: vec![wanted("api_key", &format!("t50-catch-up-{n}"), 1)],
+            lease_ttl_ms: 0,
+        };
+        client.acquire_leases(call(request)).await?;
+    }
+    let _hog = CpuHog::start(2);
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let stream = tokio::spawn(stream_grants(
+        3,
+        cluster.nodes[&3].admin_addr,
+        "t50-add-node".to_owned(),
+        1,
+        stopped,
+    ));
+    let raft_addr = cluster.start_newcomer(4)?.raft_addr.to_string();
+    let before = cluster.status(leader).await?.commit_index.context("a committed index")?;
+    let started = Instant::now();
+    let output = cli(&[
+        "cluster",
+        "add-node",
+        "--json",
+        "--admin-addr",
+        &cluster.admin_addrs(&[1, 2, 3, 4]),
+        "--node-id",
+        "4",
+        "--raft-addr",
+        &raft_addr,
+        "--group",
+        "quota",
+    ])?;
+    let took = started.elapsed();
+    let newcomer = cluster.status(4).await?;
+    let _ = stop.send(true);
+    stream.await?;
+    let reply: serde_json::Value = serde_json::from_str(&output)?;
+    let waited_for = reply["groups"]["quota"]["caught_up_index"]
+        .as_u64()
+        .with_context(|| format!("add-node reported no index: {reply}"))?;
+    eprintln!(
+        "add-node took {took:?}; committed before it {before}, waited for {waited_for}, \
+         newcomer applied {:?}",
+        newcomer.applied_index
+    );
+    assert!(waited_for > before, "the change itself is in the log after {before}");
+    assert!(
+        newcomer.applied_index.is_some_and(|applied| applied >= waited_for),
+        "add-node returned with the newcomer at {:?}, short of {waited_for}",
+        newcomer.applied_index
+    );
+    assert!(newcomer.snapshot_index.is_some(), "it caught up from a snapshot: {newcomer:?}");
+    assert!(newcomer.members.iter().any(|member| member.node_id == 4 && member.voter));
+    Ok(())
 }
 
 // Proves that the quota group's membership can go 3 -> 5 -> 3 while grants flow (this

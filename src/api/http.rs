@@ -5,6 +5,11 @@
 //! `crate::raft_health`). A refusal names its reason. `/config` (also `/rlconfig`, as
 //! envoyproxy/ratelimit names it) shows the policy the node serves: its digest and files,
 //! as text, or JSON with `?format=json` (what `quotamesh policy get` reads).
+//!
+//! The port has no TLS and is open to Prometheus and probes, but the policy files are the
+//! operators' business: `/config` asks for an operator token (`Authorization: Bearer`) as the
+//! admin API's reads do (`crate::api::operators`), and is open only where those are
+//! (`admin.read_open`). Without one it answers 401 saying what to send.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -13,11 +18,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use arc_swap::ArcSwap;
 use axum::Router;
 use axum::extract::State;
-use axum::http::{StatusCode, Uri, header};
+use axum::http::{HeaderMap, StatusCode, Uri, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use tokio::net::TcpListener;
 
+use crate::api::operators::{Access, Operators};
 use crate::core::readiness::{NotReady, judge};
 use crate::metrics::Metrics;
 use crate::policy_store::ServedPolicy;
@@ -50,6 +56,17 @@ struct Endpoints {
     metrics: Metrics,
     readiness: Readiness,
     policy: Arc<ArcSwap<ServedPolicy>>,
+    operators: Arc<Operators>,
+}
+
+/// What the HTTP endpoints serve, besides the metrics.
+pub struct Served {
+    /// What `/readyz` judges.
+    pub readiness: Readiness,
+    /// The policy `/config` shows.
+    pub policy: Arc<ArcSwap<ServedPolicy>>,
+    /// Who may read `/config`: the admin API's operators.
+    pub operators: Operators,
 }
 
 /// Serves the endpoints on `listener` until `shutdown` resolves.
@@ -59,17 +76,18 @@ struct Endpoints {
 pub async fn serve(
     listener: TcpListener,
     metrics: Metrics,
-    readiness: Readiness,
-    policy: Arc<ArcSwap<ServedPolicy>>,
+    served: Served,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let Served { readiness, policy, operators } = served;
+    let operators = Arc::new(operators);
     let app = Router::new()
         .route("/metrics", get(metrics_text))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readiness_text))
         .route("/config", get(config_text))
         .route("/rlconfig", get(config_text))
-        .with_state(Endpoints { metrics, readiness, policy });
+        .with_state(Endpoints { metrics, readiness, policy, operators });
     axum::serve(listener, app).with_graceful_shutdown(shutdown).await
 }
 
@@ -87,7 +105,38 @@ async fn readiness_text(State(endpoints): State<Endpoints>) -> impl IntoResponse
     }
 }
 
-async fn config_text(State(endpoints): State<Endpoints>, uri: Uri) -> impl IntoResponse {
+/// The answer to a `/config` request without a valid operator token.
+fn unauthenticated(headers: HeaderMap, operators: &Operators) -> Option<axum::response::Response> {
+    let metadata = tonic::metadata::MetadataMap::from_headers(headers);
+    let error = operators.authorize(&metadata, None, Access::Read).err()?;
+    tracing::warn!(%error, "policy read on the metrics port refused");
+    let body = format!(
+        "unauthenticated: {error}. /config shows the node's policy files, so it needs an \
+         operator token as the admin API's reads do: send `Authorization: Bearer <token>` with \
+         a token of [[admin.tokens]] (`quotamesh policy get` sends QUOTAMESH_ADMIN_TOKEN), or \
+         set admin.read_open = true\n"
+    );
+    Some(
+        (
+            StatusCode::UNAUTHORIZED,
+            [
+                (header::WWW_AUTHENTICATE, "Bearer"),
+                (header::CONTENT_TYPE, "text/plain; charset=utf-8"),
+            ],
+            body,
+        )
+            .into_response(),
+    )
+}
+
+async fn config_text(
+    State(endpoints): State<Endpoints>,
+    uri: Uri,
+    headers: HeaderMap,
+) -> axum::response::Response {
+    if let Some(refusal) = unauthenticated(headers, &endpoints.operators) {
+        return refusal;
+    }
     let policy = endpoints.policy.load();
     let digest = format!("{:016x}", policy.digest);
     let active_since = crate::core::rfc3339::format_epoch_ms(policy.active_since_ms);
@@ -104,7 +153,7 @@ async fn config_text(State(endpoints): State<Endpoints>, uri: Uri) -> impl IntoR
             "active_since_ms": policy.active_since_ms,
             "files": files,
         });
-        return ([(header::CONTENT_TYPE, "application/json")], format!("{body}\n"));
+        return ([(header::CONTENT_TYPE, "application/json")], format!("{body}\n")).into_response();
     }
     let mut text = format!(
         "# policy digest {digest}, {} rule(s), {} file(s), active since {active_since}\n",
@@ -117,7 +166,7 @@ async fn config_text(State(endpoints): State<Endpoints>, uri: Uri) -> impl IntoR
             text.push('\n');
         }
     }
-    ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text)
+    ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response()
 }
 
 /// Binds the HTTP listener.

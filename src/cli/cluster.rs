@@ -14,7 +14,8 @@
 //! `--admin-addr` every node of the region (comma-separated or repeated) and the command
 //! finds each group's leader by asking each node for its status; with one address, that node
 //! must lead. Running a change again after a lost answer finishes it or changes nothing.
-//! Output is readable text, or one JSON document with `--json`.
+//! Output is readable text, or one JSON document with `--json`. The connection and output
+//! options ([`Target`]) may come before or after the subcommand.
 
 use std::time::Duration;
 
@@ -30,30 +31,50 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// How often `init` looks for an elected leader.
 const LEADER_POLL: Duration = Duration::from_millis(100);
 
-/// Where to reach the region and how long to wait.
+/// `--timeout-ms` when none is given, in milliseconds.
+const TIMEOUT_MS_DEFAULT: &str = "30000";
+
+/// `quotamesh cluster`: the options every subcommand shares, then the subcommand.
+#[derive(Debug, Args)]
+pub struct ClusterArgs {
+    /// Where to reach the region, how long to wait, how to print.
+    #[command(flatten)]
+    pub target: Target,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: ClusterCommand,
+}
+
+/// Where to reach the region and how long to wait: accepted before or after the subcommand
+/// (`global`).
 #[derive(Debug, Args)]
 pub struct Target {
     /// Admin gRPC address of a node, `host:port` or `http://host:port`; comma-separated or
     /// repeated to give every node of the region.
-    #[arg(long = "admin-addr", value_delimiter = ',', default_value = "127.0.0.1:8083")]
+    #[arg(
+        long = "admin-addr",
+        global = true,
+        value_delimiter = ',',
+        default_value = "127.0.0.1:8083"
+    )]
     pub admin_addrs: Vec<String>,
-    /// Deadline of each call, in milliseconds.
-    #[arg(long, default_value_t = 30_000)]
+    /// Deadline of each call, in milliseconds (each command's help says what it covers).
+    #[arg(long, global = true, default_value = TIMEOUT_MS_DEFAULT)]
     pub timeout_ms: u64,
     /// Print JSON instead of text.
-    #[arg(long)]
+    #[arg(long, global = true)]
     pub json: bool,
     /// A file holding the operator token (else `QUOTAMESH_ADMIN_TOKEN`).
-    #[arg(long)]
+    #[arg(long, global = true)]
     pub admin_token_file: Option<std::path::PathBuf>,
     /// The cluster's CA certificate: talk TLS to an admin port served with `admin.tls`.
-    #[arg(long)]
+    #[arg(long, global = true)]
     pub ca_cert: Option<std::path::PathBuf>,
     /// An operator certificate (`quotamesh cluster certs issue-operator`), instead of a token.
-    #[arg(long, requires = "client_key")]
+    #[arg(long, global = true, requires = "client_key")]
     pub client_cert: Option<std::path::PathBuf>,
     /// The operator certificate's key.
-    #[arg(long, requires = "client_cert")]
+    #[arg(long, global = true, requires = "client_cert")]
     pub client_key: Option<std::path::PathBuf>,
     /// The token, once read.
     #[arg(skip)]
@@ -66,14 +87,7 @@ pub const ADMIN_TOKEN_VARIABLE: &str = "QUOTAMESH_ADMIN_TOKEN";
 impl Target {
     /// Reads the operator token from `--admin-token-file` or `QUOTAMESH_ADMIN_TOKEN`.
     fn read_token(&mut self) -> anyhow::Result<()> {
-        let token = match &self.admin_token_file {
-            Some(path) => Some(
-                std::fs::read_to_string(path)
-                    .with_context(|| format!("read the admin token from {}", path.display()))?,
-            ),
-            None => std::env::var(ADMIN_TOKEN_VARIABLE).ok(),
-        };
-        self.token = match token.as_deref().map(str::trim).filter(|token| !token.is_empty()) {
+        self.token = match operator_token(self.admin_token_file.as_deref())? {
             None => None,
             Some(token) => {
                 let mut value: tonic::metadata::MetadataValue<tonic::metadata::Ascii> =
@@ -86,6 +100,35 @@ impl Target {
         };
         Ok(())
     }
+}
+
+/// The operator token of the file given (`--admin-token-file`), else of
+/// `QUOTAMESH_ADMIN_TOKEN`, trimmed; `None` when neither holds one.
+///
+/// # Errors
+/// A token file that cannot be read.
+pub fn operator_token(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
+    let token = match file {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("read the admin token from {}", path.display()))?,
+        ),
+        None => std::env::var(ADMIN_TOKEN_VARIABLE).ok(),
+    };
+    Ok(token.as_deref().map(str::trim).filter(|token| !token.is_empty()).map(str::to_owned))
+}
+
+/// `--timeout-ms` as one subcommand shows it: [`Target::timeout_ms`] with that command's own
+/// help. A subcommand's argument of a global option's id hides the group's copy, and clap
+/// hands the value given on either side of the subcommand to both, so `Target` reads it
+/// wherever it was written.
+fn timeout_arg(help: &'static str) -> clap::Arg {
+    clap::Arg::new("timeout_ms")
+        .long("timeout-ms")
+        .value_name("TIMEOUT_MS")
+        .help(help)
+        .value_parser(clap::value_parser!(u64))
+        .default_value(TIMEOUT_MS_DEFAULT)
 }
 
 /// The groups a membership command changes.
@@ -122,23 +165,19 @@ fn group_name(group: proto::Group) -> &'static str {
 pub enum ClusterCommand {
     /// Form the quota group from the node's configured `[[peers]]` (once, on one of them),
     /// then wait until a leader is elected.
-    #[command(mut_arg("timeout_ms", |arg| arg.help(
+    #[command(arg(timeout_arg(
         "How long forming the group and electing its leader may take, in milliseconds"
     )))]
-    Init {
-        #[command(flatten)]
-        target: Target,
-    },
+    Init,
     /// Add a node to the region's groups: as a learner, wait until it caught up, then make it
-    /// a voter; the quota group, then the billing group. Waits until the node holds every
-    /// quota entry the leader had when it became a voter.
-    #[command(mut_arg("timeout_ms", |arg| arg.help(
+    /// a voter; the quota group, then the billing group. Returns once the node has applied
+    /// every quota entry the leader had when it became a voter (watched on the node itself
+    /// when its admin address is among `--admin-addr`, else it holds them, as the leader sees).
+    #[command(arg(timeout_arg(
         "How long adding the node may take, in milliseconds, including the waits until it has \
          caught up with the leader's log"
     )))]
     AddNode {
-        #[command(flatten)]
-        target: Target,
         /// The new node's `raft_node_id`.
         #[arg(long)]
         node_id: u64,
@@ -155,12 +194,8 @@ pub enum ClusterCommand {
     },
     /// Remove a node from the voters and the members of the region's groups. A group's last
     /// voter is refused.
-    #[command(mut_arg("timeout_ms", |arg| arg.help(
-        "How long the membership change may take, in milliseconds"
-    )))]
+    #[command(arg(timeout_arg("How long the membership change may take, in milliseconds")))]
     RemoveNode {
-        #[command(flatten)]
-        target: Target,
         /// The node's `raft_node_id`.
         #[arg(long)]
         node_id: u64,
@@ -171,23 +206,14 @@ pub enum ClusterCommand {
     },
     /// Show each node's view: role, leader, term, commit and applied index, members, lag per
     /// follower, ledger digest (a gateway: the leader it last reached and its voters).
-    #[command(mut_arg("timeout_ms", |arg| arg.help(
-        "How long each node may take to answer, in milliseconds"
-    )))]
-    Status {
-        #[command(flatten)]
-        target: Target,
-    },
+    #[command(arg(timeout_arg("How long each node may take to answer, in milliseconds")))]
+    Status,
     /// Make the cluster's CA and node certificates (mTLS between nodes).
     #[command(subcommand)]
     Certs(crate::cli::certs::CertsCommand),
     /// Ask for leases on one descriptor (held by the node asked), e.g. to check a rule.
-    #[command(mut_arg("timeout_ms", |arg| arg.help(
-        "How long the lease request may take, in milliseconds"
-    )))]
+    #[command(arg(timeout_arg("How long the lease request may take, in milliseconds")))]
     AcquireLeases {
-        #[command(flatten)]
-        target: Target,
         /// The descriptor's domain.
         #[arg(long)]
         domain: String,
@@ -207,19 +233,15 @@ pub enum ClusterCommand {
 ///
 /// # Errors
 /// When no node can be reached in time, or the node refuses the call (the message says why).
-pub async fn run(mut command: ClusterCommand) -> anyhow::Result<()> {
-    match &mut command {
-        ClusterCommand::Init { target }
-        | ClusterCommand::AddNode { target, .. }
-        | ClusterCommand::RemoveNode { target, .. }
-        | ClusterCommand::Status { target }
-        | ClusterCommand::AcquireLeases { target, .. } => target.read_token()?,
-        ClusterCommand::Certs(_) => {}
+pub async fn run(arguments: ClusterArgs) -> anyhow::Result<()> {
+    let ClusterArgs { mut target, command } = arguments;
+    if !matches!(command, ClusterCommand::Certs(_)) {
+        target.read_token()?;
     }
     match command {
         ClusterCommand::Certs(command) => crate::cli::certs::run(command),
-        ClusterCommand::Init { target } => init(&target).await,
-        ClusterCommand::AddNode { target, node_id, raft_addr, learner_only, group } => {
+        ClusterCommand::Init => init(&target).await,
+        ClusterCommand::AddNode { node_id, raft_addr, learner_only, group } => {
             let started = tokio::time::Instant::now();
             let mut changed = Vec::new();
             for &group in group.groups() {
@@ -242,36 +264,38 @@ pub async fn run(mut command: ClusterCommand) -> anyhow::Result<()> {
                     .await
                     .map_err(|status| group_error(group, status))?
                     .into_inner();
-                if group == proto::Group::Quota {
-                    wait_caught_up(&mut client, &target, node_id, started).await?;
-                }
-                changed.push((group, Some(reply)));
+                let caught_up = if group == proto::Group::Quota {
+                    wait_caught_up(&mut client, &target, node_id, started).await?
+                } else {
+                    None
+                };
+                changed.push((group, Some(reply), caught_up));
             }
             print_members(&target, "node added", &changed)
         }
-        ClusterCommand::RemoveNode { target, node_id, group: choice } => {
+        ClusterCommand::RemoveNode { node_id, group: choice } => {
             let mut changed = Vec::new();
             for &group in choice.groups() {
                 let mut client = leader(&target, group).await?;
                 let request = proto::RemoveNodeRequest { node_id, group: group as i32 };
                 match client.remove_node(with_deadline(request, &target)).await {
-                    Ok(reply) => changed.push((group, Some(reply.into_inner()))),
+                    Ok(reply) => changed.push((group, Some(reply.into_inner()), None)),
                     // An earlier run removed it from this group already.
                     Err(status)
                         if choice == GroupChoice::All && status.code() == tonic::Code::NotFound =>
                     {
-                        changed.push((group, None));
+                        changed.push((group, None, None));
                     }
                     Err(status) => return Err(group_error(group, status)),
                 }
             }
-            if changed.iter().all(|(_, reply)| reply.is_none()) {
+            if changed.iter().all(|(_, reply, _)| reply.is_none()) {
                 bail!("NotFound: node {node_id} is a member of neither group");
             }
             print_members(&target, "node removed", &changed)
         }
-        ClusterCommand::Status { target } => status(&target).await,
-        ClusterCommand::AcquireLeases { target, domain, entries, tokens, lease_ttl_ms } => {
+        ClusterCommand::Status => status(&target).await,
+        ClusterCommand::AcquireLeases { domain, entries, tokens, lease_ttl_ms } => {
             let entries = entries
                 .iter()
                 .map(|entry| {
@@ -343,36 +367,56 @@ fn describe_lease(result: &proto::LeaseResult) -> String {
     )
 }
 
-/// After `add-node`: waits until the new node holds every entry the leader's log had when
-/// the change returned, within what is left of `--timeout-ms`. The change itself waits for
-/// the learner to catch up before promoting it, but writes go on meanwhile.
+/// After `add-node`: waits until the new node has applied every entry the leader's log had
+/// when the change returned, within what is left of `--timeout-ms`. The change itself waits
+/// for the learner to catch up before promoting it, but writes go on meanwhile. Only the
+/// node knows what it has applied, so when its admin address is among `--admin-addr` its own
+/// status is watched; otherwise the leader's view, the entries it holds, has to do (it
+/// applies them once the next heartbeat tells it they are committed). Returns the index
+/// waited for.
 async fn wait_caught_up(
     client: &mut AdminClient<Channel>,
     target: &Target,
     node_id: u64,
     started: tokio::time::Instant,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Option<u64>> {
     let deadline = started + Duration::from_millis(target.timeout_ms);
     let wanted = node_status(client, target).await?.last_log_index;
+    let mut newcomer = node_client(target, node_id).await;
     loop {
-        let status = node_status(client, target).await?;
-        let follower = status.followers.iter().find(|lag| lag.node_id == node_id);
-        let matched = follower.and_then(|lag| lag.matched_index);
-        if matched >= wanted {
-            return Ok(());
+        let (reached, what) = match &mut newcomer {
+            Some(newcomer) => (node_status(newcomer, target).await?.applied_index, "applied"),
+            None => {
+                let status = node_status(client, target).await?;
+                let follower = status.followers.iter().find(|lag| lag.node_id == node_id);
+                (follower.and_then(|lag| lag.matched_index), "holds")
+            }
+        };
+        if reached >= wanted {
+            return Ok(wanted);
         }
         if tokio::time::Instant::now() >= deadline {
             bail!(
-                "node {node_id} was added but has not caught up within {} ms: it holds entries \
-                 up to {}, the leader had {} ({} behind now); see `quotamesh cluster status`",
+                "node {node_id} was added but has not caught up within {} ms: it {what} entries \
+                 up to {}, the leader had {}; see `quotamesh cluster status`",
                 target.timeout_ms,
-                index(matched),
+                index(reached),
                 index(wanted),
-                follower.map_or(0, |lag| lag.lag_entries)
             );
         }
         tokio::time::sleep(LEADER_POLL).await;
     }
+}
+
+/// The client of the node `node_id` among `--admin-addr`, if one of them answers as it.
+async fn node_client(target: &Target, node_id: u64) -> Option<AdminClient<Channel>> {
+    for address in &target.admin_addrs {
+        let Ok(mut client) = connect(address, target).await else { continue };
+        if node_status(&mut client, target).await.is_ok_and(|status| status.node_id == node_id) {
+            return Some(client);
+        }
+    }
+    None
 }
 
 /// One node's status through `client`.
@@ -740,26 +784,33 @@ fn print_member_lines(members: &[proto::Member]) {
     }
 }
 
-fn print_members(
-    target: &Target,
-    what: &str,
-    changed: &[(proto::Group, Option<proto::MembershipReply>)],
-) -> anyhow::Result<()> {
+/// A membership change's result in one group: the members after it (`None`: the node had
+/// left the group before), and for an added node the log index it caught up to.
+type Changed = (proto::Group, Option<proto::MembershipReply>, Option<u64>);
+
+fn print_members(target: &Target, what: &str, changed: &[Changed]) -> anyhow::Result<()> {
     if target.json {
         let groups: serde_json::Map<String, serde_json::Value> = changed
             .iter()
-            .map(|(group, reply)| {
+            .map(|(group, reply, caught_up)| {
                 let members = reply.as_ref().map(|reply| members_json(&reply.members));
-                (group_name(*group).to_owned(), serde_json::json!({ "members": members }))
+                let mut view = serde_json::json!({ "members": members });
+                if let Some(index) = caught_up {
+                    view["caught_up_index"] = (*index).into();
+                }
+                (group_name(*group).to_owned(), view)
             })
             .collect();
         println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "groups": groups }))?);
     } else {
-        for (group, reply) in changed {
+        for (group, reply, caught_up) in changed {
             match reply {
                 Some(reply) => {
                     println!("{} group: {what}; members now:", group_name(*group));
                     print_member_lines(&reply.members);
+                    if let Some(index) = caught_up {
+                        println!("  caught up to log index {index}");
+                    }
                 }
                 None => println!("{} group: not a member (removed before)", group_name(*group)),
             }

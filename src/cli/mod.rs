@@ -54,15 +54,12 @@ pub enum LogFormat {
 pub enum Command {
     /// Run a node (with no configuration: the embedded single-node default).
     Serve(serve::ServeArgs),
-    /// Work with policy files.
-    #[command(subcommand)]
-    Policy(policy::PolicyCommand),
+    /// Work with policy files; show the policy a node serves.
+    Policy(policy::PolicyArgs),
     /// Talk to a node's Envoy RLS endpoint.
-    #[command(subcommand)]
-    Rls(rls::RlsCommand),
+    Rls(rls::RlsArgs),
     /// Form and change the region's quota group, show its status (admin gRPC client).
-    #[command(subcommand)]
-    Cluster(cluster::ClusterCommand),
+    Cluster(cluster::ClusterArgs),
     /// Talk to a node's billing-debit API (operations, balances, audit, verify).
     Billing(billing::BillingArgs),
     /// Ask a node's `/readyz` (or another URL) and exit 0 when it answers 200: a container

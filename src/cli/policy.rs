@@ -1,13 +1,26 @@
-//! `quotamesh policy`: offline work on policy files.
+//! `quotamesh policy`: offline work on policy files (`validate`), and the policy a running
+//! node serves (`get`, from its HTTP `/config`, with an operator token).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::Subcommand;
+use clap::{Args, Subcommand};
 
 use crate::core::policy::{LoadOptions, PolicyErrors, PolicySet};
 use crate::core::rate::Algorithm;
 use crate::policy_store::{PolicyLoadError, PolicyOrigin};
+
+/// Options of `quotamesh policy`, accepted before or after the subcommand (`global`).
+#[derive(Debug, Args)]
+pub struct PolicyArgs {
+    /// Print one JSON object on stdout: `validate`'s verdict (`ok`, and `files`, `rules`,
+    /// `digest` or `errors`), or the node's policy (digest, rules, files) for `get`.
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: PolicyCommand,
+}
 
 /// Policy subcommands.
 #[derive(Debug, Subcommand)]
@@ -25,11 +38,9 @@ pub enum PolicyCommand {
         /// (the digest printed depends on it).
         #[arg(long, value_parser = crate::cli::serve::parse_algorithm)]
         default_algorithm: Option<Algorithm>,
-        /// Print one JSON object on stdout (`ok`, and `files`, `rules`, `digest` or `errors`).
-        #[arg(long)]
-        json: bool,
     },
-    /// Show the policy a running node serves: its digest and files (its HTTP `/config`).
+    /// Show the policy a running node serves: its digest and files (its HTTP `/config`, which
+    /// needs an operator token, as the admin API's reads do, unless `admin.read_open`).
     Get {
         /// The node's metrics address (`--metrics-addr`).
         #[arg(long, default_value = "http://127.0.0.1:6070")]
@@ -37,30 +48,38 @@ pub enum PolicyCommand {
         /// How long connecting and reading may take, in milliseconds.
         #[arg(long, default_value_t = 5000)]
         timeout_ms: u64,
-        /// Print the node's JSON (digest, rules, files) instead of the files.
+        /// A file holding the operator token (else `QUOTAMESH_ADMIN_TOKEN`).
         #[arg(long)]
-        json: bool,
+        admin_token_file: Option<PathBuf>,
     },
 }
 
-/// Runs a policy subcommand; the exit code is non-zero when a policy is invalid.
-pub fn run(command: PolicyCommand) -> ExitCode {
-    match command {
-        PolicyCommand::Validate { paths, merge_domains, default_algorithm, json } => {
+/// Runs a policy subcommand; the exit code is non-zero when a policy is invalid, or when the
+/// node does not show its policy.
+///
+/// # Errors
+/// An operator token file that cannot be read.
+pub fn run(arguments: PolicyArgs) -> anyhow::Result<ExitCode> {
+    let json = arguments.json;
+    match arguments.command {
+        PolicyCommand::Validate { paths, merge_domains, default_algorithm } => {
             let options = LoadOptions {
                 merge_domains,
                 default_algorithm: default_algorithm.unwrap_or_default(),
             };
-            validate(&paths, options, json)
+            Ok(validate(&paths, options, json))
         }
-        PolicyCommand::Get { url, timeout_ms, json } => get(&url, timeout_ms, json),
+        PolicyCommand::Get { url, timeout_ms, admin_token_file } => {
+            let token = crate::cli::cluster::operator_token(admin_token_file.as_deref())?;
+            let url = format!(
+                "{}/config{}",
+                url.trim_end_matches('/'),
+                if json { "?format=json" } else { "" }
+            );
+            let timeout = std::time::Duration::from_millis(timeout_ms);
+            Ok(super::http_get::print_answer(&url, token.as_deref(), timeout))
+        }
     }
-}
-
-fn get(url: &str, timeout_ms: u64, json: bool) -> ExitCode {
-    let url =
-        format!("{}/config{}", url.trim_end_matches('/'), if json { "?format=json" } else { "" });
-    super::http_get::print_answer(&url, std::time::Duration::from_millis(timeout_ms))
 }
 
 fn validate(paths: &[PathBuf], options: LoadOptions, json: bool) -> ExitCode {

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::Subcommand;
+use clap::{Args, Subcommand};
 
 use crate::api::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use crate::api::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
@@ -16,14 +16,25 @@ use crate::api::proto::envoy::service::ratelimit::v3::rate_limit_service_client:
 /// How long `ask` waits for the connection and for the answer.
 pub const ASK_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Options of `quotamesh rls`, accepted before or after the subcommand (`global`).
+#[derive(Debug, Args)]
+pub struct RlsArgs {
+    /// The node's RLS address.
+    #[arg(long, global = true, default_value = "http://127.0.0.1:8081")]
+    pub addr: String,
+    /// Print JSON instead of lines.
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: RlsCommand,
+}
+
 /// RLS client subcommands.
 #[derive(Debug, Subcommand)]
 pub enum RlsCommand {
     /// Ask a node whether one descriptor is rate limited (this consumes a hit).
     Ask {
-        /// The node's RLS address.
-        #[arg(long, default_value = "http://127.0.0.1:8081")]
-        addr: String,
         /// The request's domain.
         #[arg(long)]
         domain: String,
@@ -33,9 +44,6 @@ pub enum RlsCommand {
         /// Hits this request adds (0 means 1).
         #[arg(long, default_value_t = 0)]
         hits: u32,
-        /// Print JSON instead of lines.
-        #[arg(long)]
-        json: bool,
     },
 }
 
@@ -43,8 +51,8 @@ pub enum RlsCommand {
 ///
 /// # Errors
 /// When an entry is malformed, the node cannot be reached in time, or it answers an error.
-pub async fn run(command: RlsCommand) -> anyhow::Result<()> {
-    let RlsCommand::Ask { addr, domain, entries, hits, json } = command;
+pub async fn run(arguments: RlsArgs) -> anyhow::Result<()> {
+    let RlsArgs { addr, json, command: RlsCommand::Ask { domain, entries, hits } } = arguments;
     let entries = entries
         .iter()
         .map(|entry| {
