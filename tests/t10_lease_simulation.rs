@@ -296,7 +296,6 @@ impl World {
                             granted_tokens: settlement.grant.granted_tokens,
                             retry_after_ms: settlement.grant.retry_after_ms,
                             remaining_tokens: settlement.grant.remaining_tokens,
-                            contended: settlement.contended,
                         }
                     }
                     ReportOutcome::Stale => {}
@@ -755,25 +754,5 @@ fn the_enterprise_tier_at_twice_its_rate_is_shared_fairly() {
             &at_limit(world, seed, 70_000, 90_000),
             rate,
         );
-    }
-}
-
-/// Proves that a key hit from two of five nodes at twice its limit costs each at most 4
-/// ledger writes per second: each node's share (a lookahead of it is above the small-key
-/// cap of `capacity / (2 x 5)`) comes in one grant per lookahead, not at every watermark of
-/// a capped lease.
-#[test]
-fn two_of_five_nodes_at_twice_the_limit_write_once_per_lookahead() {
-    for seed in 0..4 {
-        let limit = LimitSpec::new(Algorithm::TokenBucket, 1_000, 1_000, Some(1_000))
-            .expect("a valid limit");
-        let mut world = World::contended(seed, 5, limit, 1_000, 30, &[]);
-        for node in &mut world.nodes[2..] {
-            node.offered_per_million = 0;
-        }
-        let mut measured = at_limit(world, seed, 3_000, 13_000);
-        measured.shares.truncate(2);
-        measured.writes_per_second.truncate(2);
-        assert_fair_and_cheap("two of five at 2x", &measured, 1_000.0);
     }
 }

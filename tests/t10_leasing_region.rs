@@ -61,8 +61,8 @@ const STEADY_RUN: Duration = Duration::from_secs(8);
 /// At most one ledger call per this many decisions on a steady key.
 const DECISIONS_PER_CALL_MIN: u64 = 50;
 
-/// Offered load per sender on the moving key: two senders offer twice its limit.
-const MOVING_PER_SECOND_PER_NODE: u32 = 1_000;
+/// Offered load per sender on the moving key: three senders offer twice its limit.
+const MOVING_PER_SECOND_PER_NODE: u32 = 667;
 /// How long each of the moving key's phases is measured, after [`SETTLE`].
 const MOVING_PHASE: Duration = Duration::from_secs(6);
 /// libfaketime's offset for the node whose clock runs ahead (seconds).
@@ -449,10 +449,10 @@ async fn the_enterprise_tier_at_twice_its_rate_is_exact_and_fair() -> Result<()>
 }
 
 // Proves that shares follow traffic that moves: the hot key is offered twice its limit
-// through two voters for 8 s, then all of it moves to the two gateways for 8 s. In each phase,
-// once 2 s have passed, the two senders share the admissions within 10 % of a half, at the
-// limit's rate (less 2 %; the voters' leases strand nothing after the move), for at most 4
-// ledger writes per second each.
+// through the three voters for 8 s, then the traffic of two of them moves to the two
+// gateways for 8 s. In each phase, once 2 s have passed, the three senders share the
+// admissions within 10 % of a third, at the limit's rate (less 2 %; the leases of the nodes
+// that went quiet strand nothing), for at most 4 ledger writes per second each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shares_follow_traffic_that_moves_between_nodes() -> Result<()> {
     let _serial = SERIAL.lock().await;
@@ -460,9 +460,10 @@ async fn shares_follow_traffic_that_moves_between_nodes() -> Result<()> {
     let entry = ("moving", ("user", "moving"));
     let drift_bound_tokens =
         LeaseTuning::default().drift_bound_tokens(&user_limit(), NODES_IN_REGION, true, None);
-    for (phase, senders) in
-        [("before the move", [VOTERS[0], VOTERS[1]]), ("after the move", GATEWAYS)]
-    {
+    for (phase, senders) in [
+        ("before the move", [VOTERS[0], VOTERS[1], VOTERS[2]]),
+        ("after the move", [VOTERS[2], GATEWAYS[0], GATEWAYS[1]]),
+    ] {
         let hammered = hammer(
             &cluster,
             &senders,

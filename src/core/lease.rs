@@ -27,7 +27,6 @@
 //! The shard and lease-broker actors (`crate::actors`) hold these states and perform the
 //! requests; nothing here does IO or reads a clock.
 
-use crate::core::fair_share::rate_milli_per_second;
 use crate::core::rate::{LIMIT_TOKENS_MAX, LimitSpec, LimitState};
 
 /// Fixed-point scale of [`RateEstimate`]: values are kept in milli-hits.
@@ -146,26 +145,15 @@ impl LeaseTuning {
     /// full lease arrives; a key's lease is capped by its small-key cap.
     pub fn held_tokens_max(&self, capacity_tokens: u64, nodes: u64) -> u64 {
         let size = self.max_lease_tokens.min(size_cap_tokens(capacity_tokens, nodes));
-        self.held_for_size(size)
-    }
-
-    /// What a node may hold with a lease of `size` tokens: the lease, plus what was left
-    /// below the watermark when it arrived.
-    fn held_for_size(&self, size: u64) -> u64 {
         size.saturating_add(self.low_watermark_tokens(size).saturating_sub(1))
     }
 
     /// The drift bound of DESIGN section 3 for one key of `limit` in a region of `nodes`:
     /// the tokens outside the ledger, each node holding at most
-    /// [`LeaseTuning::held_tokens_max`] plus its credit (fail-open rules), plus what
-    /// contention may add: a contended node's lease is not held to the small-key cap (see
-    /// [`KeyLease::lease_size_tokens`]), but what the ledger grants it beyond the cap is its
-    /// fair share, accrued for at most two lookaheads, and a burst left in the bucket of at
-    /// most as much again, so the nodes together hold at most `4 x rate x lookahead` more
-    /// (and never more than `max_lease` each). While the circuit is not closed, add the
-    /// fallback allowance `fallback_permille / 1000 x capacity` (every node's bucket starts
-    /// at most at its share; over a window W of outage the fallback refills add
-    /// `multiplier x rate x W` more).
+    /// [`LeaseTuning::held_tokens_max`] plus its credit (fail-open rules), and, while the
+    /// circuit is not closed, the fallback allowance `fallback_permille / 1000 x capacity`
+    /// (every node's bucket starts at most at its share; over a window W of outage the
+    /// fallback refills add `multiplier x rate x W` more).
     pub fn drift_bound_tokens(
         &self,
         limit: &LimitSpec,
@@ -176,21 +164,12 @@ impl LeaseTuning {
         let capacity_tokens = limit.capacity_tokens();
         let credit =
             if fail_open { Credit::fail_open(self, capacity_tokens, nodes).tokens_max } else { 0 };
-        let held_capped = self.held_tokens_max(capacity_tokens, nodes);
-        let leases = nodes.saturating_mul(held_capped.saturating_add(credit));
-        let held_uncapped = self.held_for_size(self.max_lease_tokens);
-        let uncapped_extra = nodes.saturating_mul(held_uncapped.saturating_sub(held_capped));
-        let shares_extra = u64::try_from(
-            u128::from(rate_milli_per_second(limit)) * u128::from(self.lookahead_ms) * 4
-                / u128::from(MILLI * MILLI),
-        )
-        .unwrap_or(u64::MAX);
-        let contended = uncapped_extra.min(shares_extra);
+        let leases = nodes
+            .saturating_mul(self.held_tokens_max(capacity_tokens, nodes).saturating_add(credit));
         let fallback = fallback_permille.map_or(0, |permille| {
             let allowance = u128::from(capacity_tokens) * u128::from(permille) / 1000;
             u64::try_from(allowance).unwrap_or(u64::MAX)
         });
-        let leases = leases.saturating_add(contended);
         leases.saturating_add(if fail_open { fallback } else { 0 })
     }
 
@@ -358,9 +337,6 @@ pub enum ReportAnswer {
         retry_after_ms: u64,
         /// Whole tokens left in the ledger's bucket after the grant.
         remaining_tokens: u64,
-        /// The ledger divided the key between nodes: the grant was capped by this node's
-        /// fair share.
-        contended: bool,
     },
     /// Not applied (the ledger had a newer report, or the call failed, or its outcome is
     /// unknown): the next report settles whatever happened, since its counts are totals.
@@ -400,9 +376,6 @@ pub struct KeyLease {
     /// A report's outcome is unknown (no answer): the ledger may count a grant this node
     /// never saw, so a settle report is due until an answer says what it counts.
     unconfirmed: bool,
-    /// The last answer capped the grant by this node's fair share: the ledger bounds what
-    /// the node holds, so its lease size is a lookahead of its demand, uncapped.
-    contended: bool,
     rate: RateEstimate,
 }
 
@@ -600,14 +573,12 @@ impl KeyLease {
         self.in_flight = false;
         self.in_flight_want_tokens = 0;
         self.expire(now_ms);
-        let ReportAnswer::Settled { granted_tokens, retry_after_ms, remaining_tokens, contended } =
-            answer
+        let ReportAnswer::Settled { granted_tokens, retry_after_ms, remaining_tokens } = answer
         else {
             self.unconfirmed = true;
             return;
         };
         self.answered = true;
-        self.contended = contended;
         self.unconfirmed = false;
         self.ledger_remaining_tokens = remaining_tokens;
         self.answered_at_ms = now_ms;
@@ -655,20 +626,11 @@ impl KeyLease {
         std::mem::take(&mut self.balance_tokens)
     }
 
-    /// The lease size this key's traffic calls for now, within its small-key cap. A
-    /// contended key that is not small asks a lookahead of its demand whatever the cap: the
-    /// ledger grants it no more than its fair share, and a lease capped below a lookahead of
-    /// that share would cost more than one ledger write per lookahead (when fewer than half
-    /// the region's nodes share the key).
+    /// The lease size this key's traffic calls for now, within its small-key cap.
     pub fn lease_size_tokens(&self, tuning: &LeaseTuning, now_ms: u64) -> u64 {
         let size = tuning
             .lease_size_tokens(self.rate.rate_milli_per_second(now_ms, tuning.rate_half_life_ms));
-        let small = self.size_cap_tokens < tuning.min_lease_tokens;
-        if self.size_cap_tokens == 0 || (self.contended && !small) {
-            size
-        } else {
-            size.min(self.size_cap_tokens)
-        }
+        if self.size_cap_tokens == 0 { size } else { size.min(self.size_cap_tokens) }
     }
 
     fn expire(&mut self, now_ms: u64) {

@@ -64,10 +64,9 @@ fn lease_size_is_traffic_proportional() {
     let large = LimitSpec::new(Algorithm::TokenBucket, 1_000_000, 60_000, None).expect("a limit");
     assert_eq!(tuning.drift_bound_tokens(&large, 3, false, None), 1_797);
     assert_eq!(tuning.drift_bound_tokens(&large, 3, true, None), 1_812, "3 x 5 of credit");
-    // 1,000/s over 5 nodes: leases capped at 100 (+19 below the watermark, +5 of credit)
-    // each, and contention may lift the cap by four lookaheads of the rate in all.
+    // 1,000/s over 5 nodes: leases capped at 100 (+19 below the watermark, +5 of credit).
     let capped = LimitSpec::new(Algorithm::TokenBucket, 1_000, 1_000, None).expect("a limit");
-    assert_eq!(tuning.drift_bound_tokens(&capped, 5, true, None), 5 * 124 + 1_000);
+    assert_eq!(tuning.drift_bound_tokens(&capped, 5, true, None), 5 * 124);
     assert_eq!(
         tuning.drift_bound_tokens(&large, 3, true, Some(1_000)),
         1_001_812,
@@ -111,7 +110,7 @@ fn lease_size_decays_when_traffic_stops() {
 }
 
 fn settled(granted_tokens: u64, retry_after_ms: u64, remaining_tokens: u64) -> ReportAnswer {
-    ReportAnswer::Settled { granted_tokens, retry_after_ms, remaining_tokens, contended: false }
+    ReportAnswer::Settled { granted_tokens, retry_after_ms, remaining_tokens }
 }
 
 /// A cold fail-open key admits its first hits on credit without waiting; its first report
@@ -137,34 +136,6 @@ fn cold_key_is_admitted_on_credit_then_leases() {
     assert_eq!((lease.debt_tokens(), lease.balance_tokens(1_002)), (0, 2));
     assert_eq!(lease.poll_settle(&tuning, 1_002), None, "the ledger counts 2 + 0 + 5 = 5 + 2");
     assert_eq!(lease.spend(&tuning, credit, 1_003, 2), Spend::Admitted);
-}
-
-/// A key whose lease is capped below a lookahead of its traffic (1,000/s offered against a
-/// cap of 100) asks the whole lookahead once the ledger says it divides the key between
-/// nodes (its grants are then bounded by its fair share), and the cap again once it does not.
-#[test]
-fn a_contended_key_asks_a_lookahead_of_its_demand_whatever_the_cap() {
-    let tuning = LeaseTuning::default();
-    let mut lease = KeyLease::new(1_000, 100);
-    for now_ms in 0..1_000 {
-        lease.observe_demand(&tuning, now_ms, 1);
-    }
-    assert_eq!(lease.lease_size_tokens(&tuning, 1_000), 100, "capped");
-    let draft = lease.poll_lease_for(&tuning, 1_000, 1).expect("a lease");
-    let contended = ReportAnswer::Settled {
-        granted_tokens: 40,
-        retry_after_ms: 250,
-        remaining_tokens: 0,
-        contended: true,
-    };
-    lease.apply_answer(&tuning, &draft, contended, 1_002);
-    let size = lease.lease_size_tokens(&tuning, 1_002);
-    assert!(size > 100 && size <= tuning.max_lease_tokens, "a lookahead of demand: {size}");
-    assert_eq!(lease.take_surplus(&tuning, 1_002), 0, "nothing above the size goes back");
-    assert_eq!(lease.spend(&tuning, Credit::NONE, 1_300, 40), Spend::Admitted);
-    let draft = lease.poll_lease_for(&tuning, 1_300, 1).expect("after retry_after");
-    lease.apply_answer(&tuning, &draft, settled(100, 0, 500), 1_301);
-    assert_eq!(lease.lease_size_tokens(&tuning, 1_301), 100, "capped again");
 }
 
 /// A fail-closed key has no credit: its first hit waits for a lease.
