@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
+use quotamesh_jepsen::checker::availability::{THRESHOLDS_DEFAULT, Thresholds};
 use quotamesh_jepsen::nemesis::FaultKind;
 use quotamesh_jepsen::run::{self, RunOptions, WorkloadKind};
 use quotamesh_jepsen::topology::Topology;
@@ -36,8 +37,9 @@ struct RunArgs {
     /// open and a closed rule through the Rate Limit Service).
     #[arg(long, default_value = "bank", value_parser = ["bank", "rls"])]
     workload: String,
-    /// Faults, comma-separated: `kill`, `pause`, `partition` (netns only), `clock`
-    /// (libfaketime); `none` for a fault-free baseline.
+    /// Faults, comma-separated: `kill`, `pause`, `partition`, `partition-one-way`,
+    /// `partition-flap` (netns only), `clock`, `clock-step` (libfaketime), `policy`,
+    /// `membership`; `none` for a fault-free baseline.
     #[arg(long, default_value = "kill,pause")]
     nemesis: String,
     /// How long the workload runs, e.g. `60s`, `2m`, `1500ms`.
@@ -52,6 +54,14 @@ struct RunArgs {
     /// Runs are written to a new directory under this one.
     #[arg(long, default_value = "runs")]
     out: PathBuf,
+    /// The availability check: every node answers `ok` within this long after each heal
+    /// (default 15s).
+    #[arg(long, value_parser = parse_duration)]
+    recovery_max: Option<Duration>,
+    /// The availability check: at least this percentage of the operations outside faults
+    /// (and the recovery time after each) are `ok` (default 90).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=100))]
+    quiet_ok_min: Option<u64>,
     /// The quotamesh binary to run.
     #[arg(long, env = "QUOTAMESH_BIN", default_value = "target/release/quotamesh")]
     binary: PathBuf,
@@ -70,7 +80,7 @@ impl RunArgs {
         };
         let topology = Topology::parse(&self.topology).map_err(anyhow::Error::msg)?;
         anyhow::ensure!(
-            topology == Topology::Netns || !nemeses.contains(&FaultKind::Partition),
+            topology == Topology::Netns || !nemeses.iter().any(|kind| kind.is_partition()),
             "partitions need --topology netns"
         );
         Ok(RunOptions {
@@ -82,6 +92,15 @@ impl RunArgs {
             rate_per_second: self.rate,
             seed: self.seed,
             binary: self.binary.clone(),
+            availability: Thresholds {
+                recovery_ms_max: match self.recovery_max {
+                    Some(recovery_max) => u64::try_from(recovery_max.as_millis())?,
+                    None => THRESHOLDS_DEFAULT.recovery_ms_max,
+                },
+                quiet_ok_permille_min: self
+                    .quiet_ok_min
+                    .map_or(THRESHOLDS_DEFAULT.quiet_ok_permille_min, |percent| percent * 10),
+            },
         })
     }
 }

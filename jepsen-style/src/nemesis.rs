@@ -9,7 +9,7 @@ use crate::history::NodeId;
 use crate::rng::SeededRng;
 
 /// A kind of fault the nemesis injects.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum FaultKind {
     /// SIGKILL (kill -9), restarted on the same data directory when the fault ends.
@@ -22,23 +22,100 @@ pub enum FaultKind {
     /// The target nodes' wall clocks set off by the fault's offset (libfaketime), their
     /// monotonic clocks untouched; set back when the fault ends.
     Clock,
+    /// The target nodes hear nothing from the rest, while the rest still hear them (netns):
+    /// nft drops on the targets' input only.
+    PartitionOneWay,
+    /// The targets' partition put in place and taken away every [`FLAP_MS`] until the fault
+    /// ends (netns).
+    PartitionFlap,
+    /// The targets' wall clocks stepped to the fault's offset and back to true time every
+    /// [`CLOCK_STEP_MS`] (libfaketime): a clock that keeps jumping, where `clock` holds one
+    /// offset.
+    ClockStep,
+    /// The targets' policy files rewritten on disk (the nodes watch them): the same rules
+    /// plus one more, or, for [`PolicyEdit::Broken`], a file no node may accept; put back
+    /// when the fault ends. The workload's limits must hold across reloads.
+    Policy,
+    /// The target node removed from the region's voters (`quotamesh cluster remove-node`)
+    /// while it keeps running, and added back (`add-node`) when the fault ends.
+    Membership,
+}
+
+/// A flapping partition changes state this often: below the election timeouts' 300 ms,
+/// so a side may lose its leader and find the link back mid-election.
+pub const FLAP_MS: u64 = 250;
+/// A stepping clock changes state this often: above libfaketime's one-second re-read of the
+/// offset file, so every step takes effect.
+pub const CLOCK_STEP_MS: u64 = 1_100;
+
+/// How a policy fault rewrites the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PolicyEdit {
+    /// The rules plus an unrelated one: a reload that must keep the workload's buckets.
+    ExtraRule,
+    /// Not a policy: the node must refuse it and keep serving the one it has.
+    Broken,
 }
 
 impl FaultKind {
+    /// Every kind.
+    pub const ALL: [Self; 9] = [
+        Self::Kill,
+        Self::Pause,
+        Self::Partition,
+        Self::PartitionOneWay,
+        Self::PartitionFlap,
+        Self::Clock,
+        Self::ClockStep,
+        Self::Policy,
+        Self::Membership,
+    ];
+
     /// Parses a `--nemesis` name.
     ///
     /// # Errors
     /// An unknown name, with the known ones.
     pub fn parse(name: &str) -> Result<Self, String> {
-        match name.trim() {
-            "kill" => Ok(Self::Kill),
-            "pause" => Ok(Self::Pause),
-            "partition" => Ok(Self::Partition),
-            "clock" => Ok(Self::Clock),
-            other => {
-                Err(format!("unknown nemesis {other:?}; known: kill, pause, partition, clock"))
-            }
+        let name = name.trim();
+        Self::ALL.into_iter().find(|kind| kind.name() == name).ok_or_else(|| {
+            let known: Vec<&str> = Self::ALL.iter().map(|kind| kind.name()).collect();
+            format!("unknown nemesis {name:?}; known: {}", known.join(", "))
+        })
+    }
+
+    /// Its `--nemesis` name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Kill => "kill",
+            Self::Pause => "pause",
+            Self::Partition => "partition",
+            Self::Clock => "clock",
+            Self::PartitionOneWay => "partition-one-way",
+            Self::PartitionFlap => "partition-flap",
+            Self::ClockStep => "clock-step",
+            Self::Policy => "policy",
+            Self::Membership => "membership",
         }
+    }
+
+    /// How often a fault of this kind changes state while it lasts (`None`: it does not).
+    pub fn toggle_ms(self) -> Option<u64> {
+        match self {
+            Self::PartitionFlap => Some(FLAP_MS),
+            Self::ClockStep => Some(CLOCK_STEP_MS),
+            _ => None,
+        }
+    }
+
+    /// Whether it cuts network links (netns only).
+    pub fn is_partition(self) -> bool {
+        matches!(self, Self::Partition | Self::PartitionOneWay | Self::PartitionFlap)
+    }
+
+    /// Whether it moves wall clocks (the nodes then run under libfaketime).
+    pub fn is_clock(self) -> bool {
+        matches!(self, Self::Clock | Self::ClockStep)
     }
 }
 
@@ -77,6 +154,21 @@ pub fn cut_links(target: &Target, positions: &[usize], nodes: usize) -> Vec<(usi
     }
 }
 
+/// The directed links a one-way partition of `target` cuts, as (sender, receiver) pairs of
+/// positions: every other node to each target, or every node to every other for `All`.
+pub fn one_way_links(target: &Target, positions: &[usize], nodes: usize) -> Vec<(usize, usize)> {
+    let pairs = (0..nodes).flat_map(|sender| (0..nodes).map(move |receiver| (sender, receiver)));
+    pairs
+        .filter(|(sender, receiver)| {
+            sender != receiver
+                && match target {
+                    Target::All => true,
+                    _ => positions.contains(receiver) && !positions.contains(sender),
+                }
+        })
+        .collect()
+}
+
 /// One planned fault.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ScheduledFault {
@@ -88,6 +180,9 @@ pub struct ScheduledFault {
     /// For a clock fault: how far the targets' wall clocks move, in seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clock_offset_s: Option<i64>,
+    /// For a policy fault: how the file is rewritten.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy_edit: Option<PolicyEdit>,
 }
 
 /// The clock offsets a clock fault draws from: past the 24 h idempotency-key retention, an
@@ -122,6 +217,8 @@ pub const FAULT_MS_MIN_DEFAULT: u64 = 1_000;
 pub const FAULT_MS_MAX_DEFAULT: u64 = 3_000;
 /// In percent: how often a partition is a bridge rather than its drawn target.
 const BRIDGE_PERCENT: u64 = 25;
+/// In percent: how often a policy fault writes a broken file rather than a good one.
+const BROKEN_POLICY_PERCENT: u64 = 25;
 /// In percent: how often a fault hits every node rather than one, the leader or a minority.
 const ALL_NODES_PERCENT: u64 = 15;
 
@@ -153,11 +250,29 @@ pub fn schedule(seed: u64, options: &ScheduleOptions) -> Vec<ScheduledFault> {
         if kind == FaultKind::Partition && options.nodes >= 3 && rng.percent(BRIDGE_PERCENT) {
             target = Target::Bridge(rng.index(options.nodes));
         }
+        // A region keeps a voter: a membership fault removes one node, or the leader.
+        if kind == FaultKind::Membership && !matches!(target, Target::One(_)) {
+            target = Target::Leader;
+        }
         let duration_ms = rng.between(options.fault_ms_min, options.fault_ms_max);
         // Drawn only for clock faults, so other kinds' schedules do not depend on it.
         let clock_offset_s =
-            (kind == FaultKind::Clock).then(|| CLOCK_OFFSETS_S[rng.index(CLOCK_OFFSETS_S.len())]);
-        let fault = ScheduledFault { start_ms: at_ms, duration_ms, kind, target, clock_offset_s };
+            kind.is_clock().then(|| CLOCK_OFFSETS_S[rng.index(CLOCK_OFFSETS_S.len())]);
+        let policy_edit = (kind == FaultKind::Policy).then(|| {
+            if rng.percent(BROKEN_POLICY_PERCENT) {
+                PolicyEdit::Broken
+            } else {
+                PolicyEdit::ExtraRule
+            }
+        });
+        let fault = ScheduledFault {
+            start_ms: at_ms,
+            duration_ms,
+            kind,
+            target,
+            clock_offset_s,
+            policy_edit,
+        };
         if fault.end_ms() > options.time_limit_ms {
             return faults;
         }
@@ -254,7 +369,16 @@ mod tests {
             pause_only: bool,
         ) {
             let kinds = if pause_only { vec![FaultKind::Pause] } else {
-                vec![FaultKind::Kill, FaultKind::Pause, FaultKind::Clock]
+                vec![
+                    FaultKind::Kill,
+                    FaultKind::Pause,
+                    FaultKind::Clock,
+                    FaultKind::ClockStep,
+                    FaultKind::PartitionOneWay,
+                    FaultKind::PartitionFlap,
+                    FaultKind::Policy,
+                    FaultKind::Membership,
+                ]
             };
             let options = options(nodes, time_limit_ms, kinds.clone());
             let faults = schedule(seed, &options);
@@ -272,7 +396,11 @@ mod tests {
                 prop_assert!(kinds.contains(&fault.kind));
                 prop_assert!(fault.duration_ms >= FAULT_MS_MIN_DEFAULT);
                 prop_assert!(fault.duration_ms <= FAULT_MS_MAX_DEFAULT);
-                prop_assert_eq!(fault.clock_offset_s.is_some(), fault.kind == FaultKind::Clock);
+                prop_assert_eq!(fault.clock_offset_s.is_some(), fault.kind.is_clock());
+                prop_assert_eq!(fault.policy_edit.is_some(), fault.kind == FaultKind::Policy);
+                if fault.kind == FaultKind::Membership {
+                    prop_assert!(matches!(fault.target, Target::One(_) | Target::Leader));
+                }
                 match &fault.target {
                     Target::One(position) => prop_assert!(*position < nodes),
                     Target::Minority(positions) => {
@@ -302,6 +430,25 @@ mod tests {
         assert_eq!(cut_links(&Target::All, &[0, 1, 2], 3), vec![(0, 1), (0, 2), (1, 2)]);
         assert_eq!(cut_links(&Target::Bridge(2), &[2], 3), vec![(0, 1)]);
         assert_eq!(cut_links(&Target::Bridge(0), &[0], 5), vec![(1, 3), (1, 4), (2, 3), (2, 4)]);
+    }
+
+    /// Every kind's name parses back to it, as serde names it too.
+    #[test]
+    fn names_round_trip() {
+        for kind in FaultKind::ALL {
+            assert_eq!(FaultKind::parse(kind.name()), Ok(kind));
+            assert_eq!(serde_json::to_string(&kind).expect("json"), format!("\"{}\"", kind.name()));
+        }
+        assert!(FaultKind::parse("disk").is_err());
+    }
+
+    /// One way: the rest to the targets only; for all, every node hears no other.
+    #[test]
+    fn one_way_partitions_cut_one_direction() {
+        assert_eq!(one_way_links(&Target::One(1), &[1], 3), vec![(0, 1), (2, 1)]);
+        assert_eq!(one_way_links(&Target::All, &[0, 1], 2), vec![(0, 1), (1, 0)]);
+        let minority = one_way_links(&Target::Minority(vec![0, 3]), &[0, 3], 4);
+        assert_eq!(minority, vec![(1, 0), (1, 3), (2, 0), (2, 3)]);
     }
 
     /// A minute-long run of three nodes gets several faults of both kinds and targets beyond

@@ -10,26 +10,45 @@ use std::path::Path;
 
 use anyhow::Context;
 
-use crate::checker::Verdict;
+use crate::checker::{Verdict, availability};
 use crate::history::{Event, EventType, Function, operations, read_jsonl};
 use crate::nemesis::{NemesisRecord, Phase};
 use crate::run::{RunRecord, WorkloadKind};
+
+/// What a report is rendered from: a saved run's records.
+pub struct RunFiles {
+    pub record: RunRecord,
+    pub verdict: Verdict,
+    /// Empty when the history is missing or broken (the verdict says so).
+    pub events: Vec<Event>,
+    pub faults: Vec<NemesisRecord>,
+}
+
+impl RunFiles {
+    /// Reads the run in `directory` (its verdict must have been written).
+    ///
+    /// # Errors
+    /// `run.json` or `verdict.json` cannot be read.
+    pub fn read(directory: &Path) -> anyhow::Result<Self> {
+        let record: RunRecord = serde_json::from_slice(
+            &std::fs::read(directory.join("run.json")).context("read run.json")?,
+        )?;
+        let verdict: Verdict = serde_json::from_slice(
+            &std::fs::read(directory.join("verdict.json")).context("read verdict.json")?,
+        )?;
+        let events = read_jsonl(&directory.join("history.jsonl")).unwrap_or_default();
+        let faults = read_jsonl(&directory.join("nemesis.jsonl")).unwrap_or_default();
+        Ok(Self { record, verdict, events, faults })
+    }
+}
 
 /// Renders the report of the run in `directory` (its verdict must have been written).
 ///
 /// # Errors
 /// `run.json` or `verdict.json` cannot be read.
 pub fn render(directory: &Path) -> anyhow::Result<String> {
-    let record: RunRecord = serde_json::from_slice(
-        &std::fs::read(directory.join("run.json")).context("read run.json")?,
-    )?;
-    let verdict: Verdict = serde_json::from_slice(
-        &std::fs::read(directory.join("verdict.json")).context("read verdict.json")?,
-    )?;
-    let events: Vec<Event> = read_jsonl(&directory.join("history.jsonl")).unwrap_or_default();
-    let faults: Vec<NemesisRecord> =
-        read_jsonl(&directory.join("nemesis.jsonl")).unwrap_or_default();
-    Ok(render_parts(&record, &verdict, &events, &faults))
+    let run = RunFiles::read(directory)?;
+    Ok(render_parts(&run.record, &run.verdict, &run.events, &run.faults))
 }
 
 /// The report from the run's records. Pure.
@@ -41,8 +60,7 @@ pub fn render_parts(
 ) -> String {
     let options = &record.options;
     let mut text = String::new();
-    let nemeses: Vec<String> =
-        options.nemeses.iter().map(|kind| format!("{kind:?}").to_lowercase()).collect();
+    let nemeses: Vec<String> = options.nemeses.iter().map(|kind| kind.name().to_owned()).collect();
     let shape = match options.workload {
         WorkloadKind::Bank => format!(
             "{} accounts of {} above a floor of {}",
@@ -119,73 +137,41 @@ pub fn render_parts(
         let _ = writeln!(text, "\nRule {rule}: {yes} of {hits} hits admitted.");
     }
 
-    // Fault intervals, from each start record to its end record.
-    let mut intervals: Vec<(u64, u64)> = Vec::new();
-    let mut nodes_seen: Vec<crate::history::NodeId> =
-        events.iter().map(|event| event.node).collect();
-    nodes_seen.sort_unstable();
-    nodes_seen.dedup();
-    for start in faults.iter().filter(|record| record.phase == Phase::Start) {
-        let end = faults
-            .iter()
-            .find(|record| record.fault == start.fault && record.phase == Phase::End)
-            .map_or(u64::MAX, |record| record.time_ns);
-        intervals.push((start.time_ns, end));
-    }
-    let faulty = |at: u64| intervals.iter().any(|(start, end)| *start <= at && at <= *end);
-    let mut shares = [[0_u64; 2]; 2];
-    for operation in &operations {
-        let during = usize::from(faulty(operation.invoke.time_ns));
-        shares[during][0] += 1;
-        shares[during][1] += u64::from(operation.outcome() == EventType::Ok);
-    }
-    let percent = |[all, ok]: [u64; 2]| {
-        if all == 0 { "-".to_owned() } else { format!("{:.1} %", ok as f64 * 100.0 / all as f64) }
+    let measured =
+        availability::measure(events, faults, record.options.availability.recovery_ms_max);
+    let share = |share: availability::Share| {
+        share.permille().map_or("-".to_owned(), |permille| {
+            format!("{}.{} % of {}", permille / 10, permille % 10, share.operations)
+        })
     };
     let _ = writeln!(
         text,
-        "\nAvailability (share of operations `ok`): no fault active {} of {}; a fault active \
-         {} of {}.",
-        percent(shares[0]),
-        shares[0][0],
-        percent(shares[1]),
-        shares[1][0]
+        "\n## Availability\n\nShare of operations `ok`:\n\n- no fault active, every node \
+         recovered: {}",
+        share(measured.quiet)
     );
-
-    let _ = writeln!(text, "\n## Faults ({})\n", intervals.len());
+    for (kind, during) in &measured.during {
+        let _ = writeln!(text, "- during {kind:?}: {}", share(*during));
+    }
+    let starts: Vec<&NemesisRecord> =
+        faults.iter().filter(|record| record.phase == Phase::Start).collect();
+    let _ = writeln!(text, "\n## Faults ({})\n", starts.len());
     let _ = writeln!(
         text,
         "| # | kind | target | nodes | start s | end s | outcome | first ok after end: any / every node | detail |\n\
          |---|---|---|---|---|---|---|---|---|"
     );
-    let mut nodes_seen: Vec<crate::history::NodeId> =
-        events.iter().map(|event| event.node).collect();
-    nodes_seen.sort_unstable();
-    nodes_seen.dedup();
-    for start in faults.iter().filter(|record| record.phase == Phase::Start) {
+    let ms = |value: Option<u64>| value.map_or("-".to_owned(), |ms| format!("{ms} ms"));
+    for start in starts {
         let end =
             faults.iter().find(|record| record.fault == start.fault && record.phase == Phase::End);
-        let end_ns = end.map_or(u64::MAX, |record| record.time_ns);
-        // The first `ok` after the end through any node, and the last node's first `ok`.
-        let first_ok_ms = |node: Option<crate::history::NodeId>| {
-            events
-                .iter()
-                .find(|event| {
-                    event.event_type == EventType::Ok
-                        && event.time_ns >= end_ns
-                        && node.is_none_or(|node| event.node == node)
-                })
-                .map(|event| (event.time_ns - end_ns) / 1_000_000)
-        };
-        let every: Option<Vec<u64>> =
-            nodes_seen.iter().map(|node| first_ok_ms(Some(*node))).collect();
-        let recovery = format!(
-            "{} / {}",
-            first_ok_ms(None).map_or("-".to_owned(), |ms| format!("{ms} ms")),
-            every
-                .and_then(|every| every.into_iter().max())
-                .map_or("-".to_owned(), |ms| format!("{ms} ms"))
-        );
+        let recovery = measured
+            .recoveries
+            .iter()
+            .find(|recovery| recovery.fault == start.fault)
+            .map_or("- / -".to_owned(), |recovery| {
+                format!("{} / {}", ms(recovery.any_ms), ms(recovery.every_ms))
+            });
         let nodes: Vec<String> = start.nodes.iter().map(|node| node.0.to_string()).collect();
         let _ = writeln!(
             text,
@@ -215,6 +201,10 @@ pub struct SummaryRow {
     pub operations: u64,
     pub unknown: u64,
     pub faults: u64,
+    /// The `ok` share outside faults, in thousandths.
+    pub quiet_ok_permille: Option<u64>,
+    /// The longest time from a heal to the last node's first `ok`.
+    pub recovery_ms_max: Option<u64>,
     pub validity: crate::checker::Validity,
 }
 
@@ -228,8 +218,10 @@ impl SummaryRow {
         faults: &[NemesisRecord],
     ) -> Self {
         let operations = operations(events);
+        let measured =
+            availability::measure(events, faults, record.options.availability.recovery_ms_max);
         let nemeses: Vec<String> =
-            record.options.nemeses.iter().map(|kind| format!("{kind:?}").to_lowercase()).collect();
+            record.options.nemeses.iter().map(|kind| kind.name().to_owned()).collect();
         Self {
             name,
             workload: record.options.workload.name(),
@@ -242,6 +234,12 @@ impl SummaryRow {
                 .filter(|operation| operation.outcome() == EventType::Info)
                 .count() as u64,
             faults: faults.iter().filter(|record| record.phase == Phase::Start).count() as u64,
+            quiet_ok_permille: measured.quiet.permille(),
+            recovery_ms_max: measured
+                .recoveries
+                .iter()
+                .filter_map(|recovery| recovery.every_ms)
+                .max(),
             validity: verdict.validity,
         }
     }
@@ -284,13 +282,13 @@ pub fn render_summary(directory: &Path) -> anyhow::Result<String> {
 pub fn summary_table(rows: &[SummaryRow]) -> String {
     let mut text = format!("# quotamesh-jepsen: {} runs\n\n", rows.len());
     text.push_str(
-        "| run | workload | topology | nemeses | seed | operations | info | faults | verdict |\n\
-         |---|---|---|---|---|---|---|---|---|\n",
+        "| run | workload | topology | nemeses | seed | operations | info | faults | ok outside faults | \
+         longest recovery | verdict |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for row in rows {
         let _ = writeln!(
             text,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {:?} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:?} |",
             row.name,
             row.workload,
             row.topology,
@@ -299,15 +297,25 @@ pub fn summary_table(rows: &[SummaryRow]) -> String {
             row.operations,
             row.unknown,
             row.faults,
+            row.quiet_ok_permille.map_or("-".to_owned(), |permille| format!(
+                "{}.{} %",
+                permille / 10,
+                permille % 10
+            )),
+            row.recovery_ms_max.map_or("-".to_owned(), |ms| format!("{ms} ms")),
             row.validity
         );
     }
     let count = |validity| rows.iter().filter(|row| row.validity == validity).count();
     let _ = writeln!(
         text,
-        "\n{} operations, {} faults; {} valid, {} invalid, {} unknown.",
+        "\n{} operations, {} faults, longest recovery {}; {} valid, {} invalid, {} unknown.",
         rows.iter().map(|row| row.operations).sum::<u64>(),
         rows.iter().map(|row| row.faults).sum::<u64>(),
+        rows.iter()
+            .filter_map(|row| row.recovery_ms_max)
+            .max()
+            .map_or("-".to_owned(), |ms| format!("{ms} ms")),
         count(crate::checker::Validity::Valid),
         count(crate::checker::Validity::Invalid),
         count(crate::checker::Validity::Unknown),
@@ -332,12 +340,19 @@ mod tests {
             operations: 100,
             unknown: 2,
             faults: 3,
+            quiet_ok_permille: Some(987),
+            recovery_ms_max: Some(seed * 1_000),
             validity,
         };
         let text = summary_table(&[row(1, Validity::Valid), row(2, Validity::Invalid)]);
-        assert!(text.contains("| bank-seed2 | bank | local | kill | 2 | 100 | 2 | 3 | Invalid |"));
         assert!(
-            text.contains("200 operations, 6 faults; 1 valid, 1 invalid, 0 unknown."),
+            text.contains("| bank-seed2 | bank | local | kill | 2 | 100 | 2 | 3 | 98.7 % | 2000 ms | Invalid |"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "200 operations, 6 faults, longest recovery 2000 ms; 1 valid, 1 invalid, 0 unknown."
+            ),
             "{text}"
         );
     }

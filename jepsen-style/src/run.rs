@@ -65,6 +65,13 @@ pub struct RunOptions {
     pub rate_per_second: u64,
     pub seed: u64,
     pub binary: PathBuf,
+    /// What the availability checker demands (runs saved before it existed: the defaults).
+    #[serde(default = "availability_default")]
+    pub availability: checker::availability::Thresholds,
+}
+
+fn availability_default() -> checker::availability::Thresholds {
+    checker::availability::THRESHOLDS_DEFAULT
 }
 
 /// The workloads a run can drive.
@@ -408,48 +415,104 @@ async fn nemesis_task(
             continue;
         }
         let mut problems = Vec::new();
-        for position in &positions {
-            let result = match fault.kind {
-                FaultKind::Kill => guard.kill(*position).await,
-                FaultKind::Pause => guard.pause(*position).await,
-                // One partition cuts all the targets off at once, below.
-                FaultKind::Partition => Ok(()),
-                FaultKind::Clock => guard.set_clock(*position, fault.clock_offset_s.unwrap_or(0)),
-            };
-            if let Err(error) = result {
-                problems.push(format!("{error:#}"));
-            }
-        }
-        if fault.kind == FaultKind::Partition
-            && let Err(error) =
-                guard.partition(&nemesis::cut_links(&fault.target, &positions, count)).await
-        {
+        if let Err(error) = install(&mut guard, &fault, &positions, true).await {
             problems.push(format!("{error:#}"));
         }
         // Stamped once the fault is in place...
         let installed_ns = shared.recorder.now_ns();
         let outcome = outcome_of(&problems);
         let mut detail = joined(&problems);
-        if let Some(offset_s) = fault.clock_offset_s {
-            let offset = format!("wall clock {offset_s:+} s");
-            detail =
-                Some(detail.map_or(offset.clone(), |problems| format!("{offset}; {problems}")));
+        let what = match (fault.clock_offset_s, fault.policy_edit) {
+            (Some(offset_s), _) => Some(format!("wall clock {offset_s:+} s")),
+            (None, Some(edit)) => Some(format!("policy {edit:?}")),
+            (None, None) => None,
+        };
+        if let Some(what) = what {
+            detail = Some(detail.map_or(what.clone(), |problems| format!("{what}; {problems}")));
         }
         shared.recorder.nemesis(&record(installed_ns, Phase::Start, outcome, detail));
         drop(guard);
-        tokio::time::sleep(Duration::from_millis(fault.duration_ms)).await;
+        let until = tokio::time::Instant::now() + Duration::from_millis(fault.duration_ms);
+        let mut toggles = 0_u64;
+        let mut toggle_problems = Vec::new();
+        if let Some(toggle_ms) = fault.kind.toggle_ms() {
+            let toggle = Duration::from_millis(toggle_ms);
+            let mut on = true;
+            while tokio::time::Instant::now() + toggle < until {
+                tokio::time::sleep(toggle).await;
+                on = !on;
+                toggles += 1;
+                let mut guard = cluster.lock().await;
+                if let Err(error) = install(&mut guard, &fault, &positions, on).await {
+                    toggle_problems.push(format!("{error:#}"));
+                }
+            }
+        }
+        tokio::time::sleep_until(until).await;
         let mut guard = cluster.lock().await;
         // ...and its end when healing begins, so [start, end] is surely faulty.
         let healing_ns = shared.recorder.now_ns();
-        let problems = guard.heal().await;
-        shared.recorder.nemesis(&record(
-            healing_ns,
-            Phase::End,
-            outcome_of(&problems),
-            joined(&problems),
-        ));
+        let mut problems = toggle_problems;
+        problems.extend(guard.heal().await);
+        let mut detail = joined(&problems);
+        if toggles > 0 {
+            let what = format!("{toggles} toggles");
+            detail = Some(detail.map_or(what.clone(), |problems| format!("{what}; {problems}")));
+        }
+        shared.recorder.nemesis(&record(healing_ns, Phase::End, outcome_of(&problems), detail));
         // The exported drift bound grows while circuits are open: look right after a fault.
         snapshot_metrics(&guard, &directory, &format!("fault-{number}")).await;
+    }
+}
+
+/// Puts `fault` in place on the nodes at `positions` (`on`), or, for the faults that
+/// toggle, takes it away (`!on`) while the fault lasts. Every other undoing is `heal`'s.
+async fn install(
+    cluster: &mut Cluster,
+    fault: &ScheduledFault,
+    positions: &[usize],
+    on: bool,
+) -> anyhow::Result<()> {
+    let count = cluster.nodes.len();
+    let mut problems = Vec::new();
+    match fault.kind {
+        FaultKind::Partition | FaultKind::PartitionFlap if on => {
+            cluster.partition(&nemesis::cut_links(&fault.target, positions, count)).await?;
+        }
+        FaultKind::PartitionOneWay => {
+            let links = nemesis::one_way_links(&fault.target, positions, count);
+            cluster.partition_one_way(&links).await?;
+        }
+        FaultKind::Partition | FaultKind::PartitionFlap => cluster.heal_partitions().await?,
+        FaultKind::Kill
+        | FaultKind::Pause
+        | FaultKind::Clock
+        | FaultKind::ClockStep
+        | FaultKind::Policy
+        | FaultKind::Membership => {
+            for position in positions {
+                let result = match fault.kind {
+                    FaultKind::Kill => cluster.kill(*position).await,
+                    FaultKind::Pause => cluster.pause(*position).await,
+                    FaultKind::Clock | FaultKind::ClockStep => {
+                        let offset_s = if on { fault.clock_offset_s.unwrap_or(0) } else { 0 };
+                        cluster.set_clock(*position, offset_s)
+                    }
+                    FaultKind::Policy => cluster.edit_policy(
+                        *position,
+                        fault.policy_edit.unwrap_or(nemesis::PolicyEdit::ExtraRule),
+                    ),
+                    _ => cluster.remove_voter(*position).await,
+                };
+                if let Err(error) = result {
+                    problems.push(format!("{error:#}"));
+                }
+            }
+        }
+    }
+    match joined(&problems) {
+        Some(problems) => Err(anyhow::anyhow!(problems)),
+        None => Ok(()),
     }
 }
 
@@ -560,14 +623,17 @@ pub async fn run(options: RunOptions, out: &Path) -> anyhow::Result<(PathBuf, Ve
     std::fs::write(directory.join("run.json"), serde_json::to_vec_pretty(&record)?)?;
     std::fs::write(directory.join("schedule.json"), serde_json::to_vec_pretty(&plan)?)?;
 
-    let policy = (options.workload == WorkloadKind::Rls).then(|| rls.policy_yaml());
+    // The bank needs no policy, but a policy fault needs a file to rewrite.
+    let policy = (options.workload == WorkloadKind::Rls
+        || options.nemeses.contains(&FaultKind::Policy))
+    .then(|| rls.policy_yaml());
     let cluster = Cluster::start(
         &options.binary,
         &directory,
         options.nodes,
         options.topology,
         policy.as_deref(),
-        options.nemeses.contains(&FaultKind::Clock),
+        options.nemeses.iter().any(|kind| kind.is_clock()),
     )
     .await?;
     let billing: Vec<String> = cluster.nodes.iter().map(|node| node.billing_addr.clone()).collect();
@@ -743,13 +809,16 @@ pub fn check_directory(directory: &Path) -> anyhow::Result<Verdict> {
             .ok()
             .and_then(|bytes| serde_json::from_slice(&bytes).ok())
             .unwrap_or_default();
-    let mut checks =
-        vec![checker::well_formed::check(&events), checker::replicas::check(&replicas)];
+    let faults: Vec<NemesisRecord> =
+        read_jsonl(&directory.join("nemesis.jsonl")).unwrap_or_default();
+    let mut checks = vec![
+        checker::well_formed::check(&events),
+        checker::replicas::check(&replicas),
+        checker::availability::check(&events, &faults, record.options.availability),
+    ];
     match record.options.workload {
         WorkloadKind::Bank => {
             checks.extend(check_bank(directory, &record, &events));
-            let faults: Vec<NemesisRecord> =
-                read_jsonl(&directory.join("nemesis.jsonl")).unwrap_or_default();
             checks.push(checker::fail_closed::check(&events, &faults, record.options.nodes));
         }
         WorkloadKind::Rls => checks.extend(check_rls(directory, &record, &events)),
@@ -833,6 +902,7 @@ mod tests {
             rate_per_second: 200,
             seed,
             binary: PathBuf::from("quotamesh"),
+            availability: checker::availability::THRESHOLDS_DEFAULT,
         }
     }
 

@@ -1,20 +1,23 @@
 //! End to end against the real release binary: a short seeded bank run of three local
-//! nodes under kill -9, SIGSTOP and wall-clock offsets (libfaketime), with both cores busy,
-//! ends valid; and `check` on the
+//! nodes under kill -9, SIGSTOP, wall-clock offsets (libfaketime) and a voter removed and
+//! added back, with both cores busy, ends valid; and `check` on the
 //! same run, with one acknowledged debit removed from every node's trail, ends invalid (so
 //! the run's verdict is one that can fail).
 
 mod common;
 
-/// The bank run under kill, pause and clock offsets is valid, and is judged invalid once an acknowledged
-/// debit disappears from the trails.
+/// The bank run under kill, pause, clock offsets and a membership change is valid, and is
+/// judged invalid once an acknowledged debit disappears from the trails.
 #[test]
-fn bank_under_kill_pause_and_clock_is_valid() {
+fn bank_under_kill_pause_clock_and_membership_is_valid() {
     let out = tempfile::tempdir().expect("a temporary directory");
-    let directory = common::valid_run("bank", "local", &["kill", "pause", "clock"], out.path());
-    let faults = common::lines(&directory.join("nemesis.jsonl"));
-    for kind in ["kill", "pause", "clock"] {
-        assert!(faults.iter().any(|record| record["kind"] == kind), "no {kind}: {faults:?}");
+    // Seed 14 plans, in 20 s: the leader paused, the leader removed from the voters and
+    // added back, a kill, the leader's clock 25 h ahead (past the idempotency-key retention).
+    let nemeses = ["kill", "pause", "clock", "membership"];
+    let directory = common::valid_run("bank", "local", &nemeses, 14, out.path());
+    let installed = common::installed_kinds(&directory);
+    for kind in nemeses {
+        assert!(installed.iter().any(|done| done == kind), "no {kind}: {installed:?}");
     }
     let history = common::lines(&directory.join("history.jsonl"));
     let acknowledged = history.iter().filter(|event| event["type"] == "ok").count();

@@ -1,16 +1,42 @@
 //! End to end against the real release binary: a short seeded RLS run of three local nodes
-//! under kill -9 and SIGSTOP, with both cores busy, keeps both rules within their bounds;
-//! and `check` on the same run, with refused hits of the fail-closed rule turned into
-//! admissions, ends invalid.
+//! under kill -9, SIGSTOP, a stepping wall clock and a policy file rewritten under the
+//! nodes, with both cores busy, keeps both rules within their bounds; and `check` on the
+//! same run, with refused hits of the fail-closed rule turned into admissions, ends invalid.
 
 mod common;
 
-/// The RLS run under kill and pause is valid, and is judged invalid once the fail-closed
-/// rule appears to have admitted every hit.
+/// The RLS run under kill, pause, clock steps and a policy reload is valid, and is judged
+/// invalid once the fail-closed rule appears to have admitted every hit.
 #[test]
-fn rls_under_kill_and_pause_is_within_bounds() {
+fn rls_under_kill_pause_clock_steps_and_reloads_is_within_bounds() {
     let out = tempfile::tempdir().expect("a temporary directory");
-    let directory = common::valid_run("rls", "local", &["kill", "pause"], out.path());
+    // Seed 16 plans, in 20 s: the leader paused, the leader's policy file rewritten, every
+    // clock stepping an hour ahead and back, the leader killed.
+    let nemeses = ["kill", "pause", "policy", "clock-step"];
+    let directory = common::valid_run("rls", "local", &nemeses, 16, out.path());
+    let installed = common::installed_kinds(&directory);
+    for kind in nemeses {
+        assert!(installed.iter().any(|done| done == kind), "no {kind}: {installed:?}");
+    }
+    // The rewritten file reached its node: right after the fault it had loaded a policy
+    // again (at start it had loaded one; a later kill restarts the counts).
+    let reloads = |node: &serde_json::Value, label: &str| -> u64 {
+        let path = directory.join(format!("metrics/node-{node}-{label}.prom"));
+        std::fs::read_to_string(&path)
+            .unwrap_or_default()
+            .lines()
+            .filter(|line| line.starts_with("quotamesh_policy_reloads_total{"))
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum()
+    };
+    let policy = common::lines(&directory.join("nemesis.jsonl"))
+        .into_iter()
+        .find(|record| record["kind"] == "policy" && record["phase"] == "start")
+        .expect("a policy fault");
+    for node in policy["nodes"].as_array().expect("its nodes") {
+        let after = format!("fault-{}", policy["fault"]);
+        assert!(reloads(node, &after) > reloads(node, "start"), "node {node} did not reload");
+    }
     let history = common::lines(&directory.join("history.jsonl"));
     let refused = history
         .iter()

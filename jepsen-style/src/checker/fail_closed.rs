@@ -3,7 +3,9 @@
 //! (the cut in place) to its end record (healing begun), the nodes on the side without a
 //! quorum must not answer `ok` to a mutation (a `DUPLICATE` replay of an earlier commit
 //! excepted) nor to a linearizable read whose whole call lies inside the partition. Sound:
-//! such an answer needs a majority's acknowledgement within the call.
+//! such an answer needs a majority's acknowledgement within the call. A one-way partition
+//! counts the same (its targets hear no acknowledgement); a flapping one is not judged (the
+//! records do not say when its cut was in place).
 
 use super::CheckResult;
 use crate::history::{Event, EventType, Function, NodeId, operations};
@@ -23,7 +25,7 @@ pub fn check(events: &[Event], faults: &[NemesisRecord], node_count: usize) -> C
     let quorum = node_count / 2 + 1;
     let mut cuts = Vec::new();
     for start in faults.iter().filter(|record| {
-        record.kind == FaultKind::Partition
+        matches!(record.kind, FaultKind::Partition | FaultKind::PartitionOneWay)
             && record.phase == Phase::Start
             && record.outcome == FaultOutcome::Installed
     }) {
@@ -127,6 +129,11 @@ mod tests {
         }
         let everyone = partition(Target::All, vec![1, 2, 3]);
         assert_eq!(validity(&history(Function::Debit, 1, 12, false), &everyone), Validity::Invalid);
+        let mut one_way = partition(Target::One(1), vec![2]);
+        for record in &mut one_way {
+            record.kind = FaultKind::PartitionOneWay;
+        }
+        assert_eq!(validity(&history(Function::Read, 2, 12, false), &one_way), Validity::Invalid);
     }
 
     /// The majority side, calls straddling the cut, replays of earlier commits, and the
@@ -141,5 +148,10 @@ mod tests {
         assert_eq!(validity(&history(Function::Check, 2, 12, false), &faults), Validity::Valid);
         let bridge = partition(Target::Bridge(1), vec![2]);
         assert_eq!(validity(&history(Function::Debit, 2, 12, false), &bridge), Validity::Valid);
+        let mut flap = partition(Target::One(1), vec![2]);
+        for record in &mut flap {
+            record.kind = FaultKind::PartitionFlap;
+        }
+        assert_eq!(validity(&history(Function::Debit, 2, 12, false), &flap), Validity::Valid);
     }
 }

@@ -2,6 +2,7 @@
 //! run) to a verdict. No IO, no clock. Every checker has tests on hand-made bad histories it
 //! must flag.
 
+pub mod availability;
 pub mod bank;
 pub mod fail_closed;
 pub mod replicas;

@@ -118,26 +118,63 @@ impl Namespaces {
     /// An nft command fails.
     pub async fn partition(&self, pairs: &[(usize, usize)]) -> anyhow::Result<()> {
         for position in 0..self.nodes {
-            let cut: Vec<String> = pairs
+            let peers: Vec<usize> = pairs
                 .iter()
                 .filter_map(|(first, second)| match position {
                     _ if position == *first => Some(*second),
                     _ if position == *second => Some(*first),
                     _ => None,
                 })
-                .map(|peer| self.address(peer))
                 .collect();
-            if cut.is_empty() {
-                continue;
-            }
-            let set = cut.join(", ");
-            let rules = format!(
-                "add rule inet {TABLE} input ip saddr {{ {set} }} drop\n\
-                 add rule inet {TABLE} output ip daddr {{ {set} }} drop\n"
-            );
-            nft(&self.namespace(position), &["-f", "-"], Some(&rules)).await?;
+            self.drop_rules(position, &peers, &peers).await?;
         }
         Ok(())
+    }
+
+    /// Cuts the directed links `links` ((sender, receiver) positions): each receiver drops
+    /// what its senders send; what it sends still goes out.
+    ///
+    /// # Errors
+    /// An nft command fails.
+    pub async fn partition_one_way(&self, links: &[(usize, usize)]) -> anyhow::Result<()> {
+        for position in 0..self.nodes {
+            let senders: Vec<usize> = links
+                .iter()
+                .filter(|(_, receiver)| *receiver == position)
+                .map(|(sender, _)| *sender)
+                .collect();
+            self.drop_rules(position, &senders, &[]).await?;
+        }
+        Ok(())
+    }
+
+    /// In node `position`'s namespace: drops what comes from `from` and what goes to `to`.
+    async fn drop_rules(
+        &self,
+        position: usize,
+        from: &[usize],
+        to: &[usize],
+    ) -> anyhow::Result<()> {
+        let set = |peers: &[usize]| {
+            peers.iter().map(|peer| self.address(*peer)).collect::<Vec<_>>().join(", ")
+        };
+        let mut rules = String::new();
+        if !from.is_empty() {
+            rules.push_str(&format!(
+                "add rule inet {TABLE} input ip saddr {{ {} }} drop\n",
+                set(from)
+            ));
+        }
+        if !to.is_empty() {
+            rules.push_str(&format!(
+                "add rule inet {TABLE} output ip daddr {{ {} }} drop\n",
+                set(to)
+            ));
+        }
+        if rules.is_empty() {
+            return Ok(());
+        }
+        nft(&self.namespace(position), &["-f", "-"], Some(&rules)).await
     }
 
     /// Removes every partition rule.

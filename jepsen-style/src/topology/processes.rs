@@ -6,7 +6,8 @@
 //! each has its own namespace and address with the default ports (`super::netns`).
 //! Faults: SIGKILL (then a restart on the same data directory), SIGSTOP and SIGCONT, wall
 //! clock offsets (each node then runs under libfaketime, reading its offset from a file of
-//! its own), and on `netns` partitions.
+//! its own), policy files rewritten (each node has its own), a voter removed and added back
+//! through the CLI, and on `netns` partitions (both ways or one way).
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -19,6 +20,7 @@ use tokio::process::{Child, Command};
 use super::Topology;
 use super::netns::Namespaces;
 use crate::history::NodeId;
+use crate::nemesis::PolicyEdit;
 
 /// How long a node may take to answer `/healthz` after it is spawned.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -50,6 +52,14 @@ pub struct LocalNode {
     pub admin_addr: String,
     pub config_path: PathBuf,
     pub log_path: PathBuf,
+    /// Its Raft address, as the others reach it.
+    raft_addr: String,
+    /// Its own policy file, when the region serves one.
+    policy_path: Option<PathBuf>,
+    /// The policy file holds a nemesis's edit.
+    policy_edited: bool,
+    /// Removed from the voters by the nemesis, not yet added back.
+    removed: bool,
     /// On `netns`: the namespace it runs in.
     namespace: Option<String>,
     /// With clock faults: the file libfaketime reads the node's wall-clock offset from.
@@ -86,6 +96,8 @@ pub struct Cluster {
     partitioned: bool,
     /// With clock faults: libfaketime's preload library.
     faketime: Option<PathBuf>,
+    /// The policy every node serves (YAML), when the region serves one.
+    policy: Option<String>,
 }
 
 impl Cluster {
@@ -180,20 +192,21 @@ impl Cluster {
                     .as_ref()
                     .map(|_| nodes_directory.join(format!("node-{id}.faketime"))),
                 clock_offset_s: 0,
+                raft_addr: raft_addrs[position].clone(),
+                policy_path: policy.map(|_| nodes_directory.join(format!("node-{id}.policy.yaml"))),
+                policy_edited: false,
+                removed: false,
                 config_path: nodes_directory.join(format!("node-{id}.toml")),
                 log_path: logs.join(format!("node-{id}.log")),
                 child: None,
                 paused: false,
             });
         }
-        let policy_line = match policy {
-            Some(text) => {
-                let path = directory.join("policy.yaml");
-                std::fs::write(&path, text).with_context(|| format!("write {}", path.display()))?;
-                format!("policy = \"{}\"\n", path.display())
+        for node in &nodes {
+            if let (Some(path), Some(text)) = (&node.policy_path, policy) {
+                std::fs::write(path, text).with_context(|| format!("write {}", path.display()))?;
             }
-            None => String::new(),
-        };
+        }
         let peers: String = raft_addrs
             .iter()
             .enumerate()
@@ -203,6 +216,10 @@ impl Cluster {
             .collect();
         for (position, node) in nodes.iter().enumerate() {
             let id = node.id.0;
+            let policy_line = node
+                .policy_path
+                .as_ref()
+                .map_or(String::new(), |path| format!("policy = \"{}\"\n", path.display()));
             let config = format!(
                 "# Written by quotamesh-jepsen for one run.\n\
                  node_id = \"jepsen-{id}\"\nregion = \"{CLUSTER_ID}\"\ncluster_id = \"{CLUSTER_ID}\"\n\
@@ -241,6 +258,7 @@ impl Cluster {
             namespaces,
             partitioned: false,
             faketime,
+            policy: policy.map(str::to_owned),
         };
         for position in 0..count {
             cluster.spawn(position).await?;
@@ -384,6 +402,112 @@ impl Cluster {
         namespaces.partition(links).await
     }
 
+    /// Cuts the directed links `links` ((sender, receiver) positions;
+    /// `nemesis::one_way_links`).
+    ///
+    /// # Errors
+    /// The topology has no network to cut (`local`), or an nft command fails.
+    pub async fn partition_one_way(&mut self, links: &[(usize, usize)]) -> anyhow::Result<()> {
+        let namespaces = self.namespaces.as_ref().context("partitions need the netns topology")?;
+        self.partitioned = true;
+        namespaces.partition_one_way(links).await
+    }
+
+    /// Removes every partition.
+    ///
+    /// # Errors
+    /// An nft command fails.
+    pub async fn heal_partitions(&mut self) -> anyhow::Result<()> {
+        if self.partitioned
+            && let Some(namespaces) = &self.namespaces
+        {
+            namespaces.heal().await?;
+            self.partitioned = false;
+        }
+        Ok(())
+    }
+
+    /// Rewrites node `position`'s policy file as `edit` says (replacing it whole, as an
+    /// editor's save does); the node's file watch picks it up.
+    ///
+    /// # Errors
+    /// The region serves no policy file, or it cannot be written.
+    pub fn edit_policy(&mut self, position: usize, edit: PolicyEdit) -> anyhow::Result<()> {
+        let policy = self.policy.as_deref().context("the nodes serve no policy file")?;
+        let text = match edit {
+            PolicyEdit::ExtraRule => format!(
+                "{policy}  - key: jepsen-reloaded\n    rate_limit:\n      unit: minute\n      \
+                 requests_per_unit: 7\n"
+            ),
+            PolicyEdit::Broken => "domain: [this is not a policy\n".to_owned(),
+        };
+        self.write_policy(position, &text)?;
+        self.nodes[position].policy_edited = true;
+        Ok(())
+    }
+
+    fn write_policy(&self, position: usize, text: &str) -> anyhow::Result<()> {
+        let path =
+            self.nodes[position].policy_path.as_ref().context("the node has no policy file")?;
+        let temporary = path.with_extension("yaml.new");
+        std::fs::write(&temporary, text)
+            .and_then(|()| std::fs::rename(&temporary, path))
+            .with_context(|| format!("write {}", path.display()))
+    }
+
+    /// `quotamesh cluster remove-node` of node `position`, through every node's admin port;
+    /// the node keeps running.
+    ///
+    /// # Errors
+    /// The command fails (the message says why).
+    pub async fn remove_voter(&mut self, position: usize) -> anyhow::Result<()> {
+        let id = self.nodes[position].id.0.to_string();
+        let admin_addrs = self.admin_addrs();
+        // Marked first: a removal that fails half way is finished by adding the node back.
+        self.nodes[position].removed = true;
+        run_cli(
+            &self.binary,
+            &["cluster", "remove-node", "--admin-addr", &admin_addrs, "--node-id", &id],
+            Some(&self.tokens.admin),
+        )
+        .await
+        .map(drop)
+    }
+
+    /// `quotamesh cluster add-node` of node `position` (a learner until it has caught up,
+    /// then a voter of both groups).
+    ///
+    /// # Errors
+    /// The command fails (the message says why).
+    pub async fn add_voter(&mut self, position: usize) -> anyhow::Result<()> {
+        let node = &self.nodes[position];
+        let id = node.id.0.to_string();
+        let raft_addr = node.raft_addr.clone();
+        let admin_addrs = self.admin_addrs();
+        run_cli(
+            &self.binary,
+            &[
+                "cluster",
+                "add-node",
+                "--admin-addr",
+                &admin_addrs,
+                "--node-id",
+                &id,
+                "--raft-addr",
+                &raft_addr,
+            ],
+            Some(&self.tokens.admin),
+        )
+        .await?;
+        self.nodes[position].removed = false;
+        Ok(())
+    }
+
+    /// Every node's admin address, comma-separated (as the CLI takes them).
+    fn admin_addrs(&self) -> String {
+        self.nodes.iter().map(|node| node.admin_addr.as_str()).collect::<Vec<_>>().join(",")
+    }
+
     /// Sets node `position`'s wall clock `offset_s` seconds off (0: true time again); it
     /// takes effect within libfaketime's one-second cache.
     ///
@@ -409,15 +533,17 @@ impl Cluster {
                 problems.push(format!("{error:#}"));
             }
         }
-        if self.partitioned
-            && let Some(namespaces) = &self.namespaces
-        {
-            match namespaces.heal().await {
-                Ok(()) => self.partitioned = false,
-                Err(error) => problems.push(format!("{error:#}")),
-            }
+        if let Err(error) = self.heal_partitions().await {
+            problems.push(format!("{error:#}"));
         }
         for position in 0..self.nodes.len() {
+            if self.nodes[position].policy_edited {
+                let original = self.policy.clone().unwrap_or_default();
+                match self.write_policy(position, &original) {
+                    Ok(()) => self.nodes[position].policy_edited = false,
+                    Err(error) => problems.push(format!("{error:#}")),
+                }
+            }
             let result = if self.nodes[position].paused {
                 self.resume(position).await
             } else if !self.nodes[position].running() {
@@ -426,6 +552,14 @@ impl Cluster {
                 Ok(())
             };
             if let Err(error) = result {
+                problems.push(format!("{error:#}"));
+            }
+        }
+        // Added back once every node runs again, so the change finds its leaders.
+        for position in 0..self.nodes.len() {
+            if self.nodes[position].removed
+                && let Err(error) = self.add_voter(position).await
+            {
                 problems.push(format!("{error:#}"));
             }
         }

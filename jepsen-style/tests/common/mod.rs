@@ -48,10 +48,16 @@ impl Drop for CpuHog {
 }
 
 /// `quotamesh-jepsen run` of `workload` on three nodes of `topology` under the faults
-/// `nemeses` for 20 s at the default rate, seed 42, with both cores busy; asserts a valid
+/// `nemeses` for 20 s at the default rate with `seed`, with both cores busy; asserts a valid
 /// verdict and that every planned fault was carried out, and returns the run's directory
 /// (inside `out`).
-pub fn valid_run(workload: &str, topology: &str, nemeses: &[&str], out: &Path) -> PathBuf {
+pub fn valid_run(
+    workload: &str,
+    topology: &str,
+    nemeses: &[&str],
+    seed: u64,
+    out: &Path,
+) -> PathBuf {
     let binary = quotamesh_binary();
     assert!(
         binary.is_file(),
@@ -64,7 +70,7 @@ pub fn valid_run(workload: &str, topology: &str, nemeses: &[&str], out: &Path) -
         Command::new(env!("CARGO_BIN_EXE_quotamesh-jepsen"))
             .args(["run", "--topology", topology, "--nodes", "3", "--workload", workload])
             .args(["--nemesis", &nemeses.join(","), "--time-limit", "20s", "--rate", "200"])
-            .args(["--seed", "42", "--out"])
+            .args(["--seed", &seed.to_string(), "--out"])
             .arg(out)
             .arg("--binary")
             .arg(&binary)
@@ -87,7 +93,7 @@ pub fn valid_run(workload: &str, topology: &str, nemeses: &[&str], out: &Path) -
     // Every fault the seed planned was carried out (a leader-aimed one may find no leader).
     let planned =
         json(&directory.join("schedule.json"))["faults"].as_array().cloned().unwrap_or_default();
-    assert!(!planned.is_empty(), "seed 42 planned no fault in 20 s");
+    assert!(!planned.is_empty(), "seed {seed} planned no fault in 20 s");
     let faults = lines(&directory.join("nemesis.jsonl"));
     for (number, fault) in planned.iter().enumerate() {
         let done = faults.iter().any(|record| {
@@ -99,6 +105,15 @@ pub fn valid_run(workload: &str, topology: &str, nemeses: &[&str], out: &Path) -
         assert!(done, "planned fault {number} ({fault}) was not carried out: {faults:?}");
     }
     directory
+}
+
+/// The kinds of fault the run's nemesis put in place.
+pub fn installed_kinds(directory: &Path) -> Vec<String> {
+    lines(&directory.join("nemesis.jsonl"))
+        .into_iter()
+        .filter(|record| record["phase"] == "start" && record["outcome"] == "installed")
+        .filter_map(|record| record["kind"].as_str().map(str::to_owned))
+        .collect()
 }
 
 /// `quotamesh-jepsen check` on a run directory: its exit code and what it printed.
