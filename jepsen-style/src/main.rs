@@ -121,7 +121,13 @@ enum Command {
     /// Runs the checkers again on a saved run; rewrites its verdict and report.
     Check { directory: PathBuf },
     /// Prints a saved run's report (Markdown); given a directory of runs, a table of them.
-    Report { directory: PathBuf },
+    Report {
+        directory: PathBuf,
+        /// Writes the run's page with plots (`report.html` in its directory) and prints its
+        /// path instead.
+        #[arg(long)]
+        html: bool,
+    },
 }
 
 fn parse_duration(text: &str) -> Result<Duration, String> {
@@ -194,7 +200,14 @@ fn run_command(command: Command) -> anyhow::Result<u8> {
             println!("verdict: {:?}", verdict.validity);
             Ok(verdict.exit_code())
         }
-        Command::Report { directory } => {
+        Command::Report { directory, html: true } => {
+            let path = directory.join("report.html");
+            std::fs::write(&path, quotamesh_jepsen::html::render(&directory)?)
+                .with_context(|| format!("write {}", path.display()))?;
+            println!("{}", path.display());
+            Ok(0)
+        }
+        Command::Report { directory, html: false } => {
             if directory.join("run.json").is_file() {
                 print!("{}", quotamesh_jepsen::report::render(&directory)?);
             } else {

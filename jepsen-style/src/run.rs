@@ -877,14 +877,15 @@ fn check_rls(directory: &Path, record: &RunRecord, events: &[Event]) -> Vec<Chec
     checker::rls::check(events, &rules, RLS_WINDOW_MS)
 }
 
-/// Writes `verdict.json` and `report.md`.
+/// Writes `verdict.json`, `report.md` and `report.html`.
 ///
 /// # Errors
-/// The files cannot be written or the run's records read.
+/// The files cannot be written, the run's records read, or a plot drawn.
 pub fn write_verdict(directory: &Path, verdict: &Verdict) -> anyhow::Result<()> {
     std::fs::write(directory.join("verdict.json"), serde_json::to_vec_pretty(verdict)?)?;
     let report = crate::report::render(directory)?;
     std::fs::write(directory.join("report.md"), report)?;
+    std::fs::write(directory.join("report.html"), crate::html::render(directory)?)?;
     Ok(())
 }
 
