@@ -13,15 +13,9 @@ if ! command -v envoy >/dev/null 2>&1 || ! envoy --version 2>/dev/null | grep -q
 fi
 export ENVOY_BIN=${ENVOY_BIN:-$(command -v envoy)}
 
-# The clock-skew test (tests/t50_clock_skew.rs) runs one node under libfaketime (Debian's
-# faketime); CI runs as root on a fresh machine.
-if ! compgen -G "/usr/lib/*/faketime/libfaketime.so.1" >/dev/null \
-  && ! compgen -G "/usr/lib/faketime/libfaketime.so.1" >/dev/null; then
-  echo "installing faketime (Debian package)" >&2
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y --no-install-recommends faketime >/dev/null \
-    || { apt-get update >/dev/null && apt-get install -y --no-install-recommends faketime >/dev/null; }
-fi
+# The clock-skew test (tests/t50_clock_skew.rs) and the fault-injection suite's clock
+# nemeses run nodes under libfaketime (Debian's faketime); CI runs as root on a fresh machine.
+scripts/install-faketime.sh
 
 # One profile everywhere (tests, benches, the image): release, with overflow checks on.
 cargo test --release --workspace "$@"

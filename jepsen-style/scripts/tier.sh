@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The fault-injection tiers: many short seeded schedules of quotamesh-jepsen across the
+# workloads, topologies and nemeses, then the summary of every run and the worst verdict as
+# the exit code (0 valid, 1 a violation, 2 a run that could not be judged).
+#
+#   jepsen-style/scripts/tier.sh fast [OUT]   # 12 schedules of 20 s: about 5 minutes
+#   jepsen-style/scripts/tier.sh full [OUT]   # 102 schedules of 20 s: about 40 minutes
+#
+# SEED (default 1000) moves every seed; TIME_LIMIT (default 20s, three or four faults) sets
+# each run's length.
+# The netns lines need root (namespaces, nft); without it they are skipped, and said so.
+# Installs Debian's faketime (the clock nemeses) when it is missing; builds both binaries.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+tier=${1:-fast}
+out=${2:-runs/tier-$tier}
+case $tier in
+  fast) per_line=2 ;;
+  full) per_line=17 ;;
+  *) echo "usage: $0 fast|full [out-directory]" >&2; exit 2 ;;
+esac
+seed=${SEED:-1000}
+time_limit=${TIME_LIMIT:-20s}
+
+scripts/install-faketime.sh
+
+cargo build --release --bin quotamesh --bin quotamesh-jepsen
+jepsen=target/release/quotamesh-jepsen
+
+# workload topology nemeses: each line runs per_line seeds.
+lines=(
+  "bank local kill,pause,clock,clock-step"
+  "rls local kill,pause,policy"
+  "bank local membership,kill,policy,pause"
+  "rls local clock-step,pause,membership"
+  "bank netns partition,partition-one-way,partition-flap,kill,pause"
+  "rls netns partition,partition-flap,partition-one-way,kill"
+)
+worst=0
+for line in "${lines[@]}"; do
+  read -r workload topology nemeses <<<"$line"
+  if [[ $topology == netns && $(id -u) != 0 ]]; then
+    echo "skipped ($topology needs root): $line" >&2
+    seed=$((seed + 1000))
+    continue
+  fi
+  echo "== $workload on $topology under $nemeses, seeds $seed.. ($per_line runs)"
+  code=0
+  "$jepsen" soak --runs "$per_line" --topology "$topology" --nodes 3 --workload "$workload" \
+    --nemesis "$nemeses" --time-limit "$time_limit" --seed "$seed" --out "$out" >/dev/null || code=$?
+  # A violation (1) outranks a run that could not be judged (2).
+  if [[ $code == 1 || $worst == 1 ]]; then worst=1; elif ((code > worst)); then worst=$code; fi
+  seed=$((seed + 1000))
+done
+"$jepsen" report "$out"
+exit "$worst"
