@@ -34,7 +34,7 @@ lines=(
   "rls local kill,pause,policy"
   "bank local membership,kill,policy,pause"
   "rls local clock-step,pause,membership"
-  "bank netns partition,partition-one-way,partition-flap,kill,pause"
+  "bank netns partition,partition-one-way,partition-flap,kill,pause,disk"
   "rls netns partition,partition-flap,partition-one-way,kill"
 )
 worst=0

@@ -39,7 +39,7 @@ struct RunArgs {
     workload: String,
     /// Faults, comma-separated: `kill`, `pause`, `partition`, `partition-one-way`,
     /// `partition-flap` (netns only), `clock`, `clock-step` (libfaketime), `policy`,
-    /// `membership`; `none` for a fault-free baseline.
+    /// `membership`, `disk` (root); `none` for a fault-free baseline.
     #[arg(long, default_value = "kill,pause")]
     nemesis: String,
     /// How long the workload runs, e.g. `60s`, `2m`, `1500ms`.

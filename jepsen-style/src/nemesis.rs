@@ -39,6 +39,9 @@ pub enum FaultKind {
     /// The target node removed from the region's voters (`quotamesh cluster remove-node`)
     /// while it keeps running, and added back (`add-node`) when the fault ends.
     Membership,
+    /// The targets' data directories full: each is a small tmpfs (root), filled by a file
+    /// the runner writes until no space is left, and removed when the fault ends.
+    Disk,
 }
 
 /// A flapping partition changes state this often: below the election timeouts' 300 ms,
@@ -60,7 +63,7 @@ pub enum PolicyEdit {
 
 impl FaultKind {
     /// Every kind.
-    pub const ALL: [Self; 9] = [
+    pub const ALL: [Self; 10] = [
         Self::Kill,
         Self::Pause,
         Self::Partition,
@@ -70,6 +73,7 @@ impl FaultKind {
         Self::ClockStep,
         Self::Policy,
         Self::Membership,
+        Self::Disk,
     ];
 
     /// Parses a `--nemesis` name.
@@ -96,6 +100,7 @@ impl FaultKind {
             Self::ClockStep => "clock-step",
             Self::Policy => "policy",
             Self::Membership => "membership",
+            Self::Disk => "disk",
         }
     }
 
@@ -378,6 +383,7 @@ mod tests {
                     FaultKind::PartitionFlap,
                     FaultKind::Policy,
                     FaultKind::Membership,
+                    FaultKind::Disk,
                 ]
             };
             let options = options(nodes, time_limit_ms, kinds.clone());
@@ -439,7 +445,7 @@ mod tests {
             assert_eq!(FaultKind::parse(kind.name()), Ok(kind));
             assert_eq!(serde_json::to_string(&kind).expect("json"), format!("\"{}\"", kind.name()));
         }
-        assert!(FaultKind::parse("disk").is_err());
+        assert!(FaultKind::parse("flood").is_err());
     }
 
     /// One way: the rest to the targets only; for all, every node hears no other.

@@ -489,7 +489,8 @@ async fn install(
         | FaultKind::Clock
         | FaultKind::ClockStep
         | FaultKind::Policy
-        | FaultKind::Membership => {
+        | FaultKind::Membership
+        | FaultKind::Disk => {
             for position in positions {
                 let result = match fault.kind {
                     FaultKind::Kill => cluster.kill(*position).await,
@@ -502,6 +503,7 @@ async fn install(
                         *position,
                         fault.policy_edit.unwrap_or(nemesis::PolicyEdit::ExtraRule),
                     ),
+                    FaultKind::Disk => cluster.fill_disk(*position),
                     _ => cluster.remove_voter(*position).await,
                 };
                 if let Err(error) = result {
@@ -634,6 +636,7 @@ pub async fn run(options: RunOptions, out: &Path) -> anyhow::Result<(PathBuf, Ve
         options.topology,
         policy.as_deref(),
         options.nemeses.iter().any(|kind| kind.is_clock()),
+        options.nemeses.contains(&FaultKind::Disk),
     )
     .await?;
     let billing: Vec<String> = cluster.nodes.iter().map(|node| node.billing_addr.clone()).collect();

@@ -7,7 +7,8 @@
 //! Faults: SIGKILL (then a restart on the same data directory), SIGSTOP and SIGCONT, wall
 //! clock offsets (each node then runs under libfaketime, reading its offset from a file of
 //! its own), policy files rewritten (each node has its own), a voter removed and added back
-//! through the CLI, and on `netns` partitions (both ways or one way).
+//! through the CLI, full data disks (each data directory then a small tmpfs), and on `netns`
+//! partitions (both ways or one way).
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -33,6 +34,11 @@ const POLL: Duration = Duration::from_millis(50);
 /// Ports handed to nodes: below Linux's ephemeral range, so no outgoing connection takes one
 /// between the check here and the node's bind.
 const PORTS: std::ops::Range<u16> = 20_000..32_000;
+/// With disk faults, each node's data directory is a tmpfs of this size: room for a short
+/// run's logs and snapshots, little to fill.
+const DATA_DISK_BYTES: u64 = 128 << 20;
+/// The file a disk fault fills a data directory with.
+const FILLER: &str = "jepsen-filler";
 /// The cluster and region the nodes' configs and certificates name.
 const CLUSTER_ID: &str = "jepsen";
 
@@ -60,6 +66,11 @@ pub struct LocalNode {
     policy_edited: bool,
     /// Removed from the voters by the nemesis, not yet added back.
     removed: bool,
+    data_dir: PathBuf,
+    /// Its data directory is a tmpfs the runner mounted.
+    data_mounted: bool,
+    /// A disk fault filled its data directory.
+    disk_full: bool,
     /// On `netns`: the namespace it runs in.
     namespace: Option<String>,
     /// With clock faults: the file libfaketime reads the node's wall-clock offset from.
@@ -114,6 +125,7 @@ impl Cluster {
         topology: Topology,
         policy: Option<&str>,
         clock_faults: bool,
+        disk_faults: bool,
     ) -> anyhow::Result<Self> {
         let faketime = if clock_faults { Some(libfaketime()?) } else { None };
         anyhow::ensure!(count >= 1, "a region needs a node");
@@ -196,6 +208,9 @@ impl Cluster {
                 policy_path: policy.map(|_| nodes_directory.join(format!("node-{id}.policy.yaml"))),
                 policy_edited: false,
                 removed: false,
+                data_dir: nodes_directory.join(format!("node-{id}")),
+                data_mounted: false,
+                disk_full: false,
                 config_path: nodes_directory.join(format!("node-{id}.toml")),
                 log_path: logs.join(format!("node-{id}.log")),
                 child: None,
@@ -233,7 +248,7 @@ impl Cluster {
                  [billing]\nbootstrap = {bootstrap}\n\n\
                  [[billing.tokens]]\nname = \"jepsen\"\nsha256 = \"{billing_sha256}\"\n\
                  tenants = [\"*\"]\n",
-                data = nodes_directory.join(format!("node-{id}")).display(),
+                data = node.data_dir.display(),
                 rls = node.rls_addr,
                 metrics = node.metrics_addr,
                 admin = node.admin_addr,
@@ -260,6 +275,11 @@ impl Cluster {
             faketime,
             policy: policy.map(str::to_owned),
         };
+        if disk_faults {
+            for position in 0..count {
+                cluster.mount_data_disk(position).await?;
+            }
+        }
         for position in 0..count {
             cluster.spawn(position).await?;
         }
@@ -503,6 +523,52 @@ impl Cluster {
         Ok(())
     }
 
+    /// Mounts a tmpfs of [`DATA_DISK_BYTES`] on node `position`'s data directory.
+    async fn mount_data_disk(&mut self, position: usize) -> anyhow::Result<()> {
+        let node = &mut self.nodes[position];
+        std::fs::create_dir_all(&node.data_dir)
+            .with_context(|| format!("create {}", node.data_dir.display()))?;
+        let status = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={DATA_DISK_BYTES}"), "quotamesh-jepsen"])
+            .arg(&node.data_dir)
+            .status()
+            .await
+            .context("run mount")?;
+        anyhow::ensure!(
+            status.success(),
+            "mount a tmpfs on {} failed (disk faults need root)",
+            node.data_dir.display()
+        );
+        node.data_mounted = true;
+        Ok(())
+    }
+
+    /// Fills node `position`'s data directory until the file system has no space left.
+    ///
+    /// # Errors
+    /// The directory is no tmpfs of the runner's, or the filler cannot be written for
+    /// another reason than a full disk.
+    pub fn fill_disk(&mut self, position: usize) -> anyhow::Result<()> {
+        use std::io::Write;
+        let node = &mut self.nodes[position];
+        anyhow::ensure!(node.data_mounted, "node {}'s data directory is no tmpfs", node.id.0);
+        node.disk_full = true;
+        let path = node.data_dir.join(FILLER);
+        let mut file =
+            std::fs::File::create(&path).with_context(|| format!("create {}", path.display()))?;
+        let chunk = vec![0_u8; 1 << 20];
+        loop {
+            match file.write(&chunk) {
+                Ok(0) => return Ok(()),
+                Ok(_) => {}
+                Err(error) if error.kind() == std::io::ErrorKind::StorageFull => return Ok(()),
+                Err(error) => {
+                    return Err(error).with_context(|| format!("fill {}", path.display()));
+                }
+            }
+        }
+    }
+
     /// Every node's admin address, comma-separated (as the CLI takes them).
     fn admin_addrs(&self) -> String {
         self.nodes.iter().map(|node| node.admin_addr.as_str()).collect::<Vec<_>>().join(",")
@@ -537,6 +603,23 @@ impl Cluster {
             problems.push(format!("{error:#}"));
         }
         for position in 0..self.nodes.len() {
+            let node = &mut self.nodes[position];
+            if node.disk_full {
+                match std::fs::remove_file(node.data_dir.join(FILLER)) {
+                    Ok(()) => node.disk_full = false,
+                    Err(error) => {
+                        problems.push(format!("empty node {}'s disk: {error}", node.id.0))
+                    }
+                }
+            }
+            // A node that exited by itself (a full disk, a crash) is restarted, and said so.
+            if let Some(child) = node.child.as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                node.child = None;
+                node.paused = false;
+                problems.push(format!("node {} had exited ({status}); restarted", node.id.0));
+            }
             if self.nodes[position].policy_edited {
                 let original = self.policy.clone().unwrap_or_default();
                 match self.write_policy(position, &original) {
@@ -592,6 +675,12 @@ impl Cluster {
                 && tokio::time::timeout(GRACE, child.wait()).await.is_err()
             {
                 let _ = child.kill().await;
+            }
+        }
+        for node in &mut self.nodes {
+            if node.data_mounted {
+                let unmounted = Command::new("umount").arg(&node.data_dir).status().await;
+                node.data_mounted = !unmounted.is_ok_and(|status| status.success());
             }
         }
         if let Some(namespaces) = self.namespaces.take() {
