@@ -17,6 +17,11 @@
 //! billing_addr = "0.0.0.0:8082"    # the billing-debit gRPC API
 //! role = "voter"                   # or "gateway": leases only, not a member of the groups
 //! max_clock_offset_ms = 500        # a node whose clock differs more from the leader's is reported
+//! quic_addr = "127.0.0.1:8443"     # QUIC (UDP) for the other regions' rebalancers
+//!
+//! [[regions]]                      # the other regions (DESIGN section 5); needs [tls]
+//! name = "eu-central"              # as its nodes' certificates name it
+//! quic_addr = "10.1.0.1:8443"      # where its quota group's leader answers QUIC
 //!
 //! [[peers]]                        # the region's voters (for `cluster init`; a gateway's
 //! id = 1                           # way to the leader); none = single node
@@ -182,6 +187,11 @@ pub struct NodeConfig {
     pub raft_addr: SocketAddr,
     /// Admin gRPC listen address (`quotamesh cluster ...`).
     pub admin_addr: SocketAddr,
+    /// QUIC (UDP) listen address for the other regions (DESIGN section 5).
+    pub quic_addr: SocketAddr,
+    /// The other regions this region exchanges slices of global limits with; QUIC between
+    /// regions always uses `[tls]`'s credentials.
+    pub regions: Vec<RegionPeerConfig>,
     /// A voter of the region's Raft groups, or a gateway that only leases.
     pub role: Role,
     /// The region's voters with the Raft address the other nodes reach each at. For a voter,
@@ -331,6 +341,22 @@ impl FromStr for Role {
             "gateway" => Ok(Self::Gateway),
             other => Err(format!("unknown role {other:?}: expected \"voter\" or \"gateway\"")),
         }
+    }
+}
+
+/// Another region, as `[[regions]]` lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegionPeerConfig {
+    /// The region's name, as its nodes' certificates name it.
+    pub name: String,
+    /// Where its quota group's leader answers QUIC.
+    pub quic_addr: SocketAddr,
+}
+
+impl From<&RegionPeerConfig> for crate::region::RegionPeer {
+    fn from(peer: &RegionPeerConfig) -> Self {
+        Self { name: peer.name.clone(), quic_addr: peer.quic_addr }
     }
 }
 
@@ -616,6 +642,8 @@ impl Default for NodeConfig {
             cluster_id: CLUSTER_ID_DEFAULT.to_owned(),
             raft_addr: RAFT_ADDR_DEFAULT.parse().expect("constant address parses"),
             admin_addr: ADMIN_ADDR_DEFAULT.parse().expect("constant address parses"),
+            quic_addr: crate::region::QUIC_ADDR_DEFAULT.parse().expect("constant address parses"),
+            regions: Vec::new(),
             role: Role::Voter,
             peers: Vec::new(),
             quota_group: RaftGroupConfig::default(),
@@ -750,6 +778,39 @@ impl NodeConfig {
         self.billing.validate()
     }
 
+    /// Checks `[[regions]]`: valid names, none twice, not this node's own, and TLS to
+    /// authenticate them with.
+    fn validate_regions(&self) -> Result<(), ConfigError> {
+        let invalid = |message: String| Err(ConfigError::Invalid(message));
+        if self.regions.len() > crate::core::region::REGIONS_PER_RULE_MAX {
+            return invalid(format!(
+                "at most {} [[regions]], got {}",
+                crate::core::region::REGIONS_PER_RULE_MAX,
+                self.regions.len()
+            ));
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for peer in &self.regions {
+            if let Err(error) = crate::core::region::check_region_name(&peer.name) {
+                return invalid(format!("regions: {:?}: {error}", peer.name));
+            }
+            if peer.name == self.region {
+                return invalid(format!("regions: {} is this node's own region", peer.name));
+            }
+            if !names.insert(peer.name.as_str()) {
+                return invalid(format!("regions: {} is listed twice", peer.name));
+            }
+        }
+        if !self.regions.is_empty() && self.tls.is_none() {
+            return invalid(
+                "[[regions]] needs [tls]: regions authenticate each other by certificate \
+                 (quotamesh cluster certs)"
+                    .to_owned(),
+            );
+        }
+        Ok(())
+    }
+
     /// Checks the Raft and cluster settings.
     fn validate_cluster(&self) -> Result<(), ConfigError> {
         let invalid = |message: String| Err(ConfigError::Invalid(message));
@@ -778,6 +839,7 @@ impl NodeConfig {
                 return invalid(format!("peers: node {}: raft_addr {reason}", peer.id));
             }
         }
+        self.validate_regions()?;
         self.validate_role(&ids)?;
         self.validate_security()?;
         let group = &self.quota_group;
@@ -1082,6 +1144,37 @@ mod tests {
         assert_eq!(config.raft_advertise_addr(), "node-2.example:8084");
         assert_eq!(config.quota_group.snapshot_every_logs, 5);
         assert_eq!(config.quota_group.heartbeat_interval_ms, 50);
+    }
+
+    /// `[[regions]]` parse with their QUIC addresses; a bad or repeated name, the node's
+    /// own region, or regions without `[tls]` are refused.
+    #[test]
+    fn regions_parse_and_bad_ones_are_refused() {
+        let tls = "[tls]\ncert = \"n.pem\"\nkey = \"n.key\"\nca = \"ca.pem\"\n";
+        let config = NodeConfig::from_toml(&format!(
+            "region = \"us-east\"\nquic_addr = \"0.0.0.0:9443\"\n{tls}\
+             [[regions]]\nname = \"eu-central\"\nquic_addr = \"10.1.0.1:8443\"\n"
+        ))
+        .expect("parses");
+        assert!(config.validate().is_ok(), "{:?}", config.validate());
+        assert_eq!(config.quic_addr.to_string(), "0.0.0.0:9443");
+        assert_eq!(NodeConfig::default().quic_addr.port(), 8443);
+        let peer = crate::region::RegionPeer::from(&config.regions[0]);
+        assert_eq!(
+            (peer.name.as_str(), peer.quic_addr.to_string()),
+            ("eu-central", "10.1.0.1:8443".into())
+        );
+        let entry =
+            |name: &str| format!("[[regions]]\nname = \"{name}\"\nquic_addr = \"10.1.0.1:8443\"\n");
+        for (text, expected) in [
+            (format!("region = \"a\"\n{tls}{}", entry("a b")), "may only use"),
+            (format!("region = \"a\"\n{tls}{}", entry("a")), "own region"),
+            (format!("region = \"a\"\n{tls}{}{}", entry("b"), entry("b")), "listed twice"),
+            (format!("region = \"a\"\n{}", entry("b")), "needs [tls]"),
+        ] {
+            let error = NodeConfig::from_toml(&text).expect("parses").validate().expect_err(&text);
+            assert!(error.to_string().contains(expected), "{error} for {text}");
+        }
     }
 
     /// With no peers the node advertises loopback for an unspecified listen address.

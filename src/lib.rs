@@ -11,6 +11,7 @@
 //! - [`policy_store`]: loads policy files, swaps them in atomically, reloads on change.
 //! - [`node`]: wires a node together; ordered shutdown.
 //! - [`raft_host`]: the Raft side of a node: its groups and their shared peer listener.
+//! - [`region`]: the QUIC link between regions (mTLS), carrying slice transfers.
 //! - [`tls`]: the cluster's CA, node certificates, mTLS between nodes.
 //! - [`identity`]: the cluster and node id stored in a data directory, checked on start.
 //! - [`config`]: the node's TOML configuration.
@@ -33,4 +34,5 @@ pub mod node;
 pub mod policy_store;
 pub mod raft_health;
 pub mod raft_host;
+pub mod region;
 pub mod tls;

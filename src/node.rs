@@ -134,8 +134,12 @@ impl Node {
             metrics.insecure_cluster.set(1);
         }
         let origin = config.policy.path.clone().map_or(PolicyOrigin::Embedded, PolicyOrigin::Path);
-        let policy =
-            Arc::new(PolicyStore::open(origin, config.policy.load_options(), metrics.clone())?);
+        let policy = Arc::new(PolicyStore::open(
+            origin,
+            config.policy.load_options(),
+            &config.region,
+            metrics.clone(),
+        )?);
 
         let rls_listener = bind("Envoy RLS gRPC", config.rls_addr).await?;
         let metrics_listener = bind("metrics HTTP", config.metrics_addr).await?;

@@ -160,6 +160,8 @@ pub struct ServedPolicy {
 pub struct PolicyStore {
     origin: PolicyOrigin,
     options: LoadOptions,
+    /// This node's region: the active set carries its slices of rules with `regions`.
+    region: String,
     active: Arc<ArcSwap<PolicySet>>,
     served: Arc<ArcSwap<ServedPolicy>>,
     /// The fingerprint of the files' content (or of the read error) last refused, so that
@@ -169,13 +171,15 @@ pub struct PolicyStore {
 }
 
 impl PolicyStore {
-    /// Loads the initial policy; a node does not start without a valid one.
+    /// Loads the initial policy; a node does not start without a valid one. The active set
+    /// is the one `region` enforces ([`PolicySet::for_region`]).
     ///
     /// # Errors
     /// [`PolicyLoadError`] when the initial policy cannot be loaded.
     pub fn open(
         origin: PolicyOrigin,
         options: LoadOptions,
+        region: &str,
         metrics: Metrics,
     ) -> Result<Self, PolicyLoadError> {
         let sources = origin.read_sources()?;
@@ -183,6 +187,7 @@ impl PolicyStore {
         let store = Self {
             origin,
             options,
+            region: region.to_owned(),
             active: Arc::new(ArcSwap::from_pointee(PolicySet::default())),
             served: Arc::new(ArcSwap::from_pointee(ServedPolicy::default())),
             last_refused: parking_lot::Mutex::new(None),
@@ -259,7 +264,7 @@ impl PolicyStore {
             active_since_ms: crate::clock::now_ms(),
             sources,
         }));
-        self.active.store(Arc::new(policy));
+        self.active.store(Arc::new(policy.for_region(&self.region)));
     }
 
     /// Reloads whenever the policy files change or the process receives SIGHUP, until

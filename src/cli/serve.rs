@@ -52,6 +52,9 @@ pub struct ServeArgs {
     /// Admin gRPC listen address [default: 0.0.0.0:8083].
     #[arg(long, env = "QUOTAMESH_ADMIN_ADDR")]
     pub admin_addr: Option<SocketAddr>,
+    /// QUIC (UDP) listen address for the other regions [default: 127.0.0.1:8443].
+    #[arg(long, env = "QUOTAMESH_QUIC_ADDR")]
+    pub quic_addr: Option<SocketAddr>,
     /// This node's Raft id, at least 1 [default: 1].
     #[arg(long, env = "QUOTAMESH_RAFT_NODE_ID")]
     pub raft_node_id: Option<u64>,
@@ -111,6 +114,9 @@ impl ServeArgs {
         }
         if let Some(address) = self.admin_addr {
             config.admin_addr = address;
+        }
+        if let Some(address) = self.quic_addr {
+            config.quic_addr = address;
         }
         if let Some(id) = self.raft_node_id {
             config.raft_node_id = NodeId(id);
@@ -238,9 +244,12 @@ mod tests {
             "2",
             "--peers",
             "1=127.0.0.1:9000,2=127.0.0.2:9001",
+            "--quic-addr",
+            "127.0.0.2:9443",
         ])?;
         let config = parsed.serve.resolve()?;
         assert_eq!(config.raft_addr.to_string(), "127.0.0.2:9001");
+        assert_eq!(config.quic_addr.to_string(), "127.0.0.2:9443");
         assert_eq!(config.raft_node_id, NodeId(2));
         assert_eq!(config.cluster_id, "file", "the file fills what no flag names");
         assert_eq!(config.peers.len(), 2);

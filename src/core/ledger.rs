@@ -64,6 +64,9 @@ use crate::core::digest::Fnv1a;
 
 use crate::core::fair_share::{Entitlement, max_min_fair, rate_milli_per_second};
 use crate::core::rate::{Algorithm, LimitSpec, LimitState, MICRO_TOKENS_PER_TOKEN};
+use crate::core::region::transfer::{RegionCommand, RegionLedger, RegionResponse};
+
+mod regions;
 
 /// Longest key, in bytes (`rl:{domain}:{descriptor path}`).
 pub const KEY_BYTES_MAX: usize = 512;
@@ -200,6 +203,14 @@ pub enum QuotaCommand {
         version: u64,
         /// `(file name, YAML text)` pairs.
         policy_yaml: Vec<(String, String)>,
+    },
+    /// A command about the region's slices of global limits and the transfers between
+    /// regions (`crate::core::region::transfer`), proposed by the region's rebalancer.
+    Region {
+        /// Ledger time, stamped by the leader that proposed it (`ledger_time.rs`).
+        now_ms: u64,
+        /// The command.
+        command: RegionCommand,
     },
     /// One node's reports on its keys (the lease broker's batch): each settles what the node
     /// spent and holds, then grants what it wants, answered item by item.
@@ -350,6 +361,8 @@ pub enum QuotaResponse {
     PolicySet(Result<(), PolicySetError>),
     /// The command was refused as a whole.
     Rejected(CommandError),
+    /// The answer to a [`QuotaCommand::Region`].
+    Region(RegionResponse),
 }
 
 /// A node's lease on one key, and its settlement record.
@@ -458,6 +471,8 @@ pub struct LedgerChanges {
     pub last_seen_ms: Option<u64>,
     /// The new policy set, when one was stored.
     pub policy: Option<PolicySet>,
+    /// The region's slices and transfers, when a command changed them.
+    pub regions: Option<RegionLedger>,
     /// Changed keys: `None` for a key forgotten.
     pub keys: Vec<(String, Option<KeyEntry>)>,
 }
@@ -482,6 +497,8 @@ pub struct QuotaLedger {
     last_seen_ms: u64,
     keys: BTreeMap<String, KeyEntry>,
     policy: Option<PolicySet>,
+    /// Slices of global limits and transfers between regions (`ledger/regions.rs`).
+    regions: RegionLedger,
     // Derived from `keys`, rebuilt on load:
     /// `(wake_at_ms, key)` of every key, the sweep's queue.
     wake_queue: BTreeSet<(u64, String)>,
@@ -491,6 +508,7 @@ pub struct QuotaLedger {
     changed_keys: BTreeSet<String>,
     last_seen_changed: bool,
     policy_changed: bool,
+    regions_changed: bool,
 }
 
 fn check_key(key: &str) -> Result<(), KeyError> {
@@ -706,6 +724,10 @@ impl QuotaLedger {
             QuotaCommand::PutPolicySet { now_ms, version, policy_yaml } => {
                 let now_ms = self.advance(*now_ms);
                 QuotaResponse::PolicySet(self.put_policy_set(*version, policy_yaml, now_ms))
+            }
+            QuotaCommand::Region { now_ms, command } => {
+                let now_ms = self.advance(*now_ms);
+                self.apply_region(command, now_ms)
             }
         }
     }
@@ -1072,7 +1094,7 @@ impl QuotaLedger {
                 (key, entry)
             })
             .collect();
-        LedgerChanges { last_seen_ms, policy, keys }
+        LedgerChanges { last_seen_ms, policy, regions: self.take_region_changes(), keys }
     }
 
     /// Ledger time: the greatest `now_ms` applied.
@@ -1116,6 +1138,10 @@ impl QuotaLedger {
         let mut digest = Fnv1a::default();
         digest.write(&self.last_seen_ms.to_le_bytes());
         digest.write_encoded(&self.policy);
+        // Only once regions are in use, so ledgers without them keep their digests.
+        if !self.regions.is_empty() {
+            digest.write_encoded(&self.regions);
+        }
         for (key, entry) in &self.keys {
             digest.write_encoded(key);
             digest.write_encoded(entry);

@@ -19,6 +19,7 @@
 //! - [`readiness`]: whether a node should take traffic (`/readyz`).
 //! - [`rfc3339`]: epoch milliseconds as RFC 3339 text for people.
 //! - [`fair_share`]: max-min fair division of a contended key's rate between nodes.
+//! - [`region`]: a global limit sliced per region; rebalance planning and transfers.
 
 pub mod admission;
 pub mod billing;
@@ -34,4 +35,5 @@ pub mod ledger_time;
 pub mod policy;
 pub mod rate;
 pub mod readiness;
+pub mod region;
 pub mod rfc3339;

@@ -1,8 +1,9 @@
 //! The quota group: openraft's type configuration over the pure quota ledger
 //! (`crate::core::ledger`), and how the ledger's state maps onto the store's records.
 //!
-//! Records: `h` holds ledger time (`last_seen_ms`), `p` the policy set, and `k` followed by
-//! the key's bytes one key's bucket and leases; values are postcard. The rules are in the
+//! Records: `h` holds ledger time (`last_seen_ms`), `p` the policy set, `r` the region
+//! slices and transfers, and `k` followed by the key's bytes one key's bucket and leases;
+//! values are postcard. The rules are in the
 //! core; this file only names types and encodes.
 
 use std::io::Cursor;
@@ -11,6 +12,7 @@ use crate::core::ledger::{
     KEY_BYTES_MAX, KeyEntry, LEASE_REQUESTS_PER_COMMAND_MAX, POLICY_FILE_NAME_BYTES_MAX,
     POLICY_FILES_MAX, POLICY_SET_BYTES_MAX, PolicySet, QuotaCommand, QuotaLedger, QuotaResponse,
 };
+use crate::core::region::transfer::RegionLedger;
 
 use super::{
     BasicNode, COMMAND_BYTES_MAX, GroupConfig, GroupMachine, NodeId, Record, RecordChange,
@@ -49,7 +51,7 @@ impl GroupConfig for QuotaGroup {
     type Machine = QuotaLedger;
 
     /// Lease commands (acquire, settle) only for the sender's own leases (a gateway's as a
-    /// voter's); a new policy set only from a voter.
+    /// voter's); a new policy set and region commands (slices, transfers) only from a voter.
     fn check_forward(
         command: &QuotaCommand,
         sender: NodeId,
@@ -58,9 +60,14 @@ impl GroupConfig for QuotaGroup {
         let for_node = match command {
             QuotaCommand::AcquireLeases { node_id, .. }
             | QuotaCommand::SettleLeases { node_id, .. } => *node_id,
-            QuotaCommand::PutPolicySet { .. } if sender_may_vote => return Ok(()),
+            QuotaCommand::PutPolicySet { .. } | QuotaCommand::Region { .. } if sender_may_vote => {
+                return Ok(());
+            }
             QuotaCommand::PutPolicySet { .. } => {
                 return Err(format!("node {sender} is a gateway and may not change the policy"));
+            }
+            QuotaCommand::Region { .. } => {
+                return Err(format!("node {sender} is a gateway and may not move region slices"));
             }
         };
         if for_node == sender {
@@ -73,6 +80,7 @@ impl GroupConfig for QuotaGroup {
 
 const RECORD_LAST_SEEN: &[u8] = b"h";
 const RECORD_POLICY: &[u8] = b"p";
+const RECORD_REGIONS: &[u8] = b"r";
 const RECORD_KEY_PREFIX: u8 = b'k';
 
 fn encode<T: serde::Serialize>(value: &T) -> Vec<u8> {
@@ -115,6 +123,10 @@ impl GroupMachine for QuotaLedger {
             records
                 .push(RecordChange { key: RECORD_POLICY.to_vec(), value: Some(encode(&policy)) });
         }
+        if let Some(regions) = changes.regions {
+            records
+                .push(RecordChange { key: RECORD_REGIONS.to_vec(), value: Some(encode(&regions)) });
+        }
         for (key, entry) in changes.keys {
             records.push(RecordChange {
                 key: key_record(&key),
@@ -130,12 +142,15 @@ impl GroupMachine for QuotaLedger {
     {
         let mut last_seen_ms = 0;
         let mut policy: Option<PolicySet> = None;
+        let mut regions = RegionLedger::default();
         let mut keys = Vec::new();
         for (key, value) in records {
             if key == RECORD_LAST_SEEN {
                 last_seen_ms = postcard::from_bytes(&value).map_err(|e| undecodable(&key, e))?;
             } else if key == RECORD_POLICY {
                 policy = Some(postcard::from_bytes(&value).map_err(|e| undecodable(&key, e))?);
+            } else if key == RECORD_REGIONS {
+                regions = postcard::from_bytes(&value).map_err(|e| undecodable(&key, e))?;
             } else if let Some((&RECORD_KEY_PREFIX, name)) = key.split_first() {
                 let name = String::from_utf8(name.to_vec()).map_err(|e| undecodable(&key, e))?;
                 let entry: KeyEntry =
@@ -146,6 +161,7 @@ impl GroupMachine for QuotaLedger {
             }
         }
         QuotaLedger::from_parts(last_seen_ms, policy, keys)
+            .map(|ledger| ledger.with_regions(regions))
             .map_err(|e| RecordError { key: "ledger".to_owned(), reason: e.to_string() })
     }
 
@@ -161,7 +177,8 @@ impl GroupMachine for QuotaLedger {
         match command {
             QuotaCommand::AcquireLeases { now_ms, .. }
             | QuotaCommand::SettleLeases { now_ms, .. }
-            | QuotaCommand::PutPolicySet { now_ms, .. } => *now_ms = stamp_ms,
+            | QuotaCommand::PutPolicySet { now_ms, .. }
+            | QuotaCommand::Region { now_ms, .. } => *now_ms = stamp_ms,
         }
     }
 }

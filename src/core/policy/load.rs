@@ -17,6 +17,9 @@ use super::{
 };
 use crate::core::lease::{LEASE_TOKENS_MAX, LEASE_TTL_MS_MAX, LeaseTuning};
 use crate::core::rate::{Algorithm, LimitSpec, LimitSpecError};
+use crate::core::region::{
+    REGIONS_PER_RULE_MAX, RegionShares, SHARE_BASIS_POINTS_WHOLE, check_region_name,
+};
 
 // A policy at the deepest descriptor nesting needs, per level, a `descriptors` list and a
 // descriptor mapping, plus the root mapping and, at the leaf, `rate_limits`, its item,
@@ -24,7 +27,7 @@ use crate::core::rate::{Algorithm, LimitSpec, LimitSpecError};
 const _: () = assert!(2 * DESCRIPTOR_DEPTH_MAX + 1 + 4 <= yaml::YAML_DEPTH_MAX);
 
 const ROOT_FIELDS: [&str; 2] = ["domain", "descriptors"];
-const DESCRIPTOR_FIELDS: [&str; 13] = [
+const DESCRIPTOR_FIELDS: [&str; 14] = [
     "key",
     "value",
     "rate_limit",
@@ -37,6 +40,7 @@ const DESCRIPTOR_FIELDS: [&str; 13] = [
     "metadata",
     "failure_mode",
     "lease",
+    "regions",
     "descriptors",
 ];
 const LIMIT_FIELDS: [&str; 8] =
@@ -145,6 +149,8 @@ struct DescriptorDraft {
     failure_mode: FailureMode,
     /// The `lease` block resolved against the defaults; the defaults when absent or invalid.
     lease: LeaseTuning,
+    /// The `regions` shares; `None` when absent or invalid.
+    regions: Option<RegionShares>,
     /// Every `name` written on this descriptor's limits, also on limits that were invalid,
     /// so a `replaces` pointing at them is not reported as dangling too.
     names: Vec<Named>,
@@ -378,6 +384,7 @@ impl Loader {
             metadata,
             failure_mode,
             lease,
+            regions,
             descriptors,
         ] = self.fields(file, entries, DESCRIPTOR_FIELDS, "a descriptor");
 
@@ -415,6 +422,7 @@ impl Loader {
             metadata: given(metadata).and_then(|entry| self.metadata(file, entry)),
             failure_mode: FailureMode::Open,
             lease: LeaseTuning::default(),
+            regions: None,
             names: Vec::new(),
             replaces: Vec::new(),
             children: Vec::new(),
@@ -491,22 +499,14 @@ impl Loader {
                 );
             }
         }
+        let limited = rate_limit.is_some() || rate_limits.is_some();
         if let Some(entry) = given(lease) {
             draft.lease = self.lease(file, entry).unwrap_or_default();
-            if rate_limit.is_none() && rate_limits.is_none() {
-                self.error(
-                    file,
-                    entry.key_position,
-                    "`lease` has no effect on a descriptor without `rate_limit` \
-                     (nested descriptors do not inherit it)",
-                );
-            } else if draft.unlimited {
-                self.error(
-                    file,
-                    entry.key_position,
-                    "`lease` has no effect on an `unlimited` rule: it never leases tokens",
-                );
-            }
+            self.needs_a_limit(file, entry, limited, draft.unlimited, "it never leases tokens");
+        }
+        if let Some(entry) = given(regions) {
+            draft.regions = self.regions(file, entry);
+            self.needs_a_limit(file, entry, limited, draft.unlimited, "it has no limit to slice");
         }
         draft.children = self.descriptors(file, descriptors, depth + 1, &draft.path, domain);
         Some(draft)
@@ -940,6 +940,80 @@ impl Loader {
         }
     }
 
+    /// Reports a per-rule setting (`lease`, `regions`) on a descriptor it cannot act on: one
+    /// without a limit (`limited` false), or an `unlimited` one, for `why_not_unlimited`.
+    fn needs_a_limit(
+        &mut self,
+        file: File<'_>,
+        entry: &MapEntry,
+        limited: bool,
+        unlimited: bool,
+        why_not_unlimited: &str,
+    ) {
+        let reason = if !limited {
+            format!(
+                "`{}` has no effect on a descriptor without `rate_limit` (nested descriptors do \
+                 not inherit it)",
+                entry.key
+            )
+        } else if unlimited {
+            format!("`{}` has no effect on an `unlimited` rule: {why_not_unlimited}", entry.key)
+        } else {
+            return;
+        };
+        self.error(file, entry.key_position, reason);
+    }
+
+    /// A `regions` mapping: region names to shares written as percentages (`60%`,
+    /// `12.5%`, at most two decimals) adding up to exactly 100 %. `None` after reporting any
+    /// problem.
+    fn regions(&mut self, file: File<'_>, entry: &MapEntry) -> Option<RegionShares> {
+        let fields = self.mapping(file, &entry.value, "`regions`")?;
+        if fields.is_empty() {
+            self.error(file, entry.value.position, "`regions` must name at least one region");
+            return None;
+        }
+        if fields.len() > REGIONS_PER_RULE_MAX {
+            let reason = format!(
+                "`regions` names {} regions, over the maximum of {REGIONS_PER_RULE_MAX}",
+                fields.len()
+            );
+            self.error(file, entry.value.position, reason);
+            return None;
+        }
+        let mut shares = Vec::with_capacity(fields.len());
+        let mut valid = true;
+        for field in fields {
+            if let Err(error) = check_region_name(&field.key) {
+                self.error(file, field.key_position, format!("region `{}`: {error}", field.key));
+                valid = false;
+            }
+            match self.string(file, field).map(parse_share) {
+                Some(Some(share)) => shares.push((field.key.clone(), share)),
+                Some(None) | None => {
+                    let reason = format!(
+                        "the share of region `{}` must be a percentage from 0% to 100% with at \
+                         most two decimals, e.g. `60%` or `12.5%`",
+                        field.key
+                    );
+                    self.error(file, field.value.position, reason);
+                    valid = false;
+                }
+            }
+        }
+        if !valid {
+            return None;
+        }
+        let total: u64 = shares.iter().map(|(_, share)| u64::from(*share)).sum();
+        if total != u64::from(SHARE_BASIS_POINTS_WHOLE) {
+            let reason =
+                format!("the shares of `regions` add up to {}, not 100%", percent_text(total));
+            self.error(file, entry.key_position, reason);
+            return None;
+        }
+        RegionShares::new(shares)
+    }
+
     /// `min_tokens` or `max_tokens` of a `lease`: a whole number in 1..=`LEASE_TOKENS_MAX`.
     fn lease_tokens(&mut self, file: File<'_>, field: &MapEntry) -> Option<u64> {
         let tokens = self.integer(file, field)?;
@@ -970,6 +1044,32 @@ impl Loader {
         };
         self.error(file, field.value.position, reason);
         None
+    }
+}
+
+/// A share written as `60%` or `12.5%` (at most two decimals, at most 100 %), in basis
+/// points; `None` for anything else.
+fn parse_share(text: &str) -> Option<u32> {
+    let number = text.strip_suffix('%')?;
+    let (whole, decimals) = number.split_once('.').unwrap_or((number, ""));
+    let digits = |part: &str, most: usize| {
+        part.len() <= most && part.bytes().all(|byte| byte.is_ascii_digit())
+    };
+    if whole.is_empty() || !digits(whole, 3) || !digits(decimals, 2) || number.ends_with('.') {
+        return None;
+    }
+    let hundredths = format!("{decimals:0<2}").parse::<u32>().ok()?;
+    let share = whole.parse::<u32>().ok()?.checked_mul(100)?.checked_add(hundredths)?;
+    (share <= SHARE_BASIS_POINTS_WHOLE).then_some(share)
+}
+
+/// Basis points as a percentage for messages: `9950` is `99.5%`.
+fn percent_text(basis_points: u64) -> String {
+    let (whole, hundredths) = (basis_points / 100, basis_points % 100);
+    if hundredths == 0 {
+        format!("{whole}%")
+    } else {
+        format!("{whole}.{}%", format!("{hundredths:02}").trim_end_matches('0'))
     }
 }
 
@@ -1104,6 +1204,7 @@ impl Assembly {
             levels: levels.as_slice().into(),
             failure_mode: draft.failure_mode,
             lease: draft.lease,
+            regions: draft.regions,
             replaces,
             file: place.file.to_owned(),
             line: draft.line,
@@ -1172,6 +1273,15 @@ impl Assembly {
                 serde_json::to_string(map).expect("a JSON map of strings and numbers serializes")
             });
             fingerprint.option_str(metadata.as_deref());
+        }
+        // Only when set, so every policy without `regions` keeps its digest.
+        if let Some(regions) = &rule.regions {
+            fingerprint.tag(b'R');
+            fingerprint.len(regions.iter().count());
+            for (region, share) in regions.iter() {
+                fingerprint.str(region);
+                fingerprint.u64(u64::from(share));
+            }
         }
         if rule.lease != LeaseTuning::default() {
             let lease = &rule.lease;

@@ -5,8 +5,9 @@
 //! one file holds one `domain` and a tree of `descriptors`, each with a `key`, an optional
 //! `value` (`*` is a wildcard anywhere in it) and an optional `rate_limit`. quotamesh adds
 //! `algorithm`, `burst`, `window` (any length instead of a `unit`), `rate_limits` (several
-//! limits a hit must all pass), `failure_mode` and `lease` (per-rule lease sizes and
-//! lookahead, DESIGN section 3). `cluster/policies/example.yaml` is a commented tour.
+//! limits a hit must all pass), `failure_mode`, `lease` (per-rule lease sizes and
+//! lookahead, DESIGN section 3) and `regions` (a global limit sliced per region, DESIGN
+//! section 5). `cluster/policies/example.yaml` is a commented tour.
 //!
 //! Every key of envoyproxy/ratelimit's format carries its meaning here too: `quota_mode`,
 //! `metadata` (returned in the response's dynamic metadata), `share_threshold` (one counter
@@ -46,6 +47,7 @@ use std::collections::HashMap;
 
 use crate::core::lease::LeaseTuning;
 use crate::core::rate::{Algorithm, LimitSpec};
+use crate::core::region::RegionShares;
 
 /// Deepest nesting of `descriptors` accepted (the top level is depth 1). An input size
 /// limit: a request descriptor only ever matches at its own depth, and Envoy sends few entries.
@@ -202,6 +204,9 @@ pub struct Rule {
     /// [`LeaseTuning::default`] (TTL and margin derived by [`LeaseTuning::with_sizes`]);
     /// the defaults when the block is absent. Valid by construction.
     pub lease: LeaseTuning,
+    /// The rule's `regions`: its limits are global, and each region enforces its slice
+    /// ([`PolicySet::for_region`]). `None`: every region enforces the whole limit.
+    pub regions: Option<RegionShares>,
     /// Names of limits (in the same domain) this rule's limits replace when both match one
     /// request; validated to exist.
     pub replaces: Vec<String>,
@@ -411,6 +416,23 @@ impl PolicySet {
     #[must_use]
     pub fn digest(&self) -> u64 {
         self.digest
+    }
+
+    /// The set as `region` enforces it: every limit of a rule with `regions` becomes the
+    /// region's slice of it (`crate::core::region`), 0 for a region the rule does not name;
+    /// rules without `regions` are unchanged. The digest stays the set's, alike in every
+    /// region, since the files are.
+    #[must_use]
+    pub fn for_region(mut self, region: &str) -> PolicySet {
+        for rule in &mut self.rules {
+            let Some(shares) = &rule.regions else { continue };
+            for limit in &mut rule.limits {
+                limit.spec = shares
+                    .slice_spec(region, &limit.spec)
+                    .expect("a slice of a valid limit is a valid limit");
+            }
+        }
+        self
     }
 
     /// The rule an index node points at; index and rules are built together.

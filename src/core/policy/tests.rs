@@ -933,10 +933,10 @@ fn error_unknown_keys() {
             "p.yaml:1:1: missing required key `domain`",
             "p.yaml:4:5: unknown key `rate_limt` in a descriptor; expected one of: key, value, rate_limit, \
              rate_limits, shadow_mode, quota_mode, detailed_metric, value_to_metric, share_threshold, metadata, \
-             failure_mode, lease, descriptors",
+             failure_mode, lease, regions, descriptors",
             "p.yaml:5:5: unknown key `quota_mod` in a descriptor; expected one of: key, value, rate_limit, \
              rate_limits, shadow_mode, quota_mode, detailed_metric, value_to_metric, share_threshold, metadata, \
-             failure_mode, lease, descriptors",
+             failure_mode, lease, regions, descriptors",
             "p.yaml:6:5: a rate limit needs `requests_per_unit`",
             "p.yaml:8:7: unknown key `request_per_unit` in `rate_limit`; expected one of: unit, requests_per_unit, \
              unlimited, name, replaces, algorithm, burst, window",
@@ -1175,7 +1175,7 @@ fn all_errors_of_all_files_are_reported() {
             "worse.yaml:1:9: domain `good` is already defined at good.yaml:1:9 (one file per domain, unless `[policy] merge_domains = true`)",
             "worse.yaml:3:5: unknown key `valeu` in a descriptor; expected one of: key, value, rate_limit, \
          rate_limits, shadow_mode, quota_mode, detailed_metric, value_to_metric, share_threshold, metadata, \
-         failure_mode, lease, descriptors",
+         failure_mode, lease, regions, descriptors",
             "worse.yaml:3:5: descriptor is missing required key `key`",
             "broken.yaml:1:9: invalid YAML: unclosed bracket '['",
         ]
@@ -1438,5 +1438,99 @@ fn error_metadata_must_be_a_mapping() {
     assert_eq!(
         errors(&["domain: d", "descriptors:", "  - {key: a, metadata: [1, 2]}"]),
         ["p.yaml:3:24: `metadata` must be a mapping, found a list"]
+    );
+}
+
+#[test]
+fn regions_slice_the_limits_per_region() {
+    // A rule with `regions` keeps its global limit in the set; each region's view carries
+    // its slice of the rate and of the burst, a region not named gets a limit of 0, and
+    // rules without `regions` are the same in every region.
+    let set = parse(&[
+        "domain: rl",
+        "descriptors:",
+        "  - key: global",
+        "    rate_limit: {unit: second, requests_per_unit: 1000, burst: 2000}",
+        "    regions: {us-east: 60%, eu-central: 30%, us-west: 10%}",
+        "  - key: thirds",
+        "    rate_limit: {unit: second, requests_per_unit: 100}",
+        "    regions:",
+        "      a: 33.34%",
+        "      b: 33.33%",
+        "      c: 33.33%",
+        "  - key: local",
+        "    rate_limit: {unit: second, requests_per_unit: 5}",
+    ]);
+    let global = |set: &PolicySet, key: &str| {
+        let spec = matched(set, "rl", &[(key, "x")]).limits[0].spec;
+        (spec.requests_per_window, spec.burst_tokens)
+    };
+    assert_eq!(global(&set, "global"), (1_000, 2_000));
+    let east = set.clone().for_region("us-east");
+    assert_eq!(global(&east, "global"), (600, 1_200));
+    assert_eq!(global(&set.clone().for_region("us-west"), "global"), (100, 200));
+    assert_eq!(global(&set.clone().for_region("elsewhere"), "global"), (0, 0));
+    let thirds: u64 = ["a", "b", "c"]
+        .iter()
+        .map(|region| global(&set.clone().for_region(region), "thirds").0)
+        .sum();
+    assert_eq!(thirds, 100, "the slices add up to the global limit");
+    assert_eq!(global(&east, "local"), (5, 5));
+    assert_eq!(east.digest(), set.digest());
+    let unsliced = parse(&[
+        "domain: rl",
+        "descriptors:",
+        "  - key: global",
+        "    rate_limit: {unit: second, requests_per_unit: 1000, burst: 2000}",
+        "  - key: thirds",
+        "    rate_limit: {unit: second, requests_per_unit: 100}",
+        "  - key: local",
+        "    rate_limit: {unit: second, requests_per_unit: 5}",
+    ]);
+    assert_ne!(unsliced.digest(), set.digest(), "the shares are part of the digest");
+}
+
+#[test]
+fn error_regions_values() {
+    // Every bad `regions` is reported where it was written: shares that do not add up to
+    // 100 % (at the key), malformed or too large shares and bad region names (at each),
+    // an empty or non-mapping value, and `regions` where there is no limit to slice.
+    assert_eq!(
+        errors(&[
+            "domain: rl",
+            "descriptors:",
+            "  - key: a",
+            "    rate_limit: {unit: second, requests_per_unit: 1}",
+            "    regions: {us-east: 60%, eu: 30%}",
+            "  - key: b",
+            "    rate_limit: {unit: second, requests_per_unit: 1}",
+            "    regions: {us-east: 60, eu: 40.001%, we st: 101%, x: 0.5%}",
+            "  - key: c",
+            "    rate_limit: {unit: second, requests_per_unit: 1}",
+            "    regions: {}",
+            "  - key: d",
+            "    rate_limit: {unit: second, requests_per_unit: 1}",
+            "    regions: [us-east]",
+            "  - key: e",
+            "    regions: {us-east: 100%}",
+            "  - key: f",
+            "    rate_limit: {unlimited: true}",
+            "    regions: {us-east: 100%}",
+        ]),
+        [
+            "p.yaml:5:5: the shares of `regions` add up to 90%, not 100%",
+            "p.yaml:8:24: the share of region `us-east` must be a percentage from 0% to 100% \
+             with at most two decimals, e.g. `60%` or `12.5%`",
+            "p.yaml:8:32: the share of region `eu` must be a percentage from 0% to 100% with \
+             at most two decimals, e.g. `60%` or `12.5%`",
+            "p.yaml:8:41: region `we st`: a region name may only use A-Z, a-z, 0-9, `_`, `.` and `-`",
+            "p.yaml:8:48: the share of region `we st` must be a percentage from 0% to 100% \
+             with at most two decimals, e.g. `60%` or `12.5%`",
+            "p.yaml:11:14: `regions` must name at least one region",
+            "p.yaml:14:14: `regions` must be a mapping, found a list",
+            "p.yaml:16:5: `regions` has no effect on a descriptor without `rate_limit` \
+             (nested descriptors do not inherit it)",
+            "p.yaml:19:5: `regions` has no effect on an `unlimited` rule: it has no limit to slice",
+        ]
     );
 }
