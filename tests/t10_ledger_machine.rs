@@ -470,7 +470,8 @@ fn stamped(commands: Vec<(u64, QuotaCommand)>, back_jumps: &[bool]) -> Vec<Quota
             match &mut command {
                 QuotaCommand::AcquireLeases { now_ms, .. }
                 | QuotaCommand::SettleLeases { now_ms, .. }
-                | QuotaCommand::PutPolicySet { now_ms, .. } => *now_ms = clock_ms,
+                | QuotaCommand::PutPolicySet { now_ms, .. }
+                | QuotaCommand::Region { now_ms, .. } => *now_ms = clock_ms,
             }
             command
         })
