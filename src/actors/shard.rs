@@ -985,6 +985,11 @@ impl ShardSet {
             {
                 slot.overrun_until_ms = until_ms;
                 admission::spend_what_is_left(&mut slot.lease, now_ms);
+                // The refusal spent the window: its own answer says so, as every later one
+                // will (a fallback's refusal would still show the fallback's balance).
+                if let Some(verdict) = admission::overrun_verdict(until_ms, now_ms) {
+                    outcomes[probe_index].verdicts[counter_index] = verdict;
+                }
             }
         }
         // A counter whose state was not written (a rejection consumes nothing) still counts
