@@ -59,6 +59,8 @@
 //! default_algorithm = "token_bucket" # or "fixed_window" (counts as envoyproxy/ratelimit) or
 //!                                  # "sliding_window": limits that name no algorithm
 //! near_limit_ratio = 0.8           # upstream's NEAR_LIMIT_RATIO, for the near_limit statistic
+//! shadow_events_file = "shadow.jsonl" # a JSON line per shadow rule's would-be rejection
+//! shadow_events_file_max_bytes = 268435456 # then renamed to FILE.1 and started anew
 //!
 //! [shards]
 //! count = 0                        # 0 = one per core
@@ -472,6 +474,11 @@ pub struct PolicyConfig {
     pub default_algorithm: Algorithm,
     /// Past this share of a limit hits count as `near_limit` (upstream's `NEAR_LIMIT_RATIO`).
     pub near_limit_ratio: f64,
+    /// Where each request a shadow rule would have refused is appended as a JSON line
+    /// (`quotamesh policy shadow-report` reads it); `None`: counted and logged at debug only.
+    pub shadow_events_file: Option<PathBuf>,
+    /// Past this size the events file is renamed to `FILE.1` and started anew.
+    pub shadow_events_file_max_bytes: u64,
 }
 
 impl Default for PolicyConfig {
@@ -481,9 +488,14 @@ impl Default for PolicyConfig {
             merge_domains: false,
             default_algorithm: Algorithm::default(),
             near_limit_ratio: 0.8,
+            shadow_events_file: None,
+            shadow_events_file_max_bytes: SHADOW_EVENTS_FILE_MAX_BYTES_DEFAULT,
         }
     }
 }
+
+/// Default size past which the shadow events file is rotated: 256 MiB.
+pub const SHADOW_EVENTS_FILE_MAX_BYTES_DEFAULT: u64 = 256 * 1024 * 1024;
 
 impl PolicyConfig {
     /// The loader's view of these settings.
@@ -772,6 +784,9 @@ impl NodeConfig {
             && (0.0..=1.0).contains(&self.policy.near_limit_ratio))
         {
             return invalid("policy.near_limit_ratio must be between 0 and 1".to_owned());
+        }
+        if self.policy.shadow_events_file_max_bytes < 4096 {
+            return invalid("policy.shadow_events_file_max_bytes must be at least 4096".to_owned());
         }
         self.validate_cluster()?;
         self.leasing.validate()?;

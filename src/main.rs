@@ -39,6 +39,7 @@ fn run() -> anyhow::Result<ExitCode> {
         }
         Command::Billing(arguments) => runtime()?.block_on(quotamesh::cli::billing::run(arguments)),
         Command::Health(arguments) => Ok(quotamesh::cli::health::run(&arguments)),
+        Command::Audit(arguments) => runtime()?.block_on(quotamesh::cli::audit::run(arguments)),
         Command::Bench(command) => {
             runtime()?.block_on(quotamesh::cli::bench::run(command))?;
             Ok(ExitCode::SUCCESS)

@@ -77,6 +77,12 @@ pub struct Metrics {
     pub rls_descriptor_decisions: IntCounterVec,
     /// `quotamesh_rls_shadow_blocks_total{domain, rule}`: hits a shadow-mode rule would have blocked.
     pub rls_shadow_blocks: IntCounterVec,
+    /// `quotamesh_rls_warnings_total{domain, rule}`: descriptors a warn-stage rule admitted
+    /// over its limit, with `RateLimit-Warning`.
+    pub rls_warnings: IntCounterVec,
+    /// `quotamesh_rls_shadow_events_dropped_total`: shadow events not written to
+    /// `[policy] shadow_events_file` (its queue full, or the disk failing).
+    pub rls_shadow_events_dropped: IntCounter,
     /// `quotamesh_rls_unmatched_total{reason}`: descriptors with no rule (`domain_not_found`, `no_rule`).
     pub rls_unmatched: IntCounterVec,
     /// `quotamesh_rls_rejected_requests_total{reason}`: requests refused before any state was touched.
@@ -326,6 +332,12 @@ impl Metrics {
                 "Hits a shadow-mode rule would have blocked (RateLimitShadowBlock events).",
                 &["domain", "rule"],
             ),
+            rls_warnings: counter_vec(
+                "quotamesh_rls_warnings_total",
+                "Descriptors a warn-stage rule (or a canary rule off its canary nodes) admitted \
+                 over its limit, answered with RateLimit-Warning.",
+                &["domain", "rule"],
+            ),
             rls_unmatched: counter_vec(
                 "quotamesh_rls_unmatched_total",
                 "Descriptors answered OK because no rule applies.",
@@ -402,6 +414,11 @@ impl Metrics {
             lease_charged_tokens: counter(
                 "quotamesh_lease_charged_tokens_total",
                 "Tokens admitted beyond leases (credit, fallback) charged to the ledger.",
+            ),
+            rls_shadow_events_dropped: counter(
+                "quotamesh_rls_shadow_events_dropped_total",
+                "RateLimitShadowBlock events not written to the shadow events file (its queue \
+                 full, or the disk failing).",
             ),
             lease_credit_admissions: counter(
                 "quotamesh_lease_credit_admissions_total",

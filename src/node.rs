@@ -36,6 +36,7 @@ use crate::api::grpc_limits::{self, Bounded};
 use crate::api::grpc_metrics::GrpcMetricsLayer;
 use crate::api::proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use crate::api::rls::{REQUEST_BYTES_MAX, RlsService};
+use crate::api::shadow_events::ShadowSink;
 use crate::config::{ConfigError, NodeConfig};
 use crate::core::circuit::BreakerSettings;
 use crate::core::headers::HeaderOptions;
@@ -71,6 +72,14 @@ pub enum NodeError {
     /// The initial policy is invalid or unreadable.
     #[error(transparent)]
     Policy(#[from] PolicyLoadError),
+    /// `[policy] shadow_events_file` cannot be opened for appending.
+    #[error("shadow events file {path}: {source}")]
+    ShadowEvents {
+        /// The file.
+        path: PathBuf,
+        /// The IO error.
+        source: std::io::Error,
+    },
     /// A listener could not be bound.
     #[error("cannot listen for {service} on {address}: {source}")]
     Bind {
@@ -138,6 +147,7 @@ impl Node {
             origin,
             config.policy.load_options(),
             &config.region,
+            &config.node_id,
             metrics.clone(),
         )?);
 
@@ -172,8 +182,15 @@ impl Node {
             legacy: config.headers.legacy,
             retry_after: config.headers.retry_after,
         };
-        let rls = RlsService::new(Arc::clone(&shards), policy.active(), metrics.clone(), headers)
-            .with_near_limit_ratio_permille(config.policy.near_limit_ratio_permille());
+        let mut rls =
+            RlsService::new(Arc::clone(&shards), policy.active(), metrics.clone(), headers)
+                .with_near_limit_ratio_permille(config.policy.near_limit_ratio_permille());
+        if let Some(path) = &config.policy.shadow_events_file {
+            let max_bytes = config.policy.shadow_events_file_max_bytes;
+            let sink = ShadowSink::open(path, max_bytes, metrics.clone())
+                .map_err(|source| NodeError::ShadowEvents { path: path.clone(), source })?;
+            rls = rls.with_shadow_events(sink, &config.node_id);
+        }
         let admin = AdminService::new(
             AdminNode {
                 name: config.node_id.clone(),

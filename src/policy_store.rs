@@ -154,6 +154,8 @@ pub struct ServedPolicy {
     pub active_since_ms: u64,
     /// The files, as read.
     pub sources: Vec<PolicySource>,
+    /// How the files were read (`[policy]`), so a reader parses them as the node did.
+    pub options: LoadOptions,
 }
 
 /// The active policy and where it came from.
@@ -162,6 +164,9 @@ pub struct PolicyStore {
     options: LoadOptions,
     /// This node's region: the active set carries its slices of rules with `regions`.
     region: String,
+    /// This node's id: the active set carries its stage of each rule's rollout (a canary
+    /// enforces on some nodes only).
+    node_id: String,
     active: Arc<ArcSwap<PolicySet>>,
     served: Arc<ArcSwap<ServedPolicy>>,
     /// The fingerprint of the files' content (or of the read error) last refused, so that
@@ -172,7 +177,8 @@ pub struct PolicyStore {
 
 impl PolicyStore {
     /// Loads the initial policy; a node does not start without a valid one. The active set
-    /// is the one `region` enforces ([`PolicySet::for_region`]).
+    /// is the one `region` enforces ([`PolicySet::for_region`]), as the node `node_id`
+    /// serves it ([`PolicySet::for_node`]).
     ///
     /// # Errors
     /// [`PolicyLoadError`] when the initial policy cannot be loaded.
@@ -180,6 +186,7 @@ impl PolicyStore {
         origin: PolicyOrigin,
         options: LoadOptions,
         region: &str,
+        node_id: &str,
         metrics: Metrics,
     ) -> Result<Self, PolicyLoadError> {
         let sources = origin.read_sources()?;
@@ -188,6 +195,7 @@ impl PolicyStore {
             origin,
             options,
             region: region.to_owned(),
+            node_id: node_id.to_owned(),
             active: Arc::new(ArcSwap::from_pointee(PolicySet::default())),
             served: Arc::new(ArcSwap::from_pointee(ServedPolicy::default())),
             last_refused: parking_lot::Mutex::new(None),
@@ -263,8 +271,9 @@ impl PolicyStore {
             rules,
             active_since_ms: crate::clock::now_ms(),
             sources,
+            options: self.options,
         }));
-        self.active.store(Arc::new(policy.for_region(&self.region)));
+        self.active.store(Arc::new(policy.for_region(&self.region).for_node(&self.node_id)));
     }
 
     /// Reloads whenever the policy files change or the process receives SIGHUP, until

@@ -140,6 +140,45 @@ fn envoy_enforces_quotamesh_decisions() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A warn-stage rule behind a real Envoy: never a 429, and past its limit every response
+/// carries `RateLimit-Warning` with the day enforcement begins, as Envoy passes quotamesh's
+/// headers on an allowed request; moved to `enforce` (one line, a reload) the same key
+/// gets its 429.
+#[test]
+fn a_warn_rule_warns_through_envoy_and_enforces_after_one_line() -> anyhow::Result<()> {
+    let directory = tempfile::tempdir()?;
+    let warn = "domain: quotamesh-example\ndescriptors:\n  - key: api_key\n    rollout: warn\n    \
+                enforce_after: 2027-01-08\n    rate_limit: {unit: minute, requests_per_unit: 2}\n";
+    let policy = write_file(directory.path(), "policy.yaml", warn);
+    let node = NodeProcess::start_with(&policy, &directory.path().join("data"), &[])?;
+    let envoy = start_envoy(node.rls_addr, directory.path())?;
+    let bob = [("x-api-key", "bob")];
+    for hit in 1..=5 {
+        let response = http_request(envoy.listener, "/", &bob)?;
+        assert_eq!(response.status, 200, "hit {hit}: {response:?}");
+        let warning = response.header("ratelimit-warning");
+        if hit <= 2 {
+            assert_eq!(warning, None, "hit {hit}: {response:?}");
+        } else {
+            let warning = warning.with_context(|| format!("hit {hit} warned: {response:?}"))?;
+            assert!(warning.ends_with("enforcement begins 2027-01-08"), "{warning}");
+        }
+    }
+    write_file(directory.path(), "policy.yaml", &warn.replace("rollout: warn", "rollout: enforce"));
+    // The reload follows the file; the key still has nothing left.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let response = http_request(envoy.listener, "/", &bob)?;
+        if response.status == 429 {
+            assert_eq!(response.header("ratelimit-warning"), None, "{response:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "still not enforced after a reload: {response:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(())
+}
+
 /// A policy of 5 requests per minute per API key, for exact counts.
 const FIVE_PER_MINUTE: &str = r#"
 domain: quotamesh-example

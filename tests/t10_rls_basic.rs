@@ -2,8 +2,7 @@
 
 mod common;
 
-use common::{NodeProcess, descriptor, metric_value, request, write_file};
-use quotamesh::api::proto::envoy::service::ratelimit::v3::RateLimitResponse;
+use common::{NodeProcess, descriptor, metric_value, request, rls_header as header, write_file};
 use quotamesh::api::proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use quotamesh::api::proto::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 
@@ -50,14 +49,6 @@ fn start_with_legacy_headers() -> (NodeProcess, tempfile::TempDir) {
     let node =
         NodeProcess::start_with(&policy, &data_dir, &["--config", config]).expect("node starts");
     (node, directory)
-}
-
-fn header<'r>(response: &'r RateLimitResponse, name: &str) -> Option<&'r str> {
-    response
-        .response_headers_to_add
-        .iter()
-        .find(|header| header.key == name)
-        .map(|header| header.value.as_str())
 }
 
 /// A key-only rule counts each value separately: three hits pass, the fourth is over, with

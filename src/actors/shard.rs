@@ -152,6 +152,10 @@ pub struct ProbeOutcome {
     pub verdicts: Vec<Verdict>,
     /// True when every limit admits the hits.
     pub admitted: bool,
+    /// For a rule that does not enforce (shadow, warn) and whose limits refused the hits:
+    /// how far the key's offered traffic is over the tightest of them, in thousandths
+    /// (`admission::over_limit_permille`; `u64::MAX` for a limit of 0). 0 otherwise.
+    pub over_permille: u64,
 }
 
 /// The decision for a whole request.
@@ -930,7 +934,7 @@ impl ShardSet {
                     staged_here.into_iter().map(|(counter, staged)| (probe_index, counter, staged)),
                 );
             }
-            outcomes.push(ProbeOutcome { verdicts, admitted: probe_admitted });
+            outcomes.push(ProbeOutcome { verdicts, admitted: probe_admitted, over_permille: 0 });
         }
         if quota_probes && !quota_admitted {
             admitted = false;
@@ -1003,6 +1007,14 @@ impl ShardSet {
             let stripe = &mut guards[guard_of(probe.stripe)];
             if let Some(slot) = stripe.get_mut(&key) {
                 admission::record_rejected(&mut slot.lease, &Self::counter(probe, spec), now_ms);
+                let outcome = &mut outcomes[probe_index];
+                // A caller warned instead of refused is told how far over it is.
+                if !probe.enforced && !outcome.verdicts[counter_index].admitted {
+                    let demand = slot.lease.demand_milli_per_second(probe.lease, now_ms);
+                    let over = admission::over_limit_permille(spec, demand, region.nodes_in_region)
+                        .unwrap_or(u64::MAX);
+                    outcome.over_permille = outcome.over_permille.max(over);
+                }
             }
         }
         drop(guards);

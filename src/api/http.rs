@@ -4,7 +4,8 @@
 //! the quota ledger not open (`crate::core::readiness`; the group views come from
 //! `crate::raft_health`). A refusal names its reason. `/config` (also `/rlconfig`, as
 //! envoyproxy/ratelimit names it) shows the policy the node serves: its digest and files,
-//! as text, or JSON with `?format=json` (what `quotamesh policy get` reads).
+//! as text, or JSON with `?format=json` (what `quotamesh policy get` and `quotamesh audit
+//! canary` read: with the `[policy]` options the files were read with).
 //!
 //! The port has no TLS and is open to Prometheus and probes, but the policy files are the
 //! operators' business: `/config` asks for an operator token (`Authorization: Bearer`) as the
@@ -152,6 +153,8 @@ async fn config_text(
             "active_since": active_since,
             "active_since_ms": policy.active_since_ms,
             "files": files,
+            "merge_domains": policy.options.merge_domains,
+            "default_algorithm": policy.options.default_algorithm,
         });
         return ([(header::CONTENT_TYPE, "application/json")], format!("{body}\n")).into_response();
     }

@@ -2,6 +2,7 @@
 //! endpoints for Prometheus and health checks. No rate-limit rule lives here.
 //!
 //! - [`rls`]: Envoy Rate Limit Service v3 (`ShouldRateLimit`).
+//! - [`shadow_events`]: the JSON-lines file of shadow rules' would-be rejections.
 //! - [`admin`]: the admin API (`quotamesh.admin.v1.Admin`): the groups' membership and
 //!   status, lease grants by hand.
 //! - [`grpc_limits`]: the metadata and message limits of the RLS, billing and admin ports,
@@ -21,4 +22,5 @@ pub mod http;
 pub mod operators;
 pub mod proto;
 pub mod rls;
+pub mod shadow_events;
 pub mod status;

@@ -11,7 +11,9 @@
 //! means 1, and a descriptor's own `hits_addend` beats the request's, where 0 checks without
 //! consuming (OVER_LIMIT when nothing is left); the request is OVER_LIMIT when any enforced
 //! descriptor is, except that quota-mode descriptors make it OVER_LIMIT only when all of them
-//! are; shadow-mode rules are evaluated and counted but answer OK; a limit named in another
+//! are; a rule's rollout stage decides what its refusal does (shadow: counted and reported,
+//! answer OK; warn, and a canary rule off its canary nodes: answer OK with
+//! `RateLimit-Warning`; enforce: OVER_LIMIT); a limit named in another
 //! matched limit's `replaces` is skipped; a `share_threshold` level counts under its
 //! wildcard pattern; the `metadata` of rules that admitted their descriptor comes back in
 //! `dynamic_metadata`, shaped as upstream's; upstream's per-descriptor statistics are
@@ -36,14 +38,16 @@ use crate::api::proto::envoy::service::ratelimit::v3::rate_limit_response::{
 use crate::api::proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use crate::api::proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use crate::api::proto::envoy::r#type::v3::RateLimitUnit;
+use crate::api::shadow_events::ShadowSink;
 use crate::api::status::InvalidRequest;
 use crate::core::admission::Verdict;
-use crate::core::headers::{HeaderOptions, LimitReport, format_headers};
+use crate::core::headers::{HeaderOptions, LimitReport, Warning, format_headers, format_warning};
 use crate::core::hit_stats::{HitCounts, NEAR_LIMIT_RATIO_PERMILLE_DEFAULT, classify};
 use crate::core::lease::LeaseTuning;
 use crate::core::policy::FailureMode;
-use crate::core::policy::{Entry, Match, PolicySet, Rule, RuleLimit, Unit};
+use crate::core::policy::{Entry, Match, PolicySet, Rule, RuleLimit, Stage, Unit};
 use crate::core::rate::LimitSpec;
+use crate::core::shadow_report::{DescriptorEntry, SHADOW_BLOCK_EVENT, ShadowEvent};
 use crate::metrics::{DOMAIN_UNKNOWN, Metrics, STATS_KEY_OVERRIDE};
 
 /// Most descriptors in one request.
@@ -67,6 +71,8 @@ pub struct RlsService {
     metrics: Metrics,
     headers: HeaderOptions,
     near_limit_ratio_permille: u64,
+    /// Where shadow rules' would-be rejections go as events, with this node's id.
+    shadow_events: Option<(ShadowSink, Arc<str>)>,
 }
 
 /// What one descriptor of a request asks for.
@@ -82,7 +88,10 @@ enum Plan<'p> {
 /// The parts of a rule the response needs; an override has no configured rule.
 struct RuleView<'p> {
     path: &'p str,
-    shadow_mode: bool,
+    /// What a refusal by this rule does on this node.
+    stage: Stage,
+    /// The rule's `enforce_after` day, told to warned callers.
+    enforce_after: Option<&'p str>,
     /// Upstream's statistics key (without the domain), the rule's path unless runtime
     /// values name it (`detailed_metric`, `value_to_metric`, an override).
     stats_key: Cow<'p, str>,
@@ -103,7 +112,16 @@ impl RlsService {
             metrics,
             headers,
             near_limit_ratio_permille: NEAR_LIMIT_RATIO_PERMILLE_DEFAULT,
+            shadow_events: None,
         }
+    }
+
+    /// Writes each request a shadow rule would have refused to `sink`, as the node
+    /// `node_id` decided it.
+    #[must_use]
+    pub fn with_shadow_events(mut self, sink: ShadowSink, node_id: &str) -> Self {
+        self.shadow_events = Some((sink, Arc::from(node_id)));
+        self
     }
 
     /// The share of a limit past which hits count as `near_limit` in the statistics, in
@@ -169,7 +187,8 @@ impl RlsService {
                 (Some(limit), _) => {
                     let view = RuleView {
                         path: "override",
-                        shadow_mode: false,
+                        stage: Stage::Enforce,
+                        enforce_after: None,
                         stats_key: Cow::Owned(descriptor_key(descriptor)),
                         metadata: None,
                     };
@@ -191,7 +210,8 @@ impl RlsService {
                         descriptor.entries.iter().map(|entry| entry.value.as_str()).collect();
                     let view = RuleView {
                         path: &rule.path,
-                        shadow_mode: rule.shadow_mode,
+                        stage: rule.stage,
+                        enforce_after: rule.enforce_after.as_deref(),
                         stats_key: rule.stats_key(&values),
                         metadata: rule.metadata.as_ref(),
                     };
@@ -242,7 +262,7 @@ impl RlsService {
                 counters,
                 hits,
                 check_only,
-                enforced: !view.shadow_mode,
+                enforced: view.stage == Stage::Enforce,
                 quota_mode,
                 lease,
                 failure_mode,
@@ -257,7 +277,7 @@ impl RlsService {
         } else {
             self.shards.decide(&probes, now_ms).await?
         };
-        let response = self.respond(request, &policy, &plans, &decision, &probes);
+        let response = self.respond(request, &policy, &plans, &decision, &probes, now_ms);
         Ok(response)
     }
 
@@ -293,6 +313,7 @@ impl RlsService {
         plans: &[Plan<'_>],
         decision: &Decision,
         probes: &[Probe<'_>],
+        now_ms: u64,
     ) -> RateLimitResponse {
         let domain = request.domain.as_str();
         let domain_label = if policy.has_domain(domain) { domain } else { DOMAIN_UNKNOWN };
@@ -300,7 +321,8 @@ impl RlsService {
         let mut statuses = Vec::with_capacity(plans.len());
         let mut reports: SmallVec<[LimitReport<'_>; 4]> = SmallVec::new();
         let mut retry_after_ms: Option<u64> = None;
-        for plan in plans {
+        let mut warning: Option<Warning<'_>> = None;
+        for (plan, descriptor) in plans.iter().zip(&request.descriptors) {
             let (rule, limits, probe) = match plan {
                 Plan::Unmatched => {
                     statuses.push(DescriptorStatus { code: Code::Ok.into(), ..Default::default() });
@@ -332,34 +354,64 @@ impl RlsService {
             {
                 merge_json(metadata.get_or_insert_with(serde_json::Map::new), rule_metadata);
             }
-            let code =
-                if outcome.admitted || rule.shadow_mode { Code::Ok } else { Code::OverLimit };
-            let label = match (outcome.admitted, rule.shadow_mode) {
+            let code = if outcome.admitted || rule.stage != Stage::Enforce {
+                Code::Ok
+            } else {
+                Code::OverLimit
+            };
+            let label = match (outcome.admitted, rule.stage) {
                 (true, _) => "ok",
-                (false, true) => "shadow_over_limit",
-                (false, false) => "over_limit",
+                (false, Stage::Shadow) => "shadow_over_limit",
+                (false, Stage::Warn) => "warn_over_limit",
+                (false, Stage::Enforce) => "over_limit",
             };
             self.metrics
                 .rls_descriptor_decisions
                 .with_label_values(&[domain_label, rule.path, label])
                 .inc();
-            if rule.shadow_mode {
+            if rule.stage == Stage::Warn && !outcome.admitted {
+                self.metrics.rls_warnings.with_label_values(&[domain_label, rule.path]).inc();
+                let over_permille = Some(outcome.over_permille).filter(|over| *over != u64::MAX);
+                let this = Warning { over_permille, enforce_after: rule.enforce_after };
+                warning = Some(warning.map_or(this, |earlier| earlier.merge(this)));
+            }
+            if rule.stage == Stage::Shadow {
                 if !outcome.admitted {
                     self.metrics
                         .rls_shadow_blocks
                         .with_label_values(&[domain_label, rule.path])
                         .inc();
                     tracing::debug!(
-                        event = "RateLimitShadowBlock",
+                        event = SHADOW_BLOCK_EVENT,
                         domain,
                         rule = rule.path,
                         "shadow-mode rule would have blocked"
                     );
+                    if let Some((sink, node)) = &self.shadow_events {
+                        sink.record(ShadowEvent {
+                            event: SHADOW_BLOCK_EVENT.to_owned(),
+                            time_ms: now_ms,
+                            time: crate::core::rfc3339::format_epoch_ms(now_ms),
+                            node: node.to_string(),
+                            domain: domain.to_owned(),
+                            rule: rule.path.to_owned(),
+                            descriptor: descriptor
+                                .entries
+                                .iter()
+                                .map(|entry| DescriptorEntry {
+                                    key: entry.key.clone(),
+                                    value: entry.value.clone(),
+                                })
+                                .collect(),
+                            hits: probes[probe].hits,
+                        });
+                    }
                 }
             } else {
                 for (index, (limit, evaluation)) in limits.iter().zip(&evaluations).enumerate() {
                     reports.push(report(rule.path, index, limits.len(), limit, evaluation));
-                    if !evaluation.admitted {
+                    // A warned caller is admitted: nothing to wait for.
+                    if !evaluation.admitted && rule.stage == Stage::Enforce {
                         let wait_ms = if evaluation.retry_after_ms == u64::MAX {
                             evaluation.reset_ms
                         } else {
@@ -384,7 +436,11 @@ impl RlsService {
             .with_label_values(&[domain_label, if decision.admitted { "ok" } else { "over_limit" }])
             .inc();
         let retry_after_ms = if decision.admitted { None } else { retry_after_ms };
-        let response_headers_to_add = format_headers(&reports, retry_after_ms, self.headers)
+        let mut headers = format_headers(&reports, retry_after_ms, self.headers);
+        if let Some(warning) = warning {
+            headers.push(("ratelimit-warning", format_warning(warning)));
+        }
+        let response_headers_to_add = headers
             .into_iter()
             .map(|(key, value)| HeaderValue { key: key.to_owned(), value, raw_value: Vec::new() })
             .collect();
@@ -423,7 +479,7 @@ impl RlsService {
         stats.over_limit.with_label_values(&labels).inc_by(over_limit);
         stats.near_limit.with_label_values(&labels).inc_by(near_limit);
         stats.within_limit.with_label_values(&labels).inc_by(within_limit);
-        if rule.shadow_mode && over_limit > 0 {
+        if rule.stage == Stage::Shadow && over_limit > 0 {
             stats.shadow_mode.with_label_values(&labels).inc_by(hits);
         }
     }

@@ -1,5 +1,6 @@
 //! The `quotamesh` command line: one module per subcommand; `main.rs` only dispatches.
 
+pub mod audit;
 pub mod bench;
 pub mod bench_ledger;
 pub mod billing;
@@ -62,6 +63,9 @@ pub enum Command {
     Cluster(cluster::ClusterArgs),
     /// Talk to a node's billing-debit API (operations, balances, audit, verify).
     Billing(billing::BillingArgs),
+    /// Prove the nodes enforce what the policy intends (`audit canary`: every fail-closed
+    /// rule refuses a synthetic over-quota request and is served as written).
+    Audit(audit::AuditArgs),
     /// Ask a node's `/readyz` (or another URL) and exit 0 when it answers 200: a container
     /// HEALTHCHECK without curl.
     Health(health::HealthArgs),

@@ -1,13 +1,19 @@
-//! `quotamesh policy`: offline work on policy files (`validate`), and the policy a running
-//! node serves (`get`, from its HTTP `/config`, with an operator token).
+//! `quotamesh policy`: offline work on policy files (`validate`), the policy a running node
+//! serves (`get`, from its HTTP `/config`, with an operator token), and what its shadow
+//! rules would have refused (`shadow-report`, from the nodes' events files).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Subcommand};
 
-use crate::core::policy::{LoadOptions, PolicyErrors, PolicySet};
+use anyhow::Context;
+
+use crate::core::policy::diff::RuleChange;
+use crate::core::policy::{LoadOptions, PolicyErrors, PolicySet, PolicySource, parse_duration_ms};
 use crate::core::rate::Algorithm;
+use crate::core::rfc3339::format_epoch_ms;
+use crate::core::shadow_report::{ShadowEvent, summarize};
 use crate::policy_store::{PolicyLoadError, PolicyOrigin};
 
 /// Options of `quotamesh policy`, accepted before or after the subcommand (`global`).
@@ -20,6 +26,28 @@ pub struct PolicyArgs {
     /// What to do.
     #[command(subcommand)]
     pub command: PolicyCommand,
+}
+
+/// The node whose served policy (its HTTP `/config`) a command reads.
+#[derive(Debug, Args)]
+pub struct NodeConfig {
+    /// The node's metrics address (`--metrics-addr`).
+    #[arg(long, default_value = "http://127.0.0.1:6070")]
+    pub url: String,
+    /// How long connecting and reading may take, in milliseconds.
+    #[arg(long, default_value_t = 5000)]
+    pub timeout_ms: u64,
+    /// A file holding the operator token (else `QUOTAMESH_ADMIN_TOKEN`).
+    #[arg(long)]
+    pub admin_token_file: Option<PathBuf>,
+}
+
+impl NodeConfig {
+    /// The operator token and the timeout.
+    fn access(&self) -> anyhow::Result<(Option<String>, std::time::Duration)> {
+        let token = crate::cli::cluster::operator_token(self.admin_token_file.as_deref())?;
+        Ok((token, std::time::Duration::from_millis(self.timeout_ms)))
+    }
 }
 
 /// Policy subcommands.
@@ -42,15 +70,33 @@ pub enum PolicyCommand {
     /// Show the policy a running node serves: its digest and files (its HTTP `/config`, which
     /// needs an operator token, as the admin API's reads do, unless `admin.read_open`).
     Get {
-        /// The node's metrics address (`--metrics-addr`).
-        #[arg(long, default_value = "http://127.0.0.1:6070")]
-        url: String,
-        /// How long connecting and reading may take, in milliseconds.
-        #[arg(long, default_value_t = 5000)]
-        timeout_ms: u64,
-        /// A file holding the operator token (else `QUOTAMESH_ADMIN_TOKEN`).
-        #[arg(long)]
-        admin_token_file: Option<PathBuf>,
+        /// Which node, and how to ask it.
+        #[command(flatten)]
+        node: NodeConfig,
+    },
+    /// Show rule by rule what applying these files would change against the policy a node
+    /// serves (its `/config`); exit 0 when nothing, 1 when something, 2 when the two could
+    /// not be compared (for CI pipelines).
+    Diff {
+        /// Files or directories, as `validate` takes them.
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+        /// Which node, and how to ask it.
+        #[command(flatten)]
+        node: NodeConfig,
+    },
+    /// Sum the would-be rejections of shadow rules per rule, from the nodes' events files
+    /// (`[policy] shadow_events_file`): the false-positive review before enforcing.
+    ShadowReport {
+        /// Events files (JSON lines; a rotated `FILE.1` too), of one node or several.
+        #[arg(required = true)]
+        events: Vec<PathBuf>,
+        /// The period to sum, back from now (`7d`, `24h`, `30m`).
+        #[arg(long, default_value = "7d")]
+        since: String,
+        /// Descriptors listed per rule, most blocked first.
+        #[arg(long, default_value_t = 5)]
+        top: usize,
     },
 }
 
@@ -69,17 +115,183 @@ pub fn run(arguments: PolicyArgs) -> anyhow::Result<ExitCode> {
             };
             Ok(validate(&paths, options, json))
         }
-        PolicyCommand::Get { url, timeout_ms, admin_token_file } => {
-            let token = crate::cli::cluster::operator_token(admin_token_file.as_deref())?;
+        PolicyCommand::Get { node } => {
+            let (token, timeout) = node.access()?;
             let url = format!(
                 "{}/config{}",
-                url.trim_end_matches('/'),
+                node.url.trim_end_matches('/'),
                 if json { "?format=json" } else { "" }
             );
-            let timeout = std::time::Duration::from_millis(timeout_ms);
             Ok(super::http_get::print_answer(&url, token.as_deref(), timeout))
         }
+        PolicyCommand::Diff { paths, node } => {
+            let (token, timeout) = node.access()?;
+            Ok(diff(&paths, &node.url, token.as_deref(), timeout, json))
+        }
+        PolicyCommand::ShadowReport { events, since, top } => {
+            let since_ms = parse_duration_ms(&since)
+                .map_err(|error| anyhow::anyhow!("--since {since:?}: {error}"))?;
+            shadow_report(&events, since_ms, top, json)
+        }
     }
+}
+
+/// Exit code of `policy diff` when the two policies could not be compared, as diff(1).
+const EXIT_DIFF_TROUBLE: u8 = 2;
+
+/// `policy diff`: the local files against the node's served policy.
+fn diff(
+    paths: &[PathBuf],
+    url: &str,
+    token: Option<&str>,
+    timeout: std::time::Duration,
+    json: bool,
+) -> ExitCode {
+    let compared = served_policy(url, token, timeout).and_then(|served| {
+        let options = served.1;
+        let mut sources = Vec::new();
+        for path in paths {
+            sources.extend(PolicyOrigin::Path(path.clone()).read_sources()?);
+        }
+        let local = PolicySet::parse_with(&sources, options)
+            .map_err(|errors| anyhow::anyhow!("the files do not load:\n{errors}"))?;
+        Ok(crate::core::policy::diff::diff(&served.0, &local))
+    });
+    let changes = match compared {
+        Ok(changes) => changes,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            return ExitCode::from(EXIT_DIFF_TROUBLE);
+        }
+    };
+    if json {
+        let listed: Vec<serde_json::Value> = changes
+            .iter()
+            .map(|change| match change {
+                RuleChange::Added { rule, now } => {
+                    serde_json::json!({"rule": rule, "change": "added", "now": now})
+                }
+                RuleChange::Removed { rule, was } => {
+                    serde_json::json!({"rule": rule, "change": "removed", "was": was})
+                }
+                RuleChange::Changed { rule, was, now } => {
+                    serde_json::json!({"rule": rule, "change": "changed", "was": was, "now": now})
+                }
+            })
+            .collect();
+        println!("{}", serde_json::json!({"same": changes.is_empty(), "changes": listed}));
+    } else {
+        for change in &changes {
+            match change {
+                RuleChange::Added { rule, now } => println!("+ {rule}: {now}"),
+                RuleChange::Removed { rule, was } => println!("- {rule}: {was}"),
+                RuleChange::Changed { rule, was, now } => {
+                    println!("~ {rule}\n    was: {was}\n    now: {now}");
+                }
+            }
+        }
+        match changes.len() {
+            0 => println!("no changes: the node serves these rules"),
+            count => println!("{count} rule(s) would change"),
+        }
+    }
+    if changes.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+}
+
+/// The policy the node at `url` (its metrics address) serves, from its
+/// `/config?format=json`, parsed with the options the node read it with (also returned).
+///
+/// # Errors
+/// The node unreachable or refusing (no operator token), an answer that is not the node's
+/// policy, or files that do not load here.
+pub fn served_policy(
+    url: &str,
+    token: Option<&str>,
+    timeout: std::time::Duration,
+) -> anyhow::Result<(PolicySet, LoadOptions)> {
+    let url = format!("{}/config?format=json", url.trim_end_matches('/'));
+    let (status, body) = super::http_get::get(&url, token, timeout)?;
+    anyhow::ensure!(status == 200, "{url} answered {status}: {}", body.trim());
+    let config: serde_json::Value = serde_json::from_str(&body).context("/config is not JSON")?;
+    let files = config["files"].as_array().context("/config has no files")?;
+    let sources = files
+        .iter()
+        .map(|file| {
+            Some(PolicySource {
+                name: file["name"].as_str()?.to_owned(),
+                text: file["text"].as_str()?.to_owned(),
+            })
+        })
+        .collect::<Option<Vec<_>>>()
+        .context("/config files need a name and a text")?;
+    let default_algorithm = serde_json::from_value(config["default_algorithm"].clone())
+        .context("/config has no default_algorithm")?;
+    let merge_domains =
+        config["merge_domains"].as_bool().context("/config has no merge_domains")?;
+    let options = LoadOptions { merge_domains, default_algorithm };
+    let policy = PolicySet::parse_with(&sources, options)
+        .map_err(|errors| anyhow::anyhow!("the served policy does not load here:\n{errors}"))?;
+    Ok((policy, options))
+}
+
+/// Longest events line read; a longer one is skipped as not an event.
+const EVENT_LINE_BYTES_MAX: usize = 1024 * 1024;
+
+/// `policy shadow-report`: reads every file, sums, prints.
+fn shadow_report(
+    files: &[PathBuf],
+    since_ms: u64,
+    top: usize,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    use std::io::BufRead;
+    let now_ms = crate::clock::now_ms();
+    let mut events = Vec::new();
+    let mut skipped = 0_u64;
+    for path in files {
+        let file = std::fs::File::open(path)
+            .with_context(|| format!("cannot read the events file {}", path.display()))?;
+        for line in std::io::BufReader::new(file).split(b'\n') {
+            let line = line.with_context(|| format!("reading {}", path.display()))?;
+            let event = (line.len() <= EVENT_LINE_BYTES_MAX)
+                .then(|| serde_json::from_slice::<ShadowEvent>(&line).ok())
+                .flatten();
+            match event {
+                Some(event) => events.push(event),
+                None if line.is_empty() => {}
+                None => skipped += 1,
+            }
+        }
+    }
+    let report = summarize(events, now_ms.saturating_sub(since_ms), now_ms, top);
+    if json {
+        let answer = serde_json::json!({"rules": report, "skipped_lines": skipped});
+        println!("{}", serde_json::to_string_pretty(&answer)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    if report.is_empty() {
+        println!("no shadow rule would have refused a request in the period");
+    }
+    for rule in &report {
+        println!(
+            "{}/{}: {} request(s) would have been refused ({} hits), {:.1} per hour; first {}, \
+             last {}",
+            rule.domain,
+            rule.rule,
+            rule.blocks,
+            rule.hits,
+            rule.blocks_per_hour,
+            format_epoch_ms(rule.first_ms),
+            format_epoch_ms(rule.last_ms)
+        );
+        for (descriptor, count) in &rule.top {
+            println!("  {count:>8}  {descriptor}");
+        }
+    }
+    if skipped > 0 {
+        println!("{skipped} line(s) skipped: not shadow events");
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn validate(paths: &[PathBuf], options: LoadOptions, json: bool) -> ExitCode {

@@ -43,6 +43,10 @@ pub struct ServeArgs {
     /// MERGE_DOMAIN_CONFIG) [default: false].
     #[arg(long, env = "QUOTAMESH_MERGE_DOMAINS")]
     pub merge_domains: Option<bool>,
+    /// Append each request a shadow rule would have refused to this file as a JSON line
+    /// (`quotamesh policy shadow-report` reads it).
+    #[arg(long, env = "QUOTAMESH_SHADOW_EVENTS_FILE")]
+    pub shadow_events_file: Option<PathBuf>,
     /// This node's id.
     #[arg(long, env = "QUOTAMESH_NODE_ID")]
     pub node_id: Option<String>,
@@ -105,6 +109,9 @@ impl ServeArgs {
         }
         if let Some(merge) = self.merge_domains {
             config.policy.merge_domains = merge;
+        }
+        if let Some(file) = &self.shadow_events_file {
+            config.policy.shadow_events_file = Some(file.clone());
         }
         if let Some(node_id) = &self.node_id {
             config.node_id.clone_from(node_id);
@@ -174,13 +181,13 @@ pub async fn run(arguments: ServeArgs) -> anyhow::Result<()> {
 const FAILED_SHUTDOWN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// SIGTERM and SIGINT (Ctrl-C), caught from the moment they are installed.
-struct Termination {
+pub(crate) struct Termination {
     terminate: tokio::signal::unix::Signal,
     interrupt: tokio::signal::unix::Signal,
 }
 
 impl Termination {
-    fn install() -> anyhow::Result<Self> {
+    pub(crate) fn install() -> anyhow::Result<Self> {
         use tokio::signal::unix::{SignalKind, signal};
         Ok(Self {
             terminate: signal(SignalKind::terminate())
@@ -191,7 +198,7 @@ impl Termination {
     }
 
     /// Returns when either signal has come (at once if one came since `install`).
-    async fn wait(&mut self) {
+    pub(crate) async fn wait(&mut self) {
         tokio::select! {
             _ = self.terminate.recv() => {}
             _ = self.interrupt.recv() => {}

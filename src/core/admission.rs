@@ -335,6 +335,29 @@ pub fn spend_what_is_left(lease: &mut KeyLease, now_ms: u64) {
     lease.pay_beyond_lease(lease.balance_tokens(now_ms));
 }
 
+/// How far a key's offered traffic is over `spec`'s rate, in thousandths of the limit (0 at
+/// or under it; `None` for a limit of 0, which any traffic is over): this node's offered
+/// rate (`demand_milli_per_second`, rejected hits included) times the region's nodes, since
+/// Envoy spreads a caller's requests over them, against the limit's rate. What a warned
+/// caller is told (`RateLimit-Warning`).
+pub fn over_limit_permille(
+    spec: &LimitSpec,
+    demand_milli_per_second: u64,
+    nodes_in_region: u64,
+) -> Option<u64> {
+    if spec.requests_per_window == 0 {
+        return None;
+    }
+    // Both rates in milli-hits per window.
+    let offered = u128::from(demand_milli_per_second)
+        * u128::from(nodes_in_region.max(1))
+        * u128::from(spec.window_ms.max(1))
+        / 1_000;
+    let limit = u128::from(spec.requests_per_window) * 1_000;
+    let permille = (offered * 1_000 / limit).saturating_sub(1_000);
+    Some(u64::try_from(permille).unwrap_or(u64::MAX))
+}
+
 /// Records a decided counter whose request was rejected: nothing is consumed (its staged
 /// state is dropped), but its hits count as the key's demand.
 pub fn record_rejected(lease: &mut KeyLease, counter: &Counter<'_>, now_ms: u64) {
@@ -489,6 +512,20 @@ mod tests {
             (spent.balance_tokens(0), spent.spent_tokens(), spent.debt_tokens()),
             (0, 10, 0)
         );
+    }
+
+    /// How far over a warned caller is: the node's offered rate times the region's nodes,
+    /// against the limit's rate, in thousandths; 0 at or under it, none for a limit of 0.
+    #[test]
+    fn over_limit_is_the_region_rate_against_the_limit() {
+        let per_minute = LimitSpec::new(Algorithm::TokenBucket, 100, 60_000, None).expect("valid");
+        // 2 hits/s on one node is 120 a minute: 20 % over.
+        assert_eq!(over_limit_permille(&per_minute, 2_000, 1), Some(200));
+        // The same traffic spread over five nodes.
+        assert_eq!(over_limit_permille(&per_minute, 400, 5), Some(200));
+        assert_eq!(over_limit_permille(&per_minute, 1_000, 1), Some(0), "60 a minute is under");
+        assert_eq!(over_limit_permille(&per_minute, u64::MAX, 1_000), Some(u64::MAX));
+        assert_eq!(over_limit_permille(&fixed_window(0), 5_000, 1), None);
     }
 
     /// Proves when a refusal overruns a counter: only on a fixed window, for hits beyond its

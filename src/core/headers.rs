@@ -85,6 +85,55 @@ pub fn format_headers(
     headers
 }
 
+/// A caller a warn-stage rule would have refused (DESIGN section 7): how far over its limit
+/// it is, and when enforcement begins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Warning<'d> {
+    /// How far the caller's traffic is over the limit, in thousandths of it
+    /// (`crate::core::admission::over_limit_permille`); `None` when that is not known (a
+    /// limit of 0, or traffic not yet above the limit's rate: a burst).
+    pub over_permille: Option<u64>,
+    /// The rule's `enforce_after` day, `YYYY-MM-DD`.
+    pub enforce_after: Option<&'d str>,
+}
+
+impl Warning<'_> {
+    /// The warning of a request that met several warned rules: the furthest over, and the
+    /// earliest enforcement.
+    #[must_use]
+    pub fn merge(self, other: Self) -> Self {
+        Warning {
+            over_permille: self.over_permille.max(other.over_permille),
+            enforce_after: match (self.enforce_after, other.enforce_after) {
+                (Some(mine), Some(theirs)) => Some(mine.min(theirs)),
+                (mine, theirs) => mine.or(theirs),
+            },
+        }
+    }
+}
+
+/// The `RateLimit-Warning` field of a warned request: `20% over quota; enforcement begins
+/// 2027-01-08` (`over quota` when how far is not known; `not enforced yet` without a day).
+/// Percentages round to the nearest whole one, and never show an over-limit caller as 0 %.
+#[must_use]
+pub fn format_warning(warning: Warning<'_>) -> String {
+    let mut value = String::with_capacity(64);
+    match warning.over_permille.filter(|permille| *permille > 0) {
+        Some(permille) => {
+            let percent = permille.saturating_add(5) / 10;
+            let _ = write!(value, "{}% over quota", percent.max(1));
+        }
+        None => value.push_str("over quota"),
+    }
+    match warning.enforce_after {
+        Some(day) => {
+            let _ = write!(value, "; enforcement begins {day}");
+        }
+        None => value.push_str("; not enforced yet"),
+    }
+    value
+}
+
 /// Whole seconds, rounded up: a client that waits this long is never early.
 pub fn ceil_seconds(ms: u64) -> u64 {
     ms.div_ceil(1000)
@@ -134,6 +183,32 @@ mod tests {
         reset_ms: u64,
     ) -> LimitReport<'_> {
         LimitReport { policy_name: Cow::Borrowed(name), quota, window_ms, remaining, reset_ms }
+    }
+
+    /// The warning says how far over and when, rounds to whole percents without ever
+    /// saying 0 %, and merges to the furthest over and the earliest day.
+    #[test]
+    fn a_warning_says_how_far_over_and_when() {
+        let warning = |over_permille, enforce_after| Warning { over_permille, enforce_after };
+        assert_eq!(
+            format_warning(warning(Some(200), Some("2027-01-08"))),
+            "20% over quota; enforcement begins 2027-01-08"
+        );
+        assert_eq!(format_warning(warning(Some(2), None)), "1% over quota; not enforced yet");
+        assert_eq!(format_warning(warning(Some(1_254), None)), "125% over quota; not enforced yet");
+        assert_eq!(format_warning(warning(Some(0), None)), "over quota; not enforced yet");
+        assert_eq!(
+            format_warning(warning(None, Some("2027-02-01"))),
+            "over quota; enforcement begins 2027-02-01"
+        );
+        assert_eq!(
+            warning(Some(300), Some("2027-03-01")).merge(warning(Some(50), Some("2027-01-08"))),
+            warning(Some(300), Some("2027-01-08"))
+        );
+        assert_eq!(
+            warning(None, None).merge(warning(Some(50), Some("2027-01-08"))),
+            warning(Some(50), Some("2027-01-08"))
+        );
     }
 
     fn header<'h>(headers: &'h [(&'static str, String)], name: &str) -> Option<&'h str> {

@@ -536,11 +536,15 @@ impl KeyLease {
             debt_tokens: self.debt_tokens,
             settled_tokens: self.settled_tokens,
             tokens_wanted,
-            demand_milli_per_second: self
-                .rate
-                .rate_milli_per_second(now_ms, tuning.rate_half_life_ms),
+            demand_milli_per_second: self.demand_milli_per_second(tuning, now_ms),
             sent_at_ms: now_ms,
         }
+    }
+
+    /// The key's offered traffic on this node at `now_ms` (rejected hits included), in
+    /// milli-hits per second.
+    pub fn demand_milli_per_second(&self, tuning: &LeaseTuning, now_ms: u64) -> u64 {
+        self.rate.rate_milli_per_second(now_ms, tuning.rate_half_life_ms)
     }
 
     /// Node time of the last hit counted (0 for none).

@@ -20,9 +20,13 @@
 //! - [`rfc3339`]: epoch milliseconds as RFC 3339 text for people.
 //! - [`fair_share`]: max-min fair division of a contended key's rate between nodes.
 //! - [`region`]: a global limit sliced per region; rebalance planning and transfers.
+//! - [`shadow_report`]: shadow rules' would-be rejections as events, summed per rule.
+//! - [`canary_audit`]: the synthetic request that proves a fail-closed rule still refuses,
+//!   and how a served rule drifted from the intended one.
 
 pub mod admission;
 pub mod billing;
+pub mod canary_audit;
 pub mod circuit;
 pub mod digest;
 pub mod fair_share;
@@ -37,3 +41,4 @@ pub mod rate;
 pub mod readiness;
 pub mod region;
 pub mod rfc3339;
+pub mod shadow_report;

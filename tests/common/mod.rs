@@ -415,3 +415,15 @@ pub fn libfaketime() -> anyhow::Result<PathBuf> {
         "libfaketime not found: install Debian's `faketime` package (scripts/test.sh does)",
     )
 }
+
+/// A response header an RLS answer asks Envoy to add, by its (lower-case) name.
+pub fn rls_header<'r>(
+    response: &'r quotamesh::api::proto::envoy::service::ratelimit::v3::RateLimitResponse,
+    name: &str,
+) -> Option<&'r str> {
+    response
+        .response_headers_to_add
+        .iter()
+        .find(|header| header.key == name)
+        .map(|header| header.value.as_str())
+}

@@ -13,7 +13,7 @@ use super::matcher::{Domain, IndexNode, Level};
 use super::yaml::{self, MapEntry, Node, Position, Value};
 use super::{
     DESCRIPTOR_DEPTH_MAX, FailureMode, LoadOptions, PolicyError, PolicyErrors, PolicySet,
-    PolicySource, RULES_PER_SET_MAX, Rule, RuleId, RuleLevel, RuleLimit, Unit,
+    PolicySource, RULES_PER_SET_MAX, Rollout, Rule, RuleId, RuleLevel, RuleLimit, Unit,
 };
 use crate::core::lease::{LEASE_TOKENS_MAX, LEASE_TTL_MS_MAX, LeaseTuning};
 use crate::core::rate::{Algorithm, LimitSpec, LimitSpecError};
@@ -26,13 +26,21 @@ use crate::core::region::{
 // `replaces` and its item: it must fit the YAML nesting limit with room to spare.
 const _: () = assert!(2 * DESCRIPTOR_DEPTH_MAX + 1 + 4 <= yaml::YAML_DEPTH_MAX);
 
-const ROOT_FIELDS: [&str; 2] = ["domain", "descriptors"];
-const DESCRIPTOR_FIELDS: [&str; 14] = [
+pub(super) const ROOT_FIELDS: [&str; 2] = ["domain", "descriptors"];
+/// A policy file written as a Kubernetes resource (`cluster/k8s/`): the policy is its `spec`.
+const RESOURCE_FIELDS: [&str; 4] = ["apiVersion", "kind", "metadata", "spec"];
+/// The resource's `apiVersion`.
+pub(super) const RESOURCE_API_VERSION: &str = "quotamesh.io/v1";
+/// The resource's `kind`.
+pub(super) const RESOURCE_KIND: &str = "RateLimitPolicy";
+pub(super) const DESCRIPTOR_FIELDS: [&str; 16] = [
     "key",
     "value",
     "rate_limit",
     "rate_limits",
     "shadow_mode",
+    "rollout",
+    "enforce_after",
     "quota_mode",
     "detailed_metric",
     "value_to_metric",
@@ -43,16 +51,16 @@ const DESCRIPTOR_FIELDS: [&str; 14] = [
     "regions",
     "descriptors",
 ];
-const LIMIT_FIELDS: [&str; 8] =
+pub(super) const LIMIT_FIELDS: [&str; 8] =
     ["unit", "requests_per_unit", "unlimited", "name", "replaces", "algorithm", "burst", "window"];
 const REPLACES_FIELDS: [&str; 1] = ["name"];
-const LEASE_FIELDS: [&str; 3] = ["min_tokens", "max_tokens", "lookahead"];
+pub(super) const LEASE_FIELDS: [&str; 3] = ["min_tokens", "max_tokens", "lookahead"];
 /// The longest `lookahead` a rule may ask for: its lease TTL is 2 x lookahead, and that must
 /// fit under the TTL cap, so the relation DESIGN section 3 states holds for every rule.
 const LOOKAHEAD_MS_MAX: u64 = LEASE_TTL_MS_MAX / 2;
 const _: () = assert!(LOOKAHEAD_MS_MAX >= 1);
 
-const UNITS: [(&str, Unit); 7] = [
+pub(super) const UNITS: [(&str, Unit); 7] = [
     ("second", Unit::Second),
     ("minute", Unit::Minute),
     ("hour", Unit::Hour),
@@ -140,7 +148,8 @@ struct DescriptorDraft {
     line: u32,
     limits: Vec<LimitDraft>,
     unlimited: bool,
-    shadow_mode: bool,
+    rollout: Rollout,
+    enforce_after: Option<String>,
     quota_mode: bool,
     detailed_metric: bool,
     value_to_metric: bool,
@@ -250,6 +259,16 @@ impl Loader {
                 return None;
             }
         };
+        let root = match &root.value {
+            Value::Mapping(entries)
+                if entries
+                    .iter()
+                    .any(|entry| RESOURCE_FIELDS[..2].contains(&entry.key.as_str())) =>
+            {
+                self.resource_spec(file, &root, entries)?
+            }
+            _ => &root,
+        };
         let Value::Mapping(entries) = &root.value else {
             self.error(
                 file,
@@ -275,6 +294,57 @@ impl Loader {
         let descriptors = self.descriptors(file, descriptors, 1, "", domain_name);
         let (name, position) = domain?;
         Some(DomainDraft { name, position, file, descriptors })
+    }
+
+    /// The `spec` of a file written as a Kubernetes resource (`apiVersion:
+    /// quotamesh.io/v1`, `kind: RateLimitPolicy`, `metadata.name`); `None` after reporting
+    /// what is missing or wrong. Other `metadata` (labels, annotations) is Kubernetes' own.
+    fn resource_spec<'n>(
+        &mut self,
+        file: File<'_>,
+        root: &'n Node,
+        entries: &'n [MapEntry],
+    ) -> Option<&'n Node> {
+        let [api_version, kind, metadata, spec] =
+            self.fields(file, entries, RESOURCE_FIELDS, "a RateLimitPolicy resource");
+        let mut valid = true;
+        for (entry, name, expected) in
+            [(api_version, "apiVersion", RESOURCE_API_VERSION), (kind, "kind", RESOURCE_KIND)]
+        {
+            let Some(entry) = entry else {
+                self.error(file, root.position, format!("missing required key `{name}`"));
+                valid = false;
+                continue;
+            };
+            match self.string(file, entry) {
+                Some(found) if found == expected => {}
+                // Not a scalar: `string` said so.
+                None if !entry.value.is_null() => valid = false,
+                _ => {
+                    let reason =
+                        format!("`{name}` must be `{expected}`, found {}", entry.value.found());
+                    self.error(file, entry.value.position, reason);
+                    valid = false;
+                }
+            }
+        }
+        let name = metadata.and_then(|entry| match &entry.value.value {
+            Value::Mapping(fields) => fields.iter().find(|field| field.key == "name"),
+            _ => None,
+        });
+        match name {
+            Some(name) => valid &= self.non_empty_string(file, name).is_some(),
+            None => {
+                let position = metadata.map_or(root.position, |entry| entry.value.position);
+                self.error(file, position, "missing required key `metadata.name`");
+                valid = false;
+            }
+        }
+        let Some(spec) = spec else {
+            self.error(file, root.position, "missing required key `spec`: the policy");
+            return None;
+        };
+        valid.then_some(&spec.value)
     }
 
     /// Picks the known keys of a mapping, in the order of `names`, and reports the others:
@@ -377,6 +447,8 @@ impl Loader {
             rate_limit,
             rate_limits,
             shadow_mode,
+            rollout,
+            enforce_after,
             quota_mode,
             detailed_metric,
             value_to_metric,
@@ -414,7 +486,8 @@ impl Loader {
             line: node.position.line,
             limits: Vec::new(),
             unlimited: false,
-            shadow_mode: self.bool(file, shadow_mode),
+            rollout: Rollout::Enforce,
+            enforce_after: None,
             quota_mode: self.bool(file, quota_mode),
             detailed_metric: self.bool(file, detailed_metric),
             value_to_metric: self.bool(file, value_to_metric),
@@ -508,6 +581,7 @@ impl Loader {
             draft.regions = self.regions(file, entry);
             self.needs_a_limit(file, entry, limited, draft.unlimited, "it has no limit to slice");
         }
+        self.rollout(file, &mut draft, [shadow_mode, rollout, enforce_after], limited);
         draft.children = self.descriptors(file, descriptors, depth + 1, &draft.path, domain);
         Some(draft)
     }
@@ -845,26 +919,16 @@ impl Loader {
     /// `lookahead`, named in messages by its key, with `example` as the hint.
     fn duration(&mut self, file: File<'_>, entry: &MapEntry, example: &str) -> Option<u64> {
         let text = self.string(file, entry)?;
-        let digits = text.find(|character: char| !character.is_ascii_digit()).unwrap_or(text.len());
-        let (number, suffix) = text.split_at(digits);
-        let scale_ms = DURATION_SUFFIXES
-            .iter()
-            .find(|(name, _)| *name == suffix)
-            .map(|(_, scale_ms)| *scale_ms);
-        let Some(scale_ms) = scale_ms.filter(|_| !number.is_empty()) else {
-            let reason = format!(
+        let reason = match parse_duration_ms(text) {
+            Ok(duration_ms) => return Some(duration_ms),
+            Err(DurationError::Invalid) => format!(
                 "invalid {} `{text}`: expected a whole number and one of ms, s, m, h, d (e.g. `{example}`)",
                 entry.key
-            );
-            self.error(file, entry.value.position, reason);
-            return None;
+            ),
+            Err(DurationError::TooLong) => format!("{} `{text}` is too long", entry.key),
         };
-        let duration_ms =
-            number.parse::<u64>().ok().and_then(|number| number.checked_mul(scale_ms));
-        if duration_ms.is_none() {
-            self.error(file, entry.value.position, format!("{} `{text}` is too long", entry.key));
-        }
-        duration_ms
+        self.error(file, entry.value.position, reason);
+        None
     }
 
     fn algorithm(&mut self, file: File<'_>, entry: &MapEntry) -> Option<Algorithm> {
@@ -1014,6 +1078,82 @@ impl Loader {
         RegionShares::new(shares)
     }
 
+    /// A descriptor's rollout: `rollout` (`shadow`, `warn`, `{canary: P%}` or `enforce`),
+    /// or upstream's `shadow_mode: true`, never both; `enforce_after`, a day (`YYYY-MM-DD`)
+    /// that only warned callers are told.
+    fn rollout(
+        &mut self,
+        file: File<'_>,
+        draft: &mut DescriptorDraft,
+        [shadow_mode, rollout, enforce_after]: [Option<&MapEntry>; 3],
+        limited: bool,
+    ) {
+        let shadow = given(shadow_mode).is_some_and(|entry| self.bool(file, Some(entry)));
+        if shadow {
+            draft.rollout = Rollout::Shadow;
+        }
+        if let Some(entry) = given(rollout) {
+            if shadow {
+                self.error(
+                    file,
+                    entry.key_position,
+                    "`rollout` and `shadow_mode: true` are mutually exclusive: write \
+                     `rollout: shadow`",
+                );
+            } else if let Some(stage) = self.rollout_stage(file, entry) {
+                draft.rollout = stage;
+            }
+            self.needs_a_limit(file, entry, limited, draft.unlimited, "it never rejects");
+        }
+        if let Some(entry) = given(enforce_after) {
+            match self.string(file, entry) {
+                Some(day) if is_calendar_day(day) => draft.enforce_after = Some(day.to_owned()),
+                Some(day) => {
+                    let reason = format!(
+                        "`enforce_after` must be a day written `YYYY-MM-DD`, found `{day}`"
+                    );
+                    self.error(file, entry.value.position, reason);
+                }
+                None => {}
+            }
+            // Kept on the other stages, so moving a rule from `warn` to `enforce` is one line.
+            self.needs_a_limit(file, entry, limited, draft.unlimited, "it never rejects");
+        }
+    }
+
+    /// One `rollout` value.
+    fn rollout_stage(&mut self, file: File<'_>, entry: &MapEntry) -> Option<Rollout> {
+        const EXPECTED: &str = "expected shadow, warn, {canary: P%} or enforce";
+        if let Value::Mapping(fields) = &entry.value.value {
+            let [canary] = self.fields(file, fields, ["canary"], "`rollout`");
+            let Some(canary) = given(canary) else {
+                let reason = format!("`rollout` mapping must be `{{canary: P%}}`; {EXPECTED}");
+                self.error(file, entry.value.position, reason);
+                return None;
+            };
+            return match self.string(file, canary).map(parse_share) {
+                Some(Some(basis_points)) => Some(Rollout::Canary { basis_points }),
+                Some(None) => {
+                    let reason = "the canary's share must be a percentage from 0% to 100% \
+                                  with at most two decimals, e.g. `5%`";
+                    self.error(file, canary.value.position, reason);
+                    None
+                }
+                None => None,
+            };
+        }
+        match self.string(file, entry)? {
+            "shadow" => Some(Rollout::Shadow),
+            "warn" => Some(Rollout::Warn),
+            "enforce" => Some(Rollout::Enforce),
+            other => {
+                let reason = format!("unknown rollout `{other}`; {EXPECTED}");
+                self.error(file, entry.value.position, reason);
+                None
+            }
+        }
+    }
+
     /// `min_tokens` or `max_tokens` of a `lease`: a whole number in 1..=`LEASE_TOKENS_MAX`.
     fn lease_tokens(&mut self, file: File<'_>, field: &MapEntry) -> Option<u64> {
         let tokens = self.integer(file, field)?;
@@ -1061,6 +1201,63 @@ fn parse_share(text: &str) -> Option<u32> {
     let hundredths = format!("{decimals:0<2}").parse::<u32>().ok()?;
     let share = whole.parse::<u32>().ok()?.checked_mul(100)?.checked_add(hundredths)?;
     (share <= SHARE_BASIS_POINTS_WHOLE).then_some(share)
+}
+
+/// Why a duration was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum DurationError {
+    /// Not a whole number followed by one of ms, s, m, h, d.
+    #[error("expected a whole number and one of ms, s, m, h, d (e.g. `10m`)")]
+    Invalid,
+    /// More milliseconds than a u64 holds.
+    #[error("too long")]
+    TooLong,
+}
+
+/// A duration as policies write it: a whole number and one of ms, s, m, h, d (`250ms`,
+/// `10m`), in milliseconds.
+///
+/// # Errors
+/// [`DurationError`] saying what is wrong.
+pub fn parse_duration_ms(text: &str) -> Result<u64, DurationError> {
+    let digits = text.find(|character: char| !character.is_ascii_digit()).unwrap_or(text.len());
+    let (number, suffix) = text.split_at(digits);
+    let scale_ms = DURATION_SUFFIXES
+        .iter()
+        .find(|(name, _)| *name == suffix)
+        .map(|(_, scale_ms)| *scale_ms)
+        .filter(|_| !number.is_empty())
+        .ok_or(DurationError::Invalid)?;
+    number
+        .parse::<u64>()
+        .ok()
+        .and_then(|number| number.checked_mul(scale_ms))
+        .ok_or(DurationError::TooLong)
+}
+
+/// True for a day of the proleptic Gregorian calendar written `YYYY-MM-DD`.
+fn is_calendar_day(text: &str) -> bool {
+    let bytes = text.as_bytes();
+    let digits = |range: std::ops::Range<usize>| {
+        bytes[range.clone()].iter().all(u8::is_ascii_digit).then(|| text[range].parse::<u32>().ok())
+    };
+    if bytes.len() != 10 || bytes[4] != b'-' || bytes[7] != b'-' {
+        return false;
+    }
+    let (Some(Some(year)), Some(Some(month)), Some(Some(day))) =
+        (digits(0..4), digits(5..7), digits(8..10))
+    else {
+        return false;
+    };
+    let leap = year % 4 == 0 && (year % 100 != 0 || year % 400 == 0);
+    let days = match month {
+        1 | 3 | 5 | 7 | 8 | 10 | 12 => 31,
+        4 | 6 | 9 | 11 => 30,
+        2 if leap => 29,
+        2 => 28,
+        _ => return false,
+    };
+    (1..=days).contains(&day)
 }
 
 /// Basis points as a percentage for messages: `9950` is `99.5%`.
@@ -1197,7 +1394,9 @@ impl Assembly {
             path: draft.path,
             limits,
             unlimited: draft.unlimited,
-            shadow_mode: draft.shadow_mode,
+            rollout: draft.rollout,
+            stage: draft.rollout.stage_outside_canary(),
+            enforce_after: draft.enforce_after,
             detailed_metric: draft.detailed_metric,
             quota_mode: draft.quota_mode,
             metadata: draft.metadata,
@@ -1233,7 +1432,7 @@ impl Assembly {
         fingerprint.str(key);
         fingerprint.option_str(value);
         fingerprint.bool(rule.unlimited);
-        fingerprint.bool(rule.shadow_mode);
+        fingerprint.bool(rule.rollout == Rollout::Shadow);
         fingerprint.bool(rule.detailed_metric);
         fingerprint.tag(match rule.failure_mode {
             FailureMode::Open => 0,
@@ -1273,6 +1472,16 @@ impl Assembly {
                 serde_json::to_string(map).expect("a JSON map of strings and numbers serializes")
             });
             fingerprint.option_str(metadata.as_deref());
+        }
+        // Only for the stages that came after shadow mode, so every other policy keeps its
+        // digest.
+        if let Rollout::Warn | Rollout::Canary { .. } = rule.rollout {
+            fingerprint.tag(b'W');
+            fingerprint.u64(match rule.rollout {
+                Rollout::Canary { basis_points } => u64::from(basis_points) + 1,
+                _ => 0,
+            });
+            fingerprint.option_str(rule.enforce_after.as_deref());
         }
         // Only when set, so every policy without `regions` keeps its digest.
         if let Some(regions) = &rule.regions {

@@ -6,8 +6,9 @@
 //! `value` (`*` is a wildcard anywhere in it) and an optional `rate_limit`. quotamesh adds
 //! `algorithm`, `burst`, `window` (any length instead of a `unit`), `rate_limits` (several
 //! limits a hit must all pass), `failure_mode`, `lease` (per-rule lease sizes and
-//! lookahead, DESIGN section 3) and `regions` (a global limit sliced per region, DESIGN
-//! section 5). `cluster/policies/example.yaml` is a commented tour.
+//! lookahead, DESIGN section 3), `regions` (a global limit sliced per region, DESIGN
+//! section 5) and `rollout` with `enforce_after` (shadow, warn, canary, enforce: DESIGN
+//! section 7). `cluster/policies/example.yaml` is a commented tour.
 //!
 //! Every key of envoyproxy/ratelimit's format carries its meaning here too: `quota_mode`,
 //! `metadata` (returned in the response's dynamic metadata), `share_threshold` (one counter
@@ -29,13 +30,16 @@
 //! ```
 //!
 //! Pure core: no IO, no clock. Counting hits is `crate::core::rate`'s job; applying
-//! `shadow_mode`, `replaces` and `failure_mode` to a decision is the caller's, and so is
+//! a rule's rollout [`Stage`], `replaces` and `failure_mode` to a decision is the caller's, and so is
 //! leasing with a rule's `lease` (`crate::core::lease`).
 
+pub mod diff;
 mod digest;
 mod load;
 mod matcher;
 mod yaml;
+
+pub use load::{DurationError, parse_duration_ms};
 
 #[cfg(test)]
 mod proptests;
@@ -123,6 +127,81 @@ pub enum FailureMode {
     Closed,
 }
 
+/// A rule's rollout stage as the policy writes it (`rollout:`, DESIGN section 7): moving a
+/// rule from one stage to the next is one line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Rollout {
+    /// Evaluate and count would-be rejections, always admit (`shadow_mode: true` too).
+    Shadow,
+    /// Admit, and tell a caller over the limit in `RateLimit-Warning`.
+    Warn,
+    /// Enforce on the nodes a hash of (node id, rule) puts in the canary, `basis_points` of
+    /// 10,000 of them; warn on the others.
+    Canary {
+        /// The canary's share of nodes, in hundredths of a percent.
+        basis_points: u32,
+    },
+    /// Reject what is over the limit.
+    #[default]
+    Enforce,
+}
+
+/// What a rule's rollout does on one node ([`Rollout::stage_on`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Stage {
+    /// Admit; count and report would-be rejections.
+    Shadow,
+    /// Admit; warn the caller when over the limit.
+    Warn,
+    /// Reject over the limit.
+    #[default]
+    Enforce,
+}
+
+impl Rollout {
+    /// The stage on the node `node_id` for the rule at `domain`/`rule_path`. A canary is
+    /// chosen by a hash of the three, so the same nodes stay in it while its share grows
+    /// (a node in at 5 % is in at 50 %), and every rule picks its own nodes.
+    #[must_use]
+    pub fn stage_on(self, node_id: &str, domain: &str, rule_path: &str) -> Stage {
+        match self {
+            Self::Canary { basis_points }
+                if canary_point(node_id, domain, rule_path) < basis_points =>
+            {
+                Stage::Enforce
+            }
+            _ => self.stage_outside_canary(),
+        }
+    }
+
+    /// The stage on a node outside the canary (every node, for a rule without one).
+    #[must_use]
+    pub fn stage_outside_canary(self) -> Stage {
+        match self {
+            Self::Shadow => Stage::Shadow,
+            Self::Warn | Self::Canary { .. } => Stage::Warn,
+            Self::Enforce => Stage::Enforce,
+        }
+    }
+}
+
+/// Where a node falls for a rule's canary, in 0..10,000: SHA-256 of the length-prefixed
+/// names, so the choice is the same on every platform and in every version.
+#[must_use]
+pub fn canary_point(node_id: &str, domain: &str, rule_path: &str) -> u32 {
+    use sha2::{Digest, Sha256};
+    let mut hasher = Sha256::new();
+    hasher.update(b"quotamesh canary v1");
+    for part in [node_id, domain, rule_path] {
+        hasher.update((part.len() as u64).to_be_bytes());
+        hasher.update(part.as_bytes());
+    }
+    let digest = hasher.finalize();
+    let head = u64::from_be_bytes(digest[..8].try_into().expect("a SHA-256 digest has 8 bytes"));
+    u32::try_from(head % u64::from(crate::core::region::SHARE_BASIS_POINTS_WHOLE))
+        .expect("below 10,000")
+}
+
 /// envoyproxy/ratelimit's named windows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Unit {
@@ -185,8 +264,14 @@ pub struct Rule {
     pub limits: Vec<RuleLimit>,
     /// `rate_limit: {unlimited: true}`: matched and counted in stats, never limited.
     pub unlimited: bool,
-    /// Evaluate and report, but always admit.
-    pub shadow_mode: bool,
+    /// How far the rule's rollout has gone (`rollout`, or `shadow_mode: true` for
+    /// [`Rollout::Shadow`]): what a would-be rejection does.
+    pub rollout: Rollout,
+    /// What the rollout means on this node ([`PolicySet::for_node`] resolves a canary; a set
+    /// not resolved for a node counts every node out of it).
+    pub stage: Stage,
+    /// `enforce_after`: the day (`YYYY-MM-DD`) a warned caller is told enforcement begins.
+    pub enforce_after: Option<String>,
     /// Statistics per runtime value of every entry (envoyproxy/ratelimit's meaning).
     pub detailed_metric: bool,
     /// Counted with upstream's quota-mode semantics: a request is over its limit only when
@@ -431,6 +516,16 @@ impl PolicySet {
                     .slice_spec(region, &limit.spec)
                     .expect("a slice of a valid limit is a valid limit");
             }
+        }
+        self
+    }
+
+    /// The set as the node `node_id` serves it: each rule's [`Rule::stage`] resolved from
+    /// its rollout ([`Rollout::stage_on`]). The digest stays the set's.
+    #[must_use]
+    pub fn for_node(mut self, node_id: &str) -> PolicySet {
+        for rule in &mut self.rules {
+            rule.stage = rule.rollout.stage_on(node_id, &rule.domain, &rule.path);
         }
         self
     }

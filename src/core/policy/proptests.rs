@@ -433,3 +433,27 @@ proptest! {
         prop_assert_eq!(rule.stats_key(&[request_value, child_value]), format!("{top}.{child}"));
     }
 }
+
+proptest! {
+    /// A canary only grows: a node that enforces at one share enforces at every larger one,
+    /// 0 % is no node and 100 % every node, and the choice depends on the node and rule only.
+    #[test]
+    fn a_canary_keeps_its_nodes_as_it_grows(
+        node in "[a-z0-9-]{1,20}",
+        rule_path in "[a-z_]{1,20}",
+        smaller in 0u32..=10_000,
+        larger in 0u32..=10_000,
+    ) {
+        use super::{Rollout, Stage};
+        let (smaller, larger) = (smaller.min(larger), smaller.max(larger));
+        let stage = |basis_points| {
+            Rollout::Canary { basis_points }.stage_on(&node, "domain", &rule_path)
+        };
+        if stage(smaller) == Stage::Enforce {
+            prop_assert_eq!(stage(larger), Stage::Enforce);
+        }
+        prop_assert_eq!(stage(0), Stage::Warn);
+        prop_assert_eq!(stage(10_000), Stage::Enforce);
+        prop_assert_eq!(stage(smaller), stage(smaller));
+    }
+}

@@ -389,7 +389,7 @@ fn example_policy_parses_and_matches() {
         matched(&set, domain, &[("tenant", "t1")]).limits[0].name.as_deref(),
         Some("per_tenant")
     );
-    assert!(matched(&set, domain, &[("path", "/search?q=x")]).shadow_mode);
+    assert!(matched(&set, domain, &[("path", "/search?q=x")]).stage == Stage::Shadow);
     assert!(matched(&set, domain, &[("path", "/healthz")]).unlimited);
     assert_eq!(describe(&set, domain, &[("path", "/checkout")]), "no rule");
     let catalog = matched(&set, domain, &[("destination_cluster", "catalog")]);
@@ -932,10 +932,10 @@ fn error_unknown_keys() {
             "p.yaml:1:1: unknown key `domian` in the file; expected one of: domain, descriptors",
             "p.yaml:1:1: missing required key `domain`",
             "p.yaml:4:5: unknown key `rate_limt` in a descriptor; expected one of: key, value, rate_limit, \
-             rate_limits, shadow_mode, quota_mode, detailed_metric, value_to_metric, share_threshold, metadata, \
+             rate_limits, shadow_mode, rollout, enforce_after, quota_mode, detailed_metric, value_to_metric, share_threshold, metadata, \
              failure_mode, lease, regions, descriptors",
             "p.yaml:5:5: unknown key `quota_mod` in a descriptor; expected one of: key, value, rate_limit, \
-             rate_limits, shadow_mode, quota_mode, detailed_metric, value_to_metric, share_threshold, metadata, \
+             rate_limits, shadow_mode, rollout, enforce_after, quota_mode, detailed_metric, value_to_metric, share_threshold, metadata, \
              failure_mode, lease, regions, descriptors",
             "p.yaml:6:5: a rate limit needs `requests_per_unit`",
             "p.yaml:8:7: unknown key `request_per_unit` in `rate_limit`; expected one of: unit, requests_per_unit, \
@@ -1174,7 +1174,7 @@ fn all_errors_of_all_files_are_reported() {
             "bad.yaml:6:18: `shadow_mode` must be true or false, found `maybe`",
             "worse.yaml:1:9: domain `good` is already defined at good.yaml:1:9 (one file per domain, unless `[policy] merge_domains = true`)",
             "worse.yaml:3:5: unknown key `valeu` in a descriptor; expected one of: key, value, rate_limit, \
-         rate_limits, shadow_mode, quota_mode, detailed_metric, value_to_metric, share_threshold, metadata, \
+         rate_limits, shadow_mode, rollout, enforce_after, quota_mode, detailed_metric, value_to_metric, share_threshold, metadata, \
          failure_mode, lease, regions, descriptors",
             "worse.yaml:3:5: descriptor is missing required key `key`",
             "broken.yaml:1:9: invalid YAML: unclosed bracket '['",
@@ -1533,4 +1533,201 @@ fn error_regions_values() {
             "p.yaml:19:5: `regions` has no effect on an `unlimited` rule: it has no limit to slice",
         ]
     );
+}
+
+/// Every rollout stage loads from one line, `shadow_mode: true` still means shadow, and a
+/// node resolves a canary to enforce or warn; the stages after shadow change the digest,
+/// the others keep it.
+#[test]
+fn rollout_stages_load_and_resolve_per_node() {
+    let policy = |rollout: &str| {
+        parse(&[
+            "domain: ro",
+            "descriptors:",
+            "  - key: k",
+            rollout,
+            "    enforce_after: 2027-01-08",
+            "    rate_limit: {unit: minute, requests_per_unit: 5}",
+        ])
+    };
+    let rule = |set: &PolicySet| matched(set, "ro", &[("k", "v")]).clone();
+    let warn = policy("    rollout: warn");
+    assert_eq!(rule(&warn).rollout, Rollout::Warn);
+    assert_eq!(rule(&warn).stage, Stage::Warn);
+    assert_eq!(rule(&warn).enforce_after.as_deref(), Some("2027-01-08"));
+    let canary = policy("    rollout: {canary: 12.5%}");
+    assert_eq!(rule(&canary).rollout, Rollout::Canary { basis_points: 1_250 });
+    assert_eq!(rule(&canary).stage, Stage::Warn, "outside any node, no canary");
+    let nodes: Vec<String> = (0..400).map(|index| format!("node-{index}")).collect();
+    let enforcing = nodes
+        .iter()
+        .filter(|node| rule(&canary.clone().for_node(node)).stage == Stage::Enforce)
+        .count();
+    assert!((25..=75).contains(&enforcing), "12.5 % of 400 nodes, got {enforcing}");
+    let plain = parse(&[
+        "domain: ro",
+        "descriptors:",
+        "  - key: k",
+        "    rate_limit: {unit: minute, requests_per_unit: 5}",
+    ]);
+    let enforce = parse(&[
+        "domain: ro",
+        "descriptors:",
+        "  - key: k",
+        "    rollout: enforce",
+        "    rate_limit: {unit: minute, requests_per_unit: 5}",
+    ]);
+    assert_eq!(rule(&enforce).stage, Stage::Enforce);
+    assert_eq!(enforce.digest(), plain.digest(), "an explicit default digests as its absence");
+    let shadow = |line: &str| {
+        parse(&[
+            "domain: ro",
+            "descriptors:",
+            "  - key: k",
+            line,
+            "    rate_limit: {unit: minute, requests_per_unit: 5}",
+        ])
+    };
+    let written = shadow("    rollout: shadow");
+    let upstream = shadow("    shadow_mode: true");
+    assert_eq!(rule(&written).stage, Stage::Shadow);
+    assert_eq!(written.digest(), upstream.digest(), "two spellings of one stage");
+    assert_ne!(warn.digest(), plain.digest());
+    assert_ne!(warn.digest(), canary.digest());
+    assert_ne!(policy("    rollout: {canary: 12%}").digest(), canary.digest());
+}
+
+/// Bad rollouts are reported where they are written.
+#[test]
+fn rollout_errors_point_at_the_value() {
+    assert_eq!(
+        errors(&[
+            "domain: ro",
+            "descriptors:",
+            "  - key: a",
+            "    rollout: canary",
+            "    rate_limit: {unit: minute, requests_per_unit: 5}",
+            "  - key: b",
+            "    rollout: {canary: 120%}",
+            "    rate_limit: {unit: minute, requests_per_unit: 5}",
+            "  - key: c",
+            "    rollout: {percent: 5%}",
+            "    rate_limit: {unit: minute, requests_per_unit: 5}",
+            "  - key: d",
+            "    shadow_mode: true",
+            "    rollout: warn",
+            "    rate_limit: {unit: minute, requests_per_unit: 5}",
+            "  - key: e",
+            "    rollout: warn",
+            "    enforce_after: 2027-02-30",
+            "    rate_limit: {unit: minute, requests_per_unit: 5}",
+            "  - key: g",
+            "    rollout: warn",
+        ]),
+        [
+            "p.yaml:4:14: unknown rollout `canary`; expected shadow, warn, {canary: P%} or enforce",
+            "p.yaml:7:23: the canary's share must be a percentage from 0% to 100% with at most two \
+             decimals, e.g. `5%`",
+            "p.yaml:10:14: `rollout` mapping must be `{canary: P%}`; expected shadow, warn, \
+             {canary: P%} or enforce",
+            "p.yaml:10:15: unknown key `percent` in `rollout`; expected one of: canary",
+            "p.yaml:14:5: `rollout` and `shadow_mode: true` are mutually exclusive: write \
+             `rollout: shadow`",
+            "p.yaml:18:20: `enforce_after` must be a day written `YYYY-MM-DD`, found `2027-02-30`",
+            "p.yaml:21:5: `rollout` has no effect on a descriptor without `rate_limit` (nested \
+             descriptors do not inherit it)",
+        ]
+    );
+}
+
+/// A policy written as a Kubernetes resource loads as its `spec` would alone, with the same
+/// digest (where a policy was written is not part of it); extra metadata is Kubernetes'.
+#[test]
+fn a_kubernetes_resource_loads_as_its_spec() {
+    let plain = parse(&[
+        "domain: k8s",
+        "descriptors:",
+        "  - key: tenant",
+        "    rate_limit: {unit: minute, requests_per_unit: 5}",
+    ]);
+    let resource = parse(&[
+        "apiVersion: quotamesh.io/v1",
+        "kind: RateLimitPolicy",
+        "metadata:",
+        "  name: tenants",
+        "  labels: {team: platform}",
+        "spec:",
+        "  domain: k8s",
+        "  descriptors:",
+        "    - key: tenant",
+        "      rate_limit: {unit: minute, requests_per_unit: 5}",
+    ]);
+    assert_eq!(resource.digest(), plain.digest());
+    assert_eq!(matched(&resource, "k8s", &[("tenant", "t")]).line, 9);
+}
+
+/// A resource's own fields are checked, each error where it is written.
+#[test]
+fn a_kubernetes_resource_names_its_api_kind_and_name() {
+    assert_eq!(
+        errors(&[
+            "apiVersion: quotamesh.io/v2",
+            "kind: RateLimit",
+            "metadata: {labels: {a: b}}",
+            "spec:",
+            "  domain: k8s",
+            "  descriptors: []",
+            "status: {}",
+        ]),
+        [
+            "p.yaml:1:13: `apiVersion` must be `quotamesh.io/v1`, found `quotamesh.io/v2`",
+            "p.yaml:2:7: `kind` must be `RateLimitPolicy`, found `RateLimit`",
+            "p.yaml:3:11: missing required key `metadata.name`",
+            "p.yaml:7:1: unknown key `status` in a RateLimitPolicy resource; expected one of: \
+             apiVersion, kind, metadata, spec",
+        ]
+    );
+    assert_eq!(
+        errors(&["apiVersion: quotamesh.io/v1", "kind: RateLimitPolicy", "metadata: {name: x}"]),
+        ["p.yaml:1:1: missing required key `spec`: the policy"]
+    );
+}
+
+/// The shipped CustomResourceDefinition (`cluster/k8s/`) names the resource quotamesh reads
+/// and every field the loader knows, no more: a field added to one is added to the other.
+#[test]
+fn the_kubernetes_schema_follows_the_loader() {
+    use std::collections::BTreeSet;
+
+    use super::load::{
+        DESCRIPTOR_FIELDS, LEASE_FIELDS, LIMIT_FIELDS, RESOURCE_API_VERSION, RESOURCE_KIND,
+        ROOT_FIELDS,
+    };
+    let crd: serde_json::Value =
+        serde_saphyr::from_str(include_str!("../../../cluster/k8s/ratelimitpolicy-crd.yaml"))
+            .expect("the CRD parses");
+    let version = &crd["spec"]["versions"][0];
+    assert_eq!(
+        format!(
+            "{}/{}",
+            crd["spec"]["group"].as_str().expect("group"),
+            version["name"].as_str().expect("name")
+        ),
+        RESOURCE_API_VERSION
+    );
+    assert_eq!(crd["spec"]["names"]["kind"], RESOURCE_KIND);
+    let keys = |schema: &serde_json::Value| -> BTreeSet<String> {
+        schema["properties"].as_object().expect("properties").keys().cloned().collect()
+    };
+    let names = |fields: &[&str]| -> BTreeSet<String> {
+        fields.iter().map(|field| (*field).to_owned()).collect()
+    };
+    let spec = &version["schema"]["openAPIV3Schema"]["properties"]["spec"];
+    assert_eq!(keys(spec), names(&ROOT_FIELDS));
+    let descriptor = &spec["properties"]["descriptors"]["items"];
+    assert_eq!(keys(descriptor), names(&DESCRIPTOR_FIELDS));
+    let fields = &descriptor["properties"];
+    assert_eq!(keys(&fields["rate_limit"]), names(&LIMIT_FIELDS));
+    assert_eq!(keys(&fields["rate_limits"]["items"]), names(&LIMIT_FIELDS));
+    assert_eq!(keys(&fields["lease"]), names(&LEASE_FIELDS));
 }
