@@ -13,13 +13,15 @@
 # so every answer is an admitted decision, paid from a lease while the ledger keeps up.
 # After the rounds the script prints the node's own counts (decisions by code, unmatched
 # descriptors, decisions paid from the fallback bucket, ledger calls) and fails if any
-# answer was not OK through the rule. When the fallback paid more than 1 % of the
-# decisions (ledger calls slower than the ledger timeout open the circuit breaker, which
-# then stays open for at least 30 s), the figures are of the fallback bucket, not of
-# leasing, and the script says so.
-# The node runs with its default ledger timeout (5 ms), or GRPC_BENCH_LEDGER_TIMEOUT_MS.
-# Needs h2load (Debian package nghttp2-client) and a release build (in CARGO_TARGET_DIR
-# when set):
+# answer was not OK through the rule, and the share of decisions that took 1 ms or more
+# (a request waiting for its key's refill). When the fallback paid more than 1 % of the
+# decisions (ledger calls failing open the circuit breaker), the figures are of the fallback
+# bucket, not of leasing, and the script says so.
+# The node runs with the shipped defaults ([leasing] included); GRPC_BENCH_LEDGER_TIMEOUT_MS
+# sets a fixed ledger deadline instead of the default derived from measured latency.
+# Installs h2load (Debian package nghttp2-client) when it is missing, waits up to a minute
+# for the 1-minute load average to fall below 1 (and says when it did not), and needs a
+# release build (in CARGO_TARGET_DIR when set):
 #   cargo build --release && benches/grpc_throughput.sh [requests] [rounds]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +29,12 @@ cd "$(dirname "$0")/.."
 requests=${1:-200000}
 rounds=${2:-3}
 binary=${CARGO_TARGET_DIR:-target}/release/quotamesh
-command -v h2load >/dev/null || { echo "h2load missing: apt-get install nghttp2-client" >&2; exit 1; }
+if ! command -v h2load >/dev/null; then
+  echo "installing h2load (Debian package nghttp2-client)" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y --no-install-recommends nghttp2-client >/dev/null \
+    || { apt-get update >/dev/null && apt-get install -y --no-install-recommends nghttp2-client >/dev/null; }
+fi
 [ -x "$binary" ] || { echo "build first: cargo build --release" >&2; exit 1; }
 
 work=$(mktemp -d)
@@ -39,16 +46,19 @@ descriptors:
   - key: api_key
     rate_limit: {unit: second, requests_per_unit: 1000000000}
 YAML
-ledger_timeout_ms=${GRPC_BENCH_LEDGER_TIMEOUT_MS:-5}
-cat > "$work/node.toml" <<TOML
-[leasing]
-ledger_timeout_ms = $ledger_timeout_ms
-TOML
+ledger_timeout_ms=${GRPC_BENCH_LEDGER_TIMEOUT_MS:-}
+if [ -n "$ledger_timeout_ms" ]; then
+  printf '[leasing]\nledger_timeout_ms = %s\n' "$ledger_timeout_ms" > "$work/node.toml"
+else
+  : > "$work/node.toml"
+fi
 "$binary" bench encode-request --domain bench --entry api_key=alice --out "$work/body.bin"
 
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+# cpu_ticks PID: "user system" clock ticks of a process so far.
+cpu_ticks() { awk '{print $14, $15}' "/proc/$1/stat"; }
 
-# run NAME PORT: loads 127.0.0.1:PORT, prints "NAME rps mean_us cpu_us_per_request"
+# run NAME PORT PID: loads 127.0.0.1:PORT, prints the round's figures and appends
+# "rps cpu_us kernel_us" (per request) to NAME.result
 run() {
   local name=$1 port=$2 pid=$3
   # Warm up connections and caches.
@@ -65,9 +75,13 @@ run() {
   mean=$(awk '/^time for request:/ {print $6}' "$work/$name.txt")
   failed=$(grep -oE '[0-9]+ failed' "$work/$name.txt" | head -1 | cut -d' ' -f1)
   local hz; hz=$(getconf CLK_TCK)
-  local cpu_us; cpu_us=$(awk -v t=$((after - before)) -v hz="$hz" -v n="$requests" 'BEGIN {printf "%.2f", t / hz * 1e6 / n}')
-  printf '%-12s %10s req/s   mean %8s   server CPU %6s us/request   failed %s\n' "$name" "$rps" "$mean" "$cpu_us" "$failed"
-  echo "$rps $cpu_us" >> "$work/$name.result"
+  local per_request='{printf "%.2f", t / hz * 1e6 / n}'
+  local cpu_us kernel_us
+  cpu_us=$(awk -v t="$(( ${after% *} + ${after#* } - ${before% *} - ${before#* } ))" -v hz="$hz" -v n="$requests" "BEGIN $per_request")
+  kernel_us=$(awk -v t="$(( ${after#* } - ${before#* } ))" -v hz="$hz" -v n="$requests" "BEGIN $per_request")
+  printf '%-12s %10s req/s   mean %8s   server CPU %6s us/request (kernel %s)   failed %s\n' \
+    "$name" "$rps" "$mean" "$cpu_us" "$kernel_us" "$failed"
+  echo "$rps $cpu_us $kernel_us" >> "$work/$name.result"
 }
 
 TOKIO_WORKER_THREADS=1 taskset -c 0 "$binary" bench constant-ok --rls-addr 127.0.0.1:18091 2>/dev/null &
@@ -84,6 +98,11 @@ for _ in $(seq 100); do
   sleep 0.1
 done
 [ -n "$ready" ] || { echo "the node did not become ready:" >&2; tail -n 20 "$work/node.log" >&2; exit 1; }
+for _ in $(seq 60); do
+  awk '{exit !($1 < 1.0)}' /proc/loadavg && break
+  sleep 1
+done
+awk '{exit !($1 < 1.0)}' /proc/loadavg || echo "the machine did not become quiet within a minute: figures are from a loaded machine"
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
 
 for _ in $(seq "$rounds"); do
@@ -104,9 +123,14 @@ rejected=$(sum '^quotamesh_rls_rejected_requests_total')
 bypassed=$(sum '^quotamesh_rate_limit_bypassed_total')
 calls=$(sum '^quotamesh_ledger_calls_total')
 failed_calls=$(sum '^quotamesh_ledger_calls_total[{]result="error"')
-printf 'node (ledger timeout %s ms): %s OK through the rule, %s over limit, %s unmatched, %s rejected; %s paid from the fallback; %s ledger calls (%s failed), 1 per %s decisions\n' \
-  "$ledger_timeout_ms" "$ok" "$not_ok" "$unmatched" "$rejected" "$bypassed" "$calls" "$failed_calls" \
-  "$(awk -v d="$ok" -v c="$calls" 'BEGIN {if (c > 0) printf "%.0f", d / c; else print "-"}')"
+# Decisions that took 1 ms or more: the histogram's count less its 1 ms bucket.
+decided=$(sum '^quotamesh_rls_request_duration_seconds_count')
+within_1ms=$(sum '^quotamesh_rls_request_duration_seconds_bucket[{]le="0.001"')
+printf 'node (ledger timeout %s): %s OK through the rule, %s over limit, %s unmatched, %s rejected; %s paid from the fallback; %s ledger calls (%s failed), 1 per %s decisions; %s of %s decisions took 1 ms or more (%s %%)\n' \
+  "${ledger_timeout_ms:-default}" "$ok" "$not_ok" "$unmatched" "$rejected" "$bypassed" "$calls" "$failed_calls" \
+  "$(awk -v d="$ok" -v c="$calls" 'BEGIN {if (c > 0) printf "%.0f", d / c; else print "-"}')" \
+  "$((decided - within_1ms))" "$decided" \
+  "$(awk -v s="$((decided - within_1ms))" -v d="$decided" 'BEGIN {if (d > 0) printf "%.2f", s * 100 / d; else print "-"}')"
 if [ "$ok" -eq 0 ] || [ "$not_ok" -ne 0 ] || [ "$unmatched" -ne 0 ] || [ "$rejected" -ne 0 ]; then
   echo "the node did not answer every request OK through the rule: the figures are not of admitted decisions" >&2
   exit 1
@@ -122,9 +146,13 @@ ceiling_rps=$(cut -d' ' -f1 "$work/ceiling.result" | median)
 ceiling_cpu=$(cut -d' ' -f2 "$work/ceiling.result" | median)
 node_rps=$(cut -d' ' -f1 "$work/quotamesh.result" | median)
 node_cpu=$(cut -d' ' -f2 "$work/quotamesh.result" | median)
-printf 'median of %s rounds: ceiling %s req/s %s us CPU; quotamesh %s req/s %s us CPU\n' \
-  "$rounds" "$ceiling_rps" "$ceiling_cpu" "$node_rps" "$node_cpu"
-awk -v a="$node_rps" -v b="$ceiling_rps" -v c="$node_cpu" -v d="$ceiling_cpu" -v note="$leased_note" 'BEGIN {
+ceiling_kernel=$(cut -d' ' -f3 "$work/ceiling.result" | median)
+node_kernel=$(cut -d' ' -f3 "$work/quotamesh.result" | median)
+printf 'median of %s rounds: ceiling %s req/s %s us CPU (kernel %s); quotamesh %s req/s %s us CPU (kernel %s)\n' \
+  "$rounds" "$ceiling_rps" "$ceiling_cpu" "$ceiling_kernel" "$node_rps" "$node_cpu" "$node_kernel"
+awk -v a="$node_rps" -v b="$ceiling_rps" -v c="$node_cpu" -v d="$ceiling_cpu" \
+  -v e="$node_kernel" -v f="$ceiling_kernel" -v note="$leased_note" 'BEGIN {
   printf "throughput ratio quotamesh/ceiling   %.3f%s\n", a / b, note
   printf "CPU per request ratio                %.3f\n", c / d
+  printf "kernel time per request ratio        %.3f\n", (f > 0 ? e / f : 0)
 }'
