@@ -38,6 +38,7 @@ use crate::api::proto::envoy::service::ratelimit::v3::rate_limit_response::{
 use crate::api::proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use crate::api::proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use crate::api::proto::envoy::r#type::v3::RateLimitUnit;
+use crate::api::rule_metrics::{DescriptorCode, RuleCounters, RuleMetrics};
 use crate::api::shadow_events::ShadowSink;
 use crate::api::status::InvalidRequest;
 use crate::core::admission::Verdict;
@@ -69,6 +70,8 @@ pub struct RlsService {
     shards: Arc<ShardSet>,
     policy: Arc<ArcSwap<PolicySet>>,
     metrics: Metrics,
+    /// The active policy's rule counters, resolved once per policy.
+    rule_metrics: Arc<RuleMetrics>,
     headers: HeaderOptions,
     near_limit_ratio_permille: u64,
     /// Where shadow rules' would-be rejections go as events, with this node's id.
@@ -96,6 +99,8 @@ struct RuleView<'p> {
     /// values name it (`detailed_metric`, `value_to_metric`, an override).
     stats_key: Cow<'p, str>,
     metadata: Option<&'p serde_json::Map<String, serde_json::Value>>,
+    /// The rule's resolved counters; `None` for an override, which names no rule.
+    counters: Option<&'p RuleCounters>,
 }
 
 impl RlsService {
@@ -109,6 +114,7 @@ impl RlsService {
         Self {
             shards,
             policy,
+            rule_metrics: Arc::new(RuleMetrics::new(metrics.clone())),
             metrics,
             headers,
             near_limit_ratio_permille: NEAR_LIMIT_RATIO_PERMILLE_DEFAULT,
@@ -147,6 +153,7 @@ impl RlsService {
             return Err(invalid.into());
         }
         let policy = self.policy.load();
+        let rule_counters = self.rule_metrics.of(&policy);
         let domain = request.domain.as_str();
         let overrides = request
             .descriptors
@@ -191,6 +198,7 @@ impl RlsService {
                         enforce_after: None,
                         stats_key: Cow::Owned(descriptor_key(descriptor)),
                         metadata: None,
+                        counters: None,
                     };
                     (view, smallvec![limit])
                 }
@@ -214,6 +222,7 @@ impl RlsService {
                         enforce_after: rule.enforce_after.as_deref(),
                         stats_key: rule.stats_key(&values),
                         metadata: rule.metadata.as_ref(),
+                        counters: rule_counters.rule(rule.id),
                     };
                     (view, kept)
                 }
@@ -359,28 +368,43 @@ impl RlsService {
             } else {
                 Code::OverLimit
             };
-            let label = match (outcome.admitted, rule.stage) {
-                (true, _) => "ok",
-                (false, Stage::Shadow) => "shadow_over_limit",
-                (false, Stage::Warn) => "warn_over_limit",
-                (false, Stage::Enforce) => "over_limit",
+            let descriptor_code = match (outcome.admitted, rule.stage) {
+                (true, _) => DescriptorCode::Ok,
+                (false, Stage::Shadow) => DescriptorCode::ShadowOverLimit,
+                (false, Stage::Warn) => DescriptorCode::WarnOverLimit,
+                (false, Stage::Enforce) => DescriptorCode::OverLimit,
             };
-            self.metrics
-                .rls_descriptor_decisions
-                .with_label_values(&[domain_label, rule.path, label])
-                .inc();
+            match rule.counters {
+                Some(counters) => counters.count_decision(descriptor_code),
+                None => self
+                    .metrics
+                    .rls_descriptor_decisions
+                    .with_label_values(&[domain_label, rule.path, descriptor_code.label()])
+                    .inc(),
+            }
             if rule.stage == Stage::Warn && !outcome.admitted {
-                self.metrics.rls_warnings.with_label_values(&[domain_label, rule.path]).inc();
+                match rule.counters {
+                    Some(counters) => counters.warnings.inc(),
+                    None => self
+                        .metrics
+                        .rls_warnings
+                        .with_label_values(&[domain_label, rule.path])
+                        .inc(),
+                }
                 let over_permille = Some(outcome.over_permille).filter(|over| *over != u64::MAX);
                 let this = Warning { over_permille, enforce_after: rule.enforce_after };
                 warning = Some(warning.map_or(this, |earlier| earlier.merge(this)));
             }
             if rule.stage == Stage::Shadow {
                 if !outcome.admitted {
-                    self.metrics
-                        .rls_shadow_blocks
-                        .with_label_values(&[domain_label, rule.path])
-                        .inc();
+                    match rule.counters {
+                        Some(counters) => counters.shadow_blocks.inc(),
+                        None => self
+                            .metrics
+                            .rls_shadow_blocks
+                            .with_label_values(&[domain_label, rule.path])
+                            .inc(),
+                    }
                     tracing::debug!(
                         event = SHADOW_BLOCK_EVENT,
                         domain,
@@ -470,17 +494,29 @@ impl RlsService {
             verdict.admitted,
             self.near_limit_ratio_permille,
         );
+        let HitCounts { total, over_limit, near_limit, within_limit } = counts;
+        let shadow_mode = if rule.stage == Stage::Shadow && over_limit > 0 { hits } else { 0 };
+        // A rule's own path: its resolved handles; a key named by runtime values or an
+        // override: the vectors, under the capped key label.
+        if let Some(counters) = rule.counters.filter(|_| rule.stats_key == rule.path) {
+            let stats = &counters.stats;
+            stats.total_hits.inc_by(total);
+            stats.over_limit.inc_by(over_limit);
+            stats.near_limit.inc_by(near_limit);
+            stats.within_limit.inc_by(within_limit);
+            stats.shadow_mode.inc_by(shadow_mode);
+            return;
+        }
         let fallback = if rule.path == "override" { STATS_KEY_OVERRIDE } else { rule.path };
         let key = self.metrics.stats_key_label(domain_label, &rule.stats_key, fallback);
         let labels = [domain_label, key.as_ref()];
-        let HitCounts { total, over_limit, near_limit, within_limit } = counts;
         let stats = &self.metrics.ratelimit_stats;
         stats.total_hits.with_label_values(&labels).inc_by(total);
         stats.over_limit.with_label_values(&labels).inc_by(over_limit);
         stats.near_limit.with_label_values(&labels).inc_by(near_limit);
         stats.within_limit.with_label_values(&labels).inc_by(within_limit);
-        if rule.stage == Stage::Shadow && over_limit > 0 {
-            stats.shadow_mode.with_label_values(&labels).inc_by(hits);
+        if shadow_mode > 0 {
+            stats.shadow_mode.with_label_values(&labels).inc_by(shadow_mode);
         }
     }
 }
