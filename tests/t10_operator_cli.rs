@@ -172,7 +172,7 @@ fn health_json_is_one_object_with_the_same_exit_codes() -> Result<()> {
     let answer: serde_json::Value = serde_json::from_str(&ready.stdout)?;
     assert_eq!(answer["ready"], true, "{answer}");
     assert_eq!(answer["status"], 200, "{answer}");
-    assert_eq!(answer["body"], "ready\n", "{answer}");
+    assert!(answer["body"].as_str().is_some_and(|body| body.starts_with("ready\n")), "{answer}");
 
     // The policy is locked: a 401 is not ready.
     let refused = quotamesh(&["health", "--json", "--url", &url("/config")], None)?;
