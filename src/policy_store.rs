@@ -505,3 +505,76 @@ fn watch_path(
 fn concerns_policy_file(changed: &Path, file: &std::ffi::OsStr) -> bool {
     changed.file_name().is_none_or(|name| name == file || name.as_encoded_bytes().starts_with(b"."))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::policy_versions::PolicyVersionInfo;
+
+    fn version(version: u64, text: &str) -> StoredPolicyVersion {
+        StoredPolicyVersion {
+            info: PolicyVersionInfo {
+                version,
+                digest: version,
+                applied_at_ms: 0,
+                applied_by: "ops".to_owned(),
+                message: String::new(),
+                rollback_of: None,
+                files: 1,
+                size_bytes: text.len() as u64,
+            },
+            files: Some(vec![("region.yaml".to_owned(), text.to_owned())]),
+        }
+    }
+
+    const REGION_POLICY: &str = "domain: region\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1}\n";
+
+    /// A node on the embedded default follows the region's versions (never back to an older
+    /// one, and a SIGHUP reload keeps the replicated set); a node with its own files stays
+    /// local and only records the region's version.
+    #[test]
+    fn the_embedded_default_follows_the_region_and_files_stay_local() {
+        let embedded = PolicyStore::open(
+            PolicyOrigin::Embedded,
+            LoadOptions::default(),
+            "r",
+            "n",
+            Metrics::new(),
+        )
+        .expect("the embedded policy loads");
+        assert_eq!(embedded.served().load().source, ServedFrom::Local);
+        assert_eq!(
+            embedded.install_replicated(&version(2, REGION_POLICY)),
+            ReplicatedOutcome::Installed
+        );
+        assert_eq!(
+            embedded.install_replicated(&version(1, REGION_POLICY)),
+            ReplicatedOutcome::Unchanged
+        );
+        assert_eq!(embedded.reload(), ReloadOutcome::Unchanged);
+        let served = embedded.served().load_full();
+        assert_eq!((served.version, served.source), (2, ServedFrom::Replicated));
+        assert!(embedded.active().load().has_domain("region"));
+        assert_eq!(
+            embedded.install_replicated(&version(3, "domain: [broken")),
+            ReplicatedOutcome::Refused
+        );
+        assert_eq!(embedded.served().load().version, 2, "a refused version changes nothing");
+
+        let directory = tempfile::tempdir().expect("temporary directory");
+        let file = directory.path().join("local.yaml");
+        std::fs::write(&file, EMBEDDED_POLICY_YAML).expect("write");
+        let local = PolicyStore::open(
+            PolicyOrigin::Path(file),
+            LoadOptions::default(),
+            "r",
+            "n",
+            Metrics::new(),
+        )
+        .expect("the file loads");
+        assert_eq!(local.install_replicated(&version(4, REGION_POLICY)), ReplicatedOutcome::Local);
+        assert_eq!(local.region_version(), 4);
+        let served = local.served().load_full();
+        assert_eq!((served.version, served.source), (0, ServedFrom::Local));
+    }
+}
