@@ -9,13 +9,12 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use common::cluster::{CLUSTER_WAIT, Cluster, ClusterOptions, admin_client, call};
 use common::tls::ADMIN_TOKEN;
-use common::{CpuHog, http_get, metric_value, write_file};
+use common::{CpuHog, http_get, metric_value, run_cli as quotamesh, write_file};
 use quotamesh::api::proto::quotamesh::admin::v1 as admin;
 
 /// The gateway's raft_node_id.
@@ -40,28 +39,6 @@ descriptors:
     rollout: shadow
     rate_limit: {unit: second, requests_per_unit: 10}
 ";
-
-/// A run of the binary: exit code, stdout, stderr.
-struct Run {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
-}
-
-/// Runs `quotamesh` with `token` as the operator token (none: no token at all).
-fn quotamesh(arguments: &[&str], token: Option<&str>) -> Result<Run> {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_quotamesh"));
-    command.args(arguments).env("RUST_BACKTRACE", "0").env_remove("QUOTAMESH_ADMIN_TOKEN");
-    if let Some(token) = token {
-        command.env("QUOTAMESH_ADMIN_TOKEN", token);
-    }
-    let output = command.output().context("run quotamesh")?;
-    Ok(Run {
-        code: output.status.code(),
-        stdout: String::from_utf8(output.stdout)?,
-        stderr: String::from_utf8(output.stderr)?,
-    })
-}
 
 /// `policy apply` of `directory` through voter `via`; the JSON answer.
 fn apply(

@@ -1077,10 +1077,16 @@ impl QuotaLedger {
     pub fn digest(&self) -> u64 {
         let mut digest = Fnv1a::default();
         digest.write(&self.last_seen_ms.to_le_bytes());
-        // Stored versions, oldest first: the same on replicas that applied the same sets.
-        digest.write(&(self.policies.stored().count() as u64).to_le_bytes());
-        for stored in self.policies.stored() {
-            digest.write_encoded(stored);
+        if self.policies.is_empty() {
+            // As the single optional set was encoded before versions, so a ledger without
+            // policies keeps its digest across the upgrade.
+            digest.write_encoded(&None::<()>);
+        } else {
+            // Stored versions, oldest first: the same on replicas that applied the same sets.
+            digest.write(&(self.policies.stored().count() as u64).to_le_bytes());
+            for stored in self.policies.stored() {
+                digest.write_encoded(stored);
+            }
         }
         // Only once regions are in use, so ledgers without them keep their digests.
         if !self.regions.is_empty() {
