@@ -31,6 +31,7 @@ pub mod ledger;
 pub mod logging;
 pub mod metrics;
 pub mod node;
+pub mod policy_follow;
 pub mod policy_store;
 pub mod raft_health;
 pub mod raft_host;

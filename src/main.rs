@@ -24,7 +24,7 @@ fn run() -> anyhow::Result<ExitCode> {
     // Before any TLS object exists: ring is the only rustls provider compiled in.
     quotamesh::api::billing::tls::install_crypto_provider();
     match cli.command {
-        Command::Policy(arguments) => quotamesh::cli::policy::run(arguments),
+        Command::Policy(arguments) => runtime()?.block_on(quotamesh::cli::policy::run(arguments)),
         Command::Serve(arguments) => {
             runtime()?.block_on(quotamesh::cli::serve::run(arguments))?;
             Ok(ExitCode::SUCCESS)

@@ -99,6 +99,9 @@ pub struct Metrics {
     pub policy_reloads: IntCounterVec,
     /// `quotamesh_policy_rules`: rules in the active policy set.
     pub policy_rules: IntGauge,
+    /// `quotamesh_policy_version`: the replicated policy version the node serves; 0 when it
+    /// serves local files (`--policy`) or the embedded default.
+    pub policy_version: IntGauge,
     /// `quotamesh_policy_info{digest}`: 1, labelled with the active policy set's digest as
     /// `quotamesh policy validate` prints it (equal on nodes serving the same policy).
     policy_info: IntGaugeVec,
@@ -370,6 +373,11 @@ impl Metrics {
                 &["result"],
             ),
             policy_rules: gauge("quotamesh_policy_rules", "Rules in the active policy set."),
+            policy_version: gauge(
+                "quotamesh_policy_version",
+                "The replicated policy version this node serves (quotamesh policy apply); 0 \
+                 when it serves local files (--policy) or the embedded default.",
+            ),
             policy_info: gauge_vec(
                 "quotamesh_policy_info",
                 "1, labelled with the active policy set's digest (as `quotamesh policy validate` \

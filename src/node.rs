@@ -4,7 +4,8 @@
 //! start:    config ─▶ data dir lock ─▶ metrics ─▶ policy ─▶ listeners ─▶ Raft groups
 //!           (identity, quota and billing groups, Raft peer listener) ─▶ lease broker ─▶ shard
 //!           actors ─▶ servers (RLS, admin, billing API in node/billing.rs) ─▶ group watches
-//!           (raft_health.rs) ─▶ ready
+//!           (raft_health.rs) ─▶ the region's policy version installed, then followed
+//!           (policy_follow.rs) ─▶ ready
 //! shutdown: not ready ─▶ stop accepting, drain calls (RLS, HTTP, admin, billing) ─▶ stop
 //!           watchers ─▶ stop shard actors ─▶ stop lease broker ─▶ stop Raft groups, then the
 //!           Raft peer listener ─▶ unlock
@@ -202,7 +203,7 @@ impl Node {
             },
             raft.quota().clone(),
             raft.billing().cloned(),
-            policy.active(),
+            Arc::clone(&policy),
             crate::api::operators::Operators::new(&config.admin),
         );
 
@@ -278,6 +279,7 @@ impl Node {
                 started: Arc::clone(&ready),
                 groups: views,
                 metrics: metrics.clone(),
+                policy: Arc::clone(&policy),
             };
             let (metrics, shutdown) = (metrics.clone(), until_stopped(stopped.clone()));
             let served = crate::api::http::Served {
@@ -293,6 +295,16 @@ impl Node {
                 }
             })
         };
+        // The region's replicated version, if any, is served before the node says it is ready.
+        group_watches.push(
+            crate::policy_follow::PolicyFollower::start(
+                Arc::clone(&policy),
+                raft.quota().clone(),
+                raft.role(),
+                until_stopped(stopped.clone()),
+            )
+            .await,
+        );
         let watcher = match Arc::clone(&policy).watch(until_stopped(stopped)) {
             Ok(watcher) => watcher,
             Err(error) => {

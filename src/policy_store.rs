@@ -4,9 +4,23 @@
 //! on SIGHUP. A file that fails to load never replaces a good policy: the failure is logged
 //! and counted once per distinct content of the files (a broken file that stays broken is
 //! not reported again on every event), and the previous set stays active.
+//!
+//! A node also follows the region's replicated policy versions (`quotamesh policy apply`,
+//! `crate::core::policy_versions`), which `crate::policy_follow` hands to
+//! [`PolicyStore::install_replicated`]. Which one a node serves:
+//!
+//! ```text
+//!  --policy FILE (or [policy] path)   local: the files, always; the region's version is
+//!                                     reported beside it (`region_version`), so drift shows
+//!  no path (the embedded default)     the embedded default until the region has a version,
+//!                                     then the latest version, replicated
+//! ```
+//!
+//! Every swap replaces one `Arc`: a decision reads one whole set, never a mix of two.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -15,6 +29,7 @@ use tokio::sync::mpsc;
 
 use crate::core::digest::Fnv1a;
 use crate::core::policy::{LoadOptions, PolicyErrors, PolicySet, PolicySource};
+use crate::core::policy_versions::StoredPolicyVersion;
 use crate::metrics::Metrics;
 
 /// The example policy served when no policy path is configured.
@@ -142,10 +157,46 @@ pub enum ReloadOutcome {
     Refused,
 }
 
+/// Where the policy a node serves comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ServedFrom {
+    /// Files of this node (`--policy`) or the embedded default.
+    #[default]
+    Local,
+    /// A version of the region's replicated policy set.
+    Replicated,
+}
+
+impl std::fmt::Display for ServedFrom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Local => "local",
+            Self::Replicated => "replicated",
+        })
+    }
+}
+
+/// What [`PolicyStore::install_replicated`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplicatedOutcome {
+    /// The version is now served.
+    Installed,
+    /// The version (or a newer one) is served already.
+    Unchanged,
+    /// This node serves its `--policy` files: the version is only reported.
+    Local,
+    /// The version's files do not load here (counted and logged); the previous set stays.
+    Refused,
+}
+
 /// The policy a node serves as operators see it (`/config`, `quotamesh policy get`): the
 /// files it was parsed from and its digest.
 #[derive(Debug, Clone, Default)]
 pub struct ServedPolicy {
+    /// The replicated version served; 0 for local files.
+    pub version: u64,
+    /// Local files or the region's replicated set.
+    pub source: ServedFrom,
     /// The digest `quotamesh policy validate` prints for the same files.
     pub digest: u64,
     /// Rules in the set.
@@ -172,6 +223,11 @@ pub struct PolicyStore {
     /// The fingerprint of the files' content (or of the read error) last refused, so that
     /// the same refusal is logged and counted once, not on every file event.
     last_refused: parking_lot::Mutex<Option<u64>>,
+    /// The latest replicated version this node has seen (served or not); 0: none.
+    region_version: AtomicU64,
+    /// Held while a new set is chosen and published, so a file reload and a replicated
+    /// version never interleave.
+    publishing: parking_lot::Mutex<()>,
     metrics: Metrics,
 }
 
@@ -199,9 +255,11 @@ impl PolicyStore {
             active: Arc::new(ArcSwap::from_pointee(PolicySet::default())),
             served: Arc::new(ArcSwap::from_pointee(ServedPolicy::default())),
             last_refused: parking_lot::Mutex::new(None),
+            region_version: AtomicU64::new(0),
+            publishing: parking_lot::Mutex::new(()),
             metrics,
         };
-        store.publish(policy, sources);
+        store.publish(policy, sources, 0);
         store.metrics.policy_reloads.with_label_values(&["ok"]).inc();
         Ok(store)
     }
@@ -216,9 +274,85 @@ impl PolicyStore {
         Arc::clone(&self.active)
     }
 
+    /// How the policy files are read (`[policy]`).
+    pub fn options(&self) -> LoadOptions {
+        self.options
+    }
+
+    /// Whether this node follows the region's replicated versions: it has no `--policy`.
+    pub fn follows_region(&self) -> bool {
+        self.origin == PolicyOrigin::Embedded
+    }
+
+    /// The latest replicated version this node has seen, served or not (0: none).
+    pub fn region_version(&self) -> u64 {
+        self.region_version.load(Ordering::Acquire)
+    }
+
+    /// Serves `stored`, a version of the region's policy set, when this node follows the
+    /// region and serves an older one. Parses the files (CPU work: call it off the async
+    /// workers).
+    pub fn install_replicated(&self, stored: &StoredPolicyVersion) -> ReplicatedOutcome {
+        let version = stored.info.version;
+        let _publishing = self.publishing.lock();
+        let seen = self.region_version.fetch_max(version, Ordering::AcqRel);
+        if !self.follows_region() {
+            if seen < version {
+                tracing::info!(
+                    version,
+                    "the region applied a policy version; this node serves its --policy files \
+                     (local) and does not follow it"
+                );
+            }
+            return ReplicatedOutcome::Local;
+        }
+        if self.served.load().version >= version {
+            return ReplicatedOutcome::Unchanged;
+        }
+        let Some(files) = &stored.files else {
+            // The current version always keeps its files; an older one is never installed.
+            return ReplicatedOutcome::Unchanged;
+        };
+        let sources: Vec<PolicySource> = files
+            .iter()
+            .map(|(name, text)| PolicySource { name: name.clone(), text: text.clone() })
+            .collect();
+        match PolicySet::parse_with(&sources, self.options) {
+            Ok(policy) => {
+                let (rules, digest) = (policy.rules().count(), policy.digest());
+                self.publish(policy, sources, version);
+                self.metrics.policy_reloads.with_label_values(&["ok"]).inc();
+                tracing::info!(
+                    version,
+                    rules,
+                    digest = %format_args!("{digest:016x}"),
+                    applied_by = %stored.info.applied_by,
+                    "replicated policy version installed"
+                );
+                ReplicatedOutcome::Installed
+            }
+            Err(errors) => {
+                self.metrics.policy_reloads.with_label_values(&["error"]).inc();
+                self.metrics.policy_reload_failures.inc();
+                tracing::error!(
+                    version,
+                    %errors,
+                    "replicated policy version refused (this node's [policy] options differ?); \
+                     the previous policy stays active"
+                );
+                ReplicatedOutcome::Refused
+            }
+        }
+    }
+
     /// Reloads from the origin; a failure leaves the active policy in place. A failure of
-    /// the same content as the last one refused is neither logged nor counted again.
+    /// the same content as the last one refused is neither logged nor counted again. A node
+    /// serving a replicated version keeps it: the embedded default never replaces it.
     pub fn reload(&self) -> ReloadOutcome {
+        let _publishing = self.publishing.lock();
+        if self.served.load().source == ServedFrom::Replicated {
+            return ReloadOutcome::Unchanged;
+        }
         // A read error is its own fingerprint; a parse error that of the files' content.
         let loaded = match self.origin.read_sources() {
             Err(error) => Err((None, error)),
@@ -236,7 +370,7 @@ impl PolicyStore {
                 }
                 let rules = policy.rules().count();
                 let digest = policy.digest();
-                self.publish(policy, sources);
+                self.publish(policy, sources, 0);
                 self.metrics.policy_reloads.with_label_values(&["ok"]).inc();
                 tracing::info!(rules, digest = %format_args!("{digest:016x}"), "policy reloaded");
                 ReloadOutcome::Replaced
@@ -262,11 +396,16 @@ impl PolicyStore {
         }
     }
 
-    fn publish(&self, policy: PolicySet, sources: Vec<PolicySource>) {
+    /// Serves `policy`: `version` 0 for local files, else the replicated version.
+    fn publish(&self, policy: PolicySet, sources: Vec<PolicySource>, version: u64) {
         let rules = policy.rules().count();
         self.metrics.policy_rules.set(i64::try_from(rules).unwrap_or(i64::MAX));
         self.metrics.set_policy_digest(policy.digest());
+        self.metrics.policy_version.set(i64::try_from(version).unwrap_or(i64::MAX));
+        let source = if version == 0 { ServedFrom::Local } else { ServedFrom::Replicated };
         self.served.store(Arc::new(ServedPolicy {
+            version,
+            source,
             digest: policy.digest(),
             rules,
             active_since_ms: crate::clock::now_ms(),
@@ -365,4 +504,77 @@ fn watch_path(
 /// ConfigMap's files through its `..data` link; editors write hidden temporary files).
 fn concerns_policy_file(changed: &Path, file: &std::ffi::OsStr) -> bool {
     changed.file_name().is_none_or(|name| name == file || name.as_encoded_bytes().starts_with(b"."))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::policy_versions::PolicyVersionInfo;
+
+    fn version(version: u64, text: &str) -> StoredPolicyVersion {
+        StoredPolicyVersion {
+            info: PolicyVersionInfo {
+                version,
+                digest: version,
+                applied_at_ms: 0,
+                applied_by: "ops".to_owned(),
+                message: String::new(),
+                rollback_of: None,
+                files: 1,
+                size_bytes: text.len() as u64,
+            },
+            files: Some(vec![("region.yaml".to_owned(), text.to_owned())]),
+        }
+    }
+
+    const REGION_POLICY: &str = "domain: region\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1}\n";
+
+    /// A node on the embedded default follows the region's versions (never back to an older
+    /// one, and a SIGHUP reload keeps the replicated set); a node with its own files stays
+    /// local and only records the region's version.
+    #[test]
+    fn the_embedded_default_follows_the_region_and_files_stay_local() {
+        let embedded = PolicyStore::open(
+            PolicyOrigin::Embedded,
+            LoadOptions::default(),
+            "r",
+            "n",
+            Metrics::new(),
+        )
+        .expect("the embedded policy loads");
+        assert_eq!(embedded.served().load().source, ServedFrom::Local);
+        assert_eq!(
+            embedded.install_replicated(&version(2, REGION_POLICY)),
+            ReplicatedOutcome::Installed
+        );
+        assert_eq!(
+            embedded.install_replicated(&version(1, REGION_POLICY)),
+            ReplicatedOutcome::Unchanged
+        );
+        assert_eq!(embedded.reload(), ReloadOutcome::Unchanged);
+        let served = embedded.served().load_full();
+        assert_eq!((served.version, served.source), (2, ServedFrom::Replicated));
+        assert!(embedded.active().load().has_domain("region"));
+        assert_eq!(
+            embedded.install_replicated(&version(3, "domain: [broken")),
+            ReplicatedOutcome::Refused
+        );
+        assert_eq!(embedded.served().load().version, 2, "a refused version changes nothing");
+
+        let directory = tempfile::tempdir().expect("temporary directory");
+        let file = directory.path().join("local.yaml");
+        std::fs::write(&file, EMBEDDED_POLICY_YAML).expect("write");
+        let local = PolicyStore::open(
+            PolicyOrigin::Path(file),
+            LoadOptions::default(),
+            "r",
+            "n",
+            Metrics::new(),
+        )
+        .expect("the file loads");
+        assert_eq!(local.install_replicated(&version(4, REGION_POLICY)), ReplicatedOutcome::Local);
+        assert_eq!(local.region_version(), 4);
+        let served = local.served().load_full();
+        assert_eq!((served.version, served.source), (0, ServedFrom::Local));
+    }
 }

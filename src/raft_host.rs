@@ -207,7 +207,12 @@ impl RaftHost {
         metrics: &Metrics,
     ) -> Result<Self, RaftHostError> {
         let service = RaftPeerService::new(credentials.is_some()).with_grpc_metrics(metrics);
-        service.register_group(&quota)?;
+        if config.is_gateway() {
+            // No replica here: its policy answer would be "none" whatever the region holds.
+            service.register_group(&quota)?;
+        } else {
+            service.register_quota_group(&quota)?;
+        }
         if let Some(billing) = &billing {
             service.register_group(billing)?;
         }

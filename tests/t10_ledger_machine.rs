@@ -7,8 +7,9 @@ use std::collections::BTreeMap;
 use proptest::prelude::*;
 use quotamesh::core::ledger::{
     CommandError, KeyError, LEASE_REQUESTS_PER_COMMAND_MAX, LEASE_TOKENS_MAX, LEASE_TTL_MS_MAX,
-    LeaseEpoch, LeaseGrant, LeaseReport, LeaseRequest, LeaseRequestError, NodeId, PolicySetError,
-    QuotaCommand, QuotaLedger, QuotaResponse, ReportOutcome, Settlement,
+    LeaseEpoch, LeaseGrant, LeaseReport, LeaseRequest, LeaseRequestError, NodeId, PolicyApplied,
+    PolicyAuthor, PolicySetError, QuotaCommand, QuotaLedger, QuotaResponse, ReportOutcome,
+    Settlement,
 };
 use quotamesh::core::rate::{Algorithm, LimitSpec};
 use quotamesh::ledger::GroupMachine;
@@ -375,31 +376,34 @@ fn an_oversized_batch_changes_nothing() {
     assert_eq!(ledger.last_seen_ms(), 0);
 }
 
-// Proves policy sets are versioned: newer replaces, a retry of the stored one is accepted,
-// older or conflicting versions and duplicate file names are refused.
+// Proves policy sets are versioned by the ledger: a new digest makes the next version, the
+// current digest again makes none, a rollback repeats an earlier version's files, and a bad
+// set is refused without a version.
 #[test]
-fn policy_sets_only_move_forward() {
+fn policy_sets_are_versioned_in_log_order() {
     let mut ledger = QuotaLedger::new();
-    let put = |version, files: &[(&str, &str)]| QuotaCommand::PutPolicySet {
+    let author = PolicyAuthor { applied_by: "ops".to_owned(), message: String::new() };
+    let put = |digest, files: &[(&str, &str)]| QuotaCommand::ApplyPolicySet {
         now_ms: 1_000,
-        version,
-        policy_yaml: files.iter().map(|(n, t)| ((*n).to_owned(), (*t).to_owned())).collect(),
+        files: files.iter().map(|(n, t)| ((*n).to_owned(), (*t).to_owned())).collect(),
+        digest,
+        author: author.clone(),
     };
-    assert_eq!(ledger.apply(&put(2, &[("a.yaml", "domain: a")])), QuotaResponse::PolicySet(Ok(())));
-    assert_eq!(ledger.apply(&put(2, &[("a.yaml", "domain: a")])), QuotaResponse::PolicySet(Ok(())));
+    let applied = |version, digest, created| {
+        QuotaResponse::PolicySet(Ok(PolicyApplied { version, digest, created }))
+    };
+    assert_eq!(ledger.apply(&put(7, &[("a.yaml", "domain: a")])), applied(1, 7, true));
+    assert_eq!(ledger.apply(&put(7, &[("a.yaml", "domain: a")])), applied(1, 7, false));
+    assert_eq!(ledger.apply(&put(8, &[("a.yaml", "domain: b")])), applied(2, 8, true));
     assert_eq!(
-        ledger.apply(&put(2, &[("a.yaml", "domain: b")])),
-        QuotaResponse::PolicySet(Err(PolicySetError::StaleVersion { offered: 2, stored: 2 }))
-    );
-    assert_eq!(
-        ledger.apply(&put(1, &[("a.yaml", "domain: a")])),
-        QuotaResponse::PolicySet(Err(PolicySetError::StaleVersion { offered: 1, stored: 2 }))
-    );
-    assert_eq!(
-        ledger.apply(&put(3, &[("a.yaml", "x"), ("a.yaml", "y")])),
+        ledger.apply(&put(9, &[("a.yaml", "x"), ("a.yaml", "y")])),
         QuotaResponse::PolicySet(Err(PolicySetError::FileName("a.yaml".to_owned())))
     );
-    assert_eq!(ledger.policy().map(|p| p.version), Some(2));
+    let rollback = QuotaCommand::RollbackPolicySet { now_ms: 2_000, to_version: 1, author };
+    assert_eq!(ledger.apply(&rollback), applied(3, 7, true));
+    let current = ledger.policies().current().expect("applied");
+    assert_eq!(current.info.rollback_of, Some(1));
+    assert_eq!(current.files, Some(vec![("a.yaml".to_owned(), "domain: a".to_owned())]));
 }
 
 /// A small world: few keys, nodes and limits, so commands collide on the same buckets.
@@ -455,7 +459,7 @@ fn arbitrary_command() -> impl Strategy<Value = (u64, QuotaCommand)> {
         3 => (step_ms.clone(), 1..4u64, prop::collection::vec(lease_report, 0..5))
             .prop_map(|(step, node, reports)| (step, QuotaCommand::SettleLeases { now_ms: 0, node_id: NodeId(node), reports })),
         1 => (step_ms, 0..4u64, "[a-c]{1,3}")
-            .prop_map(|(step, version, text)| (step, QuotaCommand::PutPolicySet { now_ms: 0, version, policy_yaml: vec![("p.yaml".to_owned(), text)] })),
+            .prop_map(|(step, digest, text)| (step, QuotaCommand::ApplyPolicySet { now_ms: 0, files: vec![("p.yaml".to_owned(), text)], digest, author: PolicyAuthor { applied_by: "ops".to_owned(), message: String::new() } })),
     ]
 }
 
@@ -470,7 +474,8 @@ fn stamped(commands: Vec<(u64, QuotaCommand)>, back_jumps: &[bool]) -> Vec<Quota
             match &mut command {
                 QuotaCommand::AcquireLeases { now_ms, .. }
                 | QuotaCommand::SettleLeases { now_ms, .. }
-                | QuotaCommand::PutPolicySet { now_ms, .. }
+                | QuotaCommand::ApplyPolicySet { now_ms, .. }
+                | QuotaCommand::RollbackPolicySet { now_ms, .. }
                 | QuotaCommand::Region { now_ms, .. } => *now_ms = clock_ms,
             }
             command

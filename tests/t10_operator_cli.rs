@@ -8,12 +8,11 @@ mod common;
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use common::tls::{ADMIN_TOKEN, admin_section};
-use common::{NodeProcess, free_port, http_request, write_file};
+use common::{NodeProcess, free_port, http_request, run_cli as quotamesh, write_file};
 
 /// The policy the node serves.
 const POLICY: &str = "\
@@ -22,28 +21,6 @@ descriptors:
   - key: api_key
     rate_limit: {name: per_key, unit: second, requests_per_unit: 100}
 ";
-
-/// What one run of the binary left.
-struct Run {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
-}
-
-/// Runs `quotamesh arguments`, with `QUOTAMESH_ADMIN_TOKEN` set to `token` or unset.
-fn quotamesh(arguments: &[&str], token: Option<&str>) -> Result<Run> {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_quotamesh"));
-    command.args(arguments).env("RUST_BACKTRACE", "0").env_remove("QUOTAMESH_ADMIN_TOKEN");
-    if let Some(token) = token {
-        command.env("QUOTAMESH_ADMIN_TOKEN", token);
-    }
-    let output = command.output().context("run quotamesh")?;
-    Ok(Run {
-        code: output.status.code(),
-        stdout: String::from_utf8(output.stdout)?,
-        stderr: String::from_utf8(output.stderr)?,
-    })
-}
 
 /// Waits until the node's `/readyz` answers 200: a fresh single node elects itself first.
 fn wait_ready(node: &NodeProcess) -> Result<()> {
@@ -172,7 +149,7 @@ fn health_json_is_one_object_with_the_same_exit_codes() -> Result<()> {
     let answer: serde_json::Value = serde_json::from_str(&ready.stdout)?;
     assert_eq!(answer["ready"], true, "{answer}");
     assert_eq!(answer["status"], 200, "{answer}");
-    assert_eq!(answer["body"], "ready\n", "{answer}");
+    assert!(answer["body"].as_str().is_some_and(|body| body.starts_with("ready\n")), "{answer}");
 
     // The policy is locked: a 401 is not ready.
     let refused = quotamesh(&["health", "--json", "--url", &url("/config")], None)?;

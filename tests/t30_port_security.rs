@@ -94,10 +94,14 @@ fn request(group: &str, payload: Vec<u8>) -> tonic::Request<GroupRequest> {
 /// itself, which may lease for itself) a new policy set, which only a voter may propose.
 fn forged_forward(holder: u64, key: &str, own: bool) -> Result<Vec<u8>> {
     if own {
-        let command = QuotaCommand::PutPolicySet {
+        let command = QuotaCommand::ApplyPolicySet {
             now_ms: quotamesh::clock::now_ms(),
-            version: 1_000,
-            policy_yaml: vec![("forged.yaml".to_owned(), "domain: forged\n".to_owned())],
+            files: vec![("forged.yaml".to_owned(), "domain: forged\n".to_owned())],
+            digest: 1_000,
+            author: quotamesh::core::ledger::PolicyAuthor {
+                applied_by: "forger".to_owned(),
+                message: String::new(),
+            },
         };
         return forwarded(holder, command);
     }

@@ -23,9 +23,16 @@
 //! reports the role, the leader its writes last reached and the voters it writes through,
 //! and `AcquireLeases` works as anywhere: the group sends the command to the leader.
 //!
+//! The region's policy set (`ApplyPolicy`, `GetPolicy`, `PolicyHistory`, `RollbackPolicy`):
+//! an apply is validated here exactly as `quotamesh policy validate` validates (errors with
+//! file:line:column; a bad set proposes nothing), then committed through the quota group with
+//! the digest computed here and the operator's name; the ledger numbers the versions
+//! (`crate::core::policy_versions`). Every node then swaps it in (`crate::policy_follow`).
+//!
 //! Every call needs an operator token (`crate::api::operators`): the ones that change the
-//! group or the ledger (`Init`, `AddNode`, `RemoveNode`, `AcquireLeases`) a full one, the
-//! reads (`Status`, `ReadKeys`) any, or none with `admin.read_open`. With `admin.tls` the
+//! group or the ledger (`Init`, `AddNode`, `RemoveNode`, `AcquireLeases`, `ApplyPolicy`,
+//! `RollbackPolicy`) a full one, the reads (`Status`, `ReadKeys`, `GetPolicy`,
+//! `PolicyHistory`) any, or none with `admin.read_open`. With `admin.tls` the
 //! port is TLS and an operator certificate counts as a full token. Changes are logged with
 //! the operator's name.
 //!
@@ -41,7 +48,7 @@ use arc_swap::ArcSwap;
 use tonic::{Request, Response, Status};
 
 use crate::api::grpc_limits::{self, Bounded};
-use crate::api::operators::{Access, Operators};
+use crate::api::operators::{Access, Operator, Operators};
 use crate::api::proto::quotamesh::admin::v1 as proto;
 use crate::api::proto::quotamesh::admin::v1::admin_server::{Admin, AdminServer};
 use crate::config::Role;
@@ -50,11 +57,16 @@ use crate::core::ledger::{
     KEY_BYTES_MAX, LEASE_REQUESTS_PER_COMMAND_MAX, LEASE_TOKENS_MAX, LEASE_TTL_MS_MAX,
     LeaseRequest, QuotaCommand, QuotaLedger, QuotaResponse, check_lease_request,
 };
-use crate::core::policy::{DESCRIPTOR_DEPTH_MAX, Entry, Match, PolicySet};
+use crate::core::policy::{DESCRIPTOR_DEPTH_MAX, Entry, Match, PolicySet, PolicySource};
+use crate::core::policy_versions::{
+    POLICY_FILE_NAME_BYTES_MAX, POLICY_FILES_MAX, POLICY_SET_BYTES_MAX, PolicyApplied,
+    PolicyAuthor, PolicySetError, PolicyVersionInfo, check_files,
+};
 use crate::ledger::{
     BasicNode, BillingGroup, GroupConfig, GroupMachine, MembershipError, NodeId, QuotaGroup,
     RaftGroup,
 };
+use crate::policy_store::PolicyStore;
 
 /// Deadline of a call that sent none.
 pub const ADMIN_DEADLINE_DEFAULT: Duration = Duration::from_secs(10);
@@ -74,7 +86,19 @@ pub const READ_KEYS_MAX: usize = LEASE_REQUESTS_PER_COMMAND_MAX;
 /// fixed-length digest whatever the descriptor's length).
 const FIELD_BYTES_MAX: usize = crate::api::rls::FIELD_BYTES_MAX;
 
+/// Versions `PolicyHistory` returns when the caller names no limit.
+pub const POLICY_HISTORY_LIMIT_DEFAULT: u32 = 100;
+/// Most versions one `PolicyHistory` answer holds (each up to about 1.5 KiB of metadata).
+pub const POLICY_HISTORY_LIMIT_MAX: u32 = 1_000;
+
 const _: () = assert!(LEASE_TTL_MS_DEFAULT <= LEASE_TTL_MS_MAX);
+// A full policy set, with its framing, fits one admin message both ways.
+const _: () = assert!(
+    POLICY_SET_BYTES_MAX + POLICY_FILES_MAX * (POLICY_FILE_NAME_BYTES_MAX + 16) + 64 * 1024
+        <= ADMIN_MESSAGE_BYTES_MAX
+);
+const _: () = assert!(POLICY_HISTORY_LIMIT_DEFAULT <= POLICY_HISTORY_LIMIT_MAX);
+const _: () = assert!((POLICY_HISTORY_LIMIT_MAX as usize) * 2048 <= ADMIN_MESSAGE_BYTES_MAX);
 const _: () =
     assert!(LEASE_REQUESTS_PER_COMMAND_MAX * (KEY_BYTES_MAX + 64) < ADMIN_MESSAGE_BYTES_MAX);
 
@@ -102,24 +126,41 @@ pub struct AdminService {
     quota: RaftGroup<QuotaGroup>,
     billing: Option<RaftGroup<BillingGroup>>,
     policy: Arc<ArcSwap<PolicySet>>,
+    /// The node's policy store: the options an applied set is validated with, and what the
+    /// node serves (`Status`).
+    policy_store: Arc<PolicyStore>,
     operators: Arc<Operators>,
 }
 
 impl AdminService {
     /// The service over this node's quota group and billing group (`None` on a gateway),
-    /// resolving rules in `policy`, serving the callers `operators` lets in.
+    /// resolving rules in the policy `policy_store` serves, serving the callers `operators`
+    /// lets in.
     pub fn new(
         node: AdminNode,
         quota: RaftGroup<QuotaGroup>,
         billing: Option<RaftGroup<BillingGroup>>,
-        policy: Arc<ArcSwap<PolicySet>>,
+        policy_store: Arc<PolicyStore>,
         operators: Operators,
     ) -> Self {
-        Self { node: Arc::new(node), quota, billing, policy, operators: Arc::new(operators) }
+        Self {
+            node: Arc::new(node),
+            quota,
+            billing,
+            policy: policy_store.active(),
+            policy_store,
+            operators: Arc::new(operators),
+        }
     }
 
-    /// Checks the caller's token for `access`; logs who asks for a change.
-    fn authorize<T>(&self, request: &Request<T>, access: Access, call: &str) -> Result<(), Status> {
+    /// Checks the caller's token for `access`; logs who asks for a change. Returns the
+    /// operator (`None` for an open read without a token).
+    fn authorize<T>(
+        &self,
+        request: &Request<T>,
+        access: Access,
+        call: &str,
+    ) -> Result<Option<Arc<Operator>>, Status> {
         let certificate = request
             .extensions()
             .get::<crate::tls::transport::PeerInfo>()
@@ -130,11 +171,30 @@ impl AdminService {
             Status::from(error)
         })?;
         if access == Access::Change
-            && let Some(operator) = operator
+            && let Some(operator) = &operator
         {
             tracing::info!(call, operator = %operator.name, "admin change requested");
         }
-        Ok(())
+        Ok(operator)
+    }
+
+    /// Commits a policy command and answers with what it did.
+    async fn write_policy(
+        &self,
+        command: QuotaCommand,
+        budget: Duration,
+    ) -> Result<Response<proto::PolicyReply>, Status> {
+        let response = self.quota.write(command, budget).await.map_err(Status::from)?;
+        match response {
+            QuotaResponse::PolicySet(Ok(PolicyApplied { version, digest, created })) => {
+                tracing::info!(version, created, "policy set committed");
+                Ok(Response::new(proto::PolicyReply { version, digest, created }))
+            }
+            QuotaResponse::PolicySet(Err(error)) => Err(policy_set_status(&error)),
+            other => Err(Status::internal(format!(
+                "the ledger answered a policy command with {other:?}"
+            ))),
+        }
     }
 
     /// The tonic service with the message size limits set both ways.
@@ -529,6 +589,37 @@ fn work_budget(deadline: Duration) -> Duration {
     deadline.mul_f64(0.9)
 }
 
+/// The status of a policy command the ledger refused.
+fn policy_set_status(error: &PolicySetError) -> Status {
+    match error {
+        PolicySetError::UnknownVersion(_) => Status::not_found(error.to_string()),
+        PolicySetError::ContentDropped(_) => Status::failed_precondition(error.to_string()),
+        _ => Status::invalid_argument(error.to_string()),
+    }
+}
+
+fn version_info(info: &PolicyVersionInfo, files_kept: bool) -> proto::PolicyVersionInfo {
+    proto::PolicyVersionInfo {
+        version: info.version,
+        digest: info.digest,
+        applied_at_ms: info.applied_at_ms,
+        applied_by: info.applied_by.clone(),
+        message: info.message.clone(),
+        rollback_of: info.rollback_of,
+        files: info.files,
+        size_bytes: info.size_bytes,
+        files_kept,
+    }
+}
+
+/// The author of a policy change: the authenticated operator's name.
+fn author(operator: Option<&Operator>, message: String) -> PolicyAuthor {
+    // A change always needs a credential, so an operator is always named here.
+    let applied_by =
+        operator.map_or_else(|| "unknown".to_owned(), |operator| operator.name.clone());
+    PolicyAuthor { applied_by, message }
+}
+
 fn outstanding_by_node(ledger: &QuotaLedger) -> Vec<proto::NodeTokens> {
     let mut totals: BTreeMap<NodeId, u64> = BTreeMap::new();
     let now_ms = ledger.last_seen_ms();
@@ -612,6 +703,7 @@ impl Admin for AdminService {
         request: Request<proto::StatusRequest>,
     ) -> Result<Response<proto::StatusReply>, Status> {
         self.authorize(&request, Access::Read, "status")?;
+        let served = self.policy_store.served().load_full();
         let commit_index =
             self.quota.committed_index().await.map_err(crate::api::status::membership_status)?;
         let metrics = self.quota.metrics();
@@ -693,6 +785,10 @@ impl Admin for AdminService {
                 Some(billing) => Some(group_status(billing).await?),
                 None => None,
             },
+            policy_version: served.version,
+            policy_source: served.source.to_string(),
+            policy_digest: served.digest,
+            region_policy_version: self.policy_store.region_version(),
         }))
     }
 
@@ -781,6 +877,110 @@ impl Admin for AdminService {
                 .collect()
         });
         Ok(Response::new(proto::ReadKeysReply { entries, applied_index }))
+    }
+
+    async fn apply_policy(
+        &self,
+        request: Request<proto::ApplyPolicyRequest>,
+    ) -> Result<Response<proto::PolicyReply>, Status> {
+        let operator = self.authorize(&request, Access::Change, "apply_policy")?;
+        let budget = work_budget(deadline(&request));
+        self.refuse_on_gateway("apply a policy set (only voters propose policies)")?;
+        let request = request.into_inner();
+        let files: Vec<(String, String)> =
+            request.files.into_iter().map(|file| (file.name, file.text)).collect();
+        check_files(&files).map_err(|error| policy_set_status(&error))?;
+        let sources: Vec<PolicySource> = files
+            .iter()
+            .map(|(name, text)| PolicySource { name: name.clone(), text: text.clone() })
+            .collect();
+        let options = self.policy_store.options();
+        // Parsing up to a full set is CPU work; keep it off the async workers.
+        let parsed = tokio::task::spawn_blocking(move || PolicySet::parse_with(&sources, options))
+            .await
+            .map_err(|error| Status::internal(format!("validating the policy set: {error}")))?;
+        let digest = parsed
+            .map_err(|errors| Status::invalid_argument(format!("invalid policy:\n{errors}")))?
+            .digest();
+        let command = QuotaCommand::ApplyPolicySet {
+            now_ms: crate::clock::now_ms(),
+            files,
+            digest,
+            author: author(operator.as_deref(), request.message),
+        };
+        self.write_policy(command, budget).await
+    }
+
+    async fn rollback_policy(
+        &self,
+        request: Request<proto::RollbackPolicyRequest>,
+    ) -> Result<Response<proto::PolicyReply>, Status> {
+        let operator = self.authorize(&request, Access::Change, "rollback_policy")?;
+        let budget = work_budget(deadline(&request));
+        self.refuse_on_gateway("roll the policy back (only voters propose policies)")?;
+        let request = request.into_inner();
+        let command = QuotaCommand::RollbackPolicySet {
+            now_ms: crate::clock::now_ms(),
+            to_version: request.to_version,
+            author: author(operator.as_deref(), request.message),
+        };
+        self.write_policy(command, budget).await
+    }
+
+    async fn get_policy(
+        &self,
+        request: Request<proto::GetPolicyRequest>,
+    ) -> Result<Response<proto::GetPolicyReply>, Status> {
+        self.authorize(&request, Access::Read, "get_policy")?;
+        self.refuse_on_gateway("read the policy versions")?;
+        let wanted = request.into_inner().version;
+        let stored = self.quota.read(|ledger| {
+            let policies = ledger.policies();
+            match wanted {
+                None => policies.current().cloned(),
+                Some(version) => policies.get(version).cloned(),
+            }
+        });
+        let stored = stored.ok_or_else(|| match wanted {
+            None => Status::not_found("no policy version was applied in this region yet"),
+            Some(version) => Status::not_found(format!("there is no policy version {version}")),
+        })?;
+        let files = stored
+            .files
+            .as_deref()
+            .unwrap_or_default()
+            .iter()
+            .map(|(name, text)| proto::PolicyFile { name: name.clone(), text: text.clone() })
+            .collect();
+        Ok(Response::new(proto::GetPolicyReply {
+            info: Some(version_info(&stored.info, stored.files.is_some())),
+            files,
+        }))
+    }
+
+    async fn policy_history(
+        &self,
+        request: Request<proto::PolicyHistoryRequest>,
+    ) -> Result<Response<proto::PolicyHistoryReply>, Status> {
+        self.authorize(&request, Access::Read, "policy_history")?;
+        self.refuse_on_gateway("read the policy versions")?;
+        let limit = match request.into_inner().limit {
+            0 => POLICY_HISTORY_LIMIT_DEFAULT,
+            limit => limit.min(POLICY_HISTORY_LIMIT_MAX),
+        };
+        let versions = self.quota.read(|ledger| {
+            let policies = ledger.policies();
+            policies
+                .history()
+                .rev()
+                .take(limit as usize)
+                .map(|info| {
+                    let kept = policies.get(info.version).is_some_and(|s| s.files.is_some());
+                    version_info(info, kept)
+                })
+                .collect()
+        });
+        Ok(Response::new(proto::PolicyHistoryReply { versions }))
     }
 }
 

@@ -42,6 +42,8 @@ pub struct Readiness {
     pub groups: GroupViews,
     /// The node's metrics, for the ledger circuit's state.
     pub metrics: Metrics,
+    /// The node's policy, whose version and source `/readyz` reports.
+    pub policy: Arc<crate::policy_store::PolicyStore>,
 }
 
 impl Readiness {
@@ -101,8 +103,28 @@ async fn metrics_text(State(endpoints): State<Endpoints>) -> impl IntoResponse {
 
 async fn readiness_text(State(endpoints): State<Endpoints>) -> impl IntoResponse {
     match endpoints.readiness.judge() {
-        Ok(()) => (StatusCode::OK, "ready\n".to_owned()),
-        Err(reason) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {reason}\n")),
+        Ok(()) => (StatusCode::OK, format!("ready\n{}\n", policy_detail(&endpoints.readiness))),
+        Err(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {reason}\n{}\n", policy_detail(&endpoints.readiness)),
+        ),
+    }
+}
+
+/// The policy line of `/readyz`: the version served and where it comes from, and the
+/// region's latest version when the node serves its own files.
+fn policy_detail(readiness: &Readiness) -> String {
+    let served = readiness.policy.served().load_full();
+    let digest = format!("{:016x}", served.digest);
+    let region_version = readiness.policy.region_version();
+    match served.source {
+        crate::policy_store::ServedFrom::Replicated => {
+            format!("policy_version {} policy_source replicated digest {digest}", served.version)
+        }
+        crate::policy_store::ServedFrom::Local => format!(
+            "policy_version 0 policy_source local digest {digest} region_policy_version \
+             {region_version}"
+        ),
     }
 }
 
@@ -150,6 +172,8 @@ async fn config_text(
         let body = serde_json::json!({
             "digest": digest,
             "rules": policy.rules,
+            "version": policy.version,
+            "policy_source": policy.source.to_string(),
             "active_since": active_since,
             "active_since_ms": policy.active_since_ms,
             "files": files,
@@ -159,9 +183,12 @@ async fn config_text(
         return ([(header::CONTENT_TYPE, "application/json")], format!("{body}\n")).into_response();
     }
     let mut text = format!(
-        "# policy digest {digest}, {} rule(s), {} file(s), active since {active_since}\n",
+        "# policy digest {digest}, {} rule(s), {} file(s), active since {active_since}\n\
+         # policy_source {}, policy_version {}\n",
         policy.rules,
-        policy.sources.len()
+        policy.sources.len(),
+        policy.source,
+        policy.version
     );
     for source in &policy.sources {
         text.push_str(&format!("# --- {}\n{}", source.name, source.text));

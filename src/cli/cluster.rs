@@ -85,6 +85,31 @@ pub struct Target {
 pub const ADMIN_TOKEN_VARIABLE: &str = "QUOTAMESH_ADMIN_TOKEN";
 
 impl Target {
+    /// The target of another command that calls the admin API of one node (`quotamesh
+    /// policy apply|history|rollback|get --version`), with the operator token read.
+    ///
+    /// # Errors
+    /// A token file that cannot be read, or a token that is not printable ASCII.
+    pub fn single(
+        admin_addr: String,
+        timeout_ms: u64,
+        admin_token_file: Option<std::path::PathBuf>,
+        tls: &crate::cli::policy::AdminTls,
+    ) -> anyhow::Result<Self> {
+        let mut target = Self {
+            admin_addrs: vec![admin_addr],
+            timeout_ms,
+            json: false,
+            admin_token_file,
+            ca_cert: tls.ca_cert.clone(),
+            client_cert: tls.client_cert.clone(),
+            client_key: tls.client_key.clone(),
+            token: None,
+        };
+        target.read_token()?;
+        Ok(target)
+    }
+
     /// Reads the operator token from `--admin-token-file` or `QUOTAMESH_ADMIN_TOKEN`.
     fn read_token(&mut self) -> anyhow::Result<()> {
         self.token = match operator_token(self.admin_token_file.as_deref())? {
@@ -432,7 +457,7 @@ async fn node_status(
 }
 
 /// A refused call as its gRPC code and the node's message, which says why.
-fn rpc_error(status: tonic::Status) -> anyhow::Error {
+pub(crate) fn rpc_error(status: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{:?}: {}", status.code(), status.message())
 }
 
@@ -441,7 +466,7 @@ fn group_error(group: proto::Group, status: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{} group: {:?}: {}", group_name(group), status.code(), status.message())
 }
 
-fn with_deadline<T>(message: T, target: &Target) -> tonic::Request<T> {
+pub(crate) fn with_deadline<T>(message: T, target: &Target) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
     request.set_timeout(Duration::from_millis(target.timeout_ms));
     if let Some(token) = &target.token {
@@ -450,11 +475,14 @@ fn with_deadline<T>(message: T, target: &Target) -> tonic::Request<T> {
     request
 }
 
-fn first_address(target: &Target) -> anyhow::Result<&str> {
+pub(crate) fn first_address(target: &Target) -> anyhow::Result<&str> {
     target.admin_addrs.first().map(String::as_str).context("no --admin-addr given")
 }
 
-async fn connect(address: &str, target: &Target) -> anyhow::Result<AdminClient<Channel>> {
+pub(crate) async fn connect(
+    address: &str,
+    target: &Target,
+) -> anyhow::Result<AdminClient<Channel>> {
     let scheme = if target.ca_cert.is_some() { "https" } else { "http" };
     let url =
         if address.contains("://") { address.to_owned() } else { format!("{scheme}://{address}") };
@@ -641,6 +669,10 @@ fn status_json(address: &str, status: &proto::StatusReply) -> serde_json::Value 
         "admin_addr": address,
         "node_id": status.node_id,
         "node_name": status.node_name,
+        "policy_version": status.policy_version,
+        "policy_source": status.policy_source,
+        "policy_digest": format!("{:016x}", status.policy_digest),
+        "region_policy_version": status.region_policy_version,
         "cluster_id": status.cluster_id,
         "raft_addr": status.raft_addr,
         "state": status.state,
@@ -695,6 +727,22 @@ fn index(value: Option<u64>) -> String {
     value.map_or_else(|| "-".to_owned(), |index| index.to_string())
 }
 
+/// What policy the node serves: its version and source, and the region's latest version
+/// when the node serves its own files (drift).
+fn policy_line(status: &proto::StatusReply) -> String {
+    let digest = format!("{:016x}", status.policy_digest);
+    if status.policy_source == "replicated" {
+        format!("policy version {} (replicated), digest {digest}", status.policy_version)
+    } else {
+        format!(
+            "policy {} (local files or the embedded default), digest {digest}; the region's \
+             latest version: {}",
+            if status.policy_source.is_empty() { "local" } else { status.policy_source.as_str() },
+            status.region_policy_version
+        )
+    }
+}
+
 fn print_status(address: &str, status: &proto::StatusReply) {
     // A node older than the role field answers without it: it can only be a voter.
     let role = if status.role.is_empty() { "voter" } else { status.role.as_str() };
@@ -713,6 +761,7 @@ fn print_status(address: &str, status: &proto::StatusReply) {
             .map(|seed| format!("{} at {}", seed.node_id, seed.raft_addr))
             .collect();
         println!("  writes through the voters {}", seeds.join(", "));
+        println!("  {}", policy_line(status));
         println!();
         return;
     }
@@ -739,6 +788,7 @@ fn print_status(address: &str, status: &proto::StatusReply) {
         status.state_digest,
         crate::core::rfc3339::format_epoch_ms(status.ledger_time_ms)
     );
+    println!("  {}", policy_line(status));
     print_member_lines(&status.members);
     if let Some(billing) = &status.billing {
         println!(

@@ -63,6 +63,10 @@ use serde::{Deserialize, Serialize};
 use crate::core::digest::Fnv1a;
 
 use crate::core::fair_share::{Entitlement, max_min_fair, rate_milli_per_second};
+pub use crate::core::policy_versions::{
+    POLICY_FILE_NAME_BYTES_MAX, POLICY_FILES_MAX, POLICY_SET_BYTES_MAX, PolicyApplied,
+    PolicyAuthor, PolicySetError, PolicyVersions, StoredPolicyVersion,
+};
 use crate::core::rate::{Algorithm, LimitSpec, LimitState, MICRO_TOKENS_PER_TOKEN};
 use crate::core::region::transfer::{RegionCommand, RegionLedger, RegionResponse};
 
@@ -89,12 +93,6 @@ pub const LOOKAHEAD_MS_MAX: u64 = 3_600_000;
 pub const KEYS_MAX: usize = 1_000_000;
 /// Most keys looked at by the sweep in one command, so one apply does bounded work.
 pub const SWEEP_KEYS_PER_COMMAND_MAX: usize = 256;
-/// Most files in a policy set.
-pub const POLICY_FILES_MAX: usize = 256;
-/// Longest policy file name, in bytes.
-pub const POLICY_FILE_NAME_BYTES_MAX: usize = 256;
-/// Largest policy set: names and contents of all its files, in bytes.
-pub const POLICY_SET_BYTES_MAX: usize = 2 * 1024 * 1024;
 
 const _: () = assert!(KEY_PREFIX.len() < KEY_BYTES_MAX);
 const _: () = assert!(SWEEP_KEYS_PER_COMMAND_MAX > 0);
@@ -195,14 +193,26 @@ pub enum QuotaCommand {
         /// At most [`LEASE_REQUESTS_PER_COMMAND_MAX`].
         requests: Vec<LeaseRequest>,
     },
-    /// A new version of the policy set (files of YAML by name), stored for every node.
-    PutPolicySet {
+    /// A policy set for every node of the region: a new version unless its digest is the
+    /// current version's (`crate::core::policy_versions`). Only a voter proposes it.
+    ApplyPolicySet {
         /// Ledger time, stamped by the leader that proposed it (`ledger_time.rs`).
         now_ms: u64,
-        /// Must exceed the stored version (or equal it with identical files: a retry).
-        version: u64,
-        /// `(file name, YAML text)` pairs.
-        policy_yaml: Vec<(String, String)>,
+        /// `(file name, YAML text)` pairs, validated by the proposer.
+        files: Vec<(String, String)>,
+        /// The policy digest the proposer computed from the files.
+        digest: u64,
+        /// Who applies it and why.
+        author: PolicyAuthor,
+    },
+    /// A new version with the files of an earlier one. Only a voter proposes it.
+    RollbackPolicySet {
+        /// Ledger time, stamped by the leader that proposed it (`ledger_time.rs`).
+        now_ms: u64,
+        /// The version whose files become current again.
+        to_version: u64,
+        /// Who rolls back and why.
+        author: PolicyAuthor,
     },
     /// A command about the region's slices of global limits and the transfers between
     /// regions (`crate::core::region::transfer`), proposed by the region's rebalancer.
@@ -315,28 +325,6 @@ pub enum ReportOutcome {
     Stale,
 }
 
-/// Why a policy set was refused; it changed nothing.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
-pub enum PolicySetError {
-    /// A newer version is stored, or the same version with other files.
-    #[error("policy set version {offered} is stale: version {stored} is stored")]
-    StaleVersion {
-        /// The version offered.
-        offered: u64,
-        /// The version stored.
-        stored: u64,
-    },
-    /// More than [`POLICY_FILES_MAX`] files.
-    #[error("{0} policy files, over the maximum of {POLICY_FILES_MAX}")]
-    TooManyFiles(usize),
-    /// A file name is empty, too long, or appears twice.
-    #[error("invalid or duplicate policy file name {0:?}")]
-    FileName(String),
-    /// Names and contents together exceed [`POLICY_SET_BYTES_MAX`].
-    #[error("policy set of {0} bytes, over the maximum of {POLICY_SET_BYTES_MAX}")]
-    TooLarge(usize),
-}
-
 /// A command refused as a whole before anything moved.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
 pub enum CommandError {
@@ -357,8 +345,8 @@ pub enum QuotaResponse {
     Leases(Vec<Result<LeaseGrant, LeaseRequestError>>),
     /// One result per report of a [`QuotaCommand::SettleLeases`], in order.
     Settled(Vec<Result<ReportOutcome, LeaseRequestError>>),
-    /// The result of a policy set.
-    PolicySet(Result<(), PolicySetError>),
+    /// The result of an apply or a rollback of the policy set.
+    PolicySet(Result<PolicyApplied, PolicySetError>),
     /// The command was refused as a whole.
     Rejected(CommandError),
     /// The answer to a [`QuotaCommand::Region`].
@@ -453,24 +441,13 @@ impl KeyEntry {
     }
 }
 
-/// A stored version of the policy set.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PolicySet {
-    /// Its version; only a greater one replaces it.
-    pub version: u64,
-    /// `(file name, YAML text)` pairs, as proposed.
-    pub files: Vec<(String, String)>,
-    /// Ledger time it was stored.
-    pub stored_at_ms: u64,
-}
-
 /// What changed since the last [`QuotaLedger::take_changes`], for the store to persist.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct LedgerChanges {
     /// The new `last_seen_ms`, when it moved.
     pub last_seen_ms: Option<u64>,
-    /// The new policy set, when one was stored.
-    pub policy: Option<PolicySet>,
+    /// Policy versions changed: `None` for a version whose record was dropped.
+    pub policies: Vec<(u64, Option<StoredPolicyVersion>)>,
     /// The region's slices and transfers, when a command changed them.
     pub regions: Option<RegionLedger>,
     /// Changed keys: `None` for a key forgotten.
@@ -496,7 +473,7 @@ pub struct QuotaLedger {
     /// The greatest `now_ms` applied so far: ledger time.
     last_seen_ms: u64,
     keys: BTreeMap<String, KeyEntry>,
-    policy: Option<PolicySet>,
+    policies: PolicyVersions,
     /// Slices of global limits and transfers between regions (`ledger/regions.rs`).
     regions: RegionLedger,
     // Derived from `keys`, rebuilt on load:
@@ -507,7 +484,6 @@ pub struct QuotaLedger {
     // Not state: what the store has not persisted yet.
     changed_keys: BTreeSet<String>,
     last_seen_changed: bool,
-    policy_changed: bool,
     regions_changed: bool,
 }
 
@@ -681,10 +657,10 @@ impl QuotaLedger {
     /// [`LedgerLoadError`] when a stored key is invalid.
     pub fn from_parts(
         last_seen_ms: u64,
-        policy: Option<PolicySet>,
+        policies: PolicyVersions,
         keys: impl IntoIterator<Item = (String, KeyEntry)>,
     ) -> Result<Self, LedgerLoadError> {
-        let mut ledger = Self { last_seen_ms, policy, ..Self::default() };
+        let mut ledger = Self { last_seen_ms, policies, ..Self::default() };
         for (key, entry) in keys {
             check_key(&key).map_err(|reason| LedgerLoadError::Key { key: key.clone(), reason })?;
             ledger.wake_queue.insert((entry.wake_at_ms, key.clone()));
@@ -721,9 +697,13 @@ impl QuotaLedger {
                     reports.iter().map(|report| self.settle(*node_id, report, now_ms)).collect(),
                 )
             }
-            QuotaCommand::PutPolicySet { now_ms, version, policy_yaml } => {
+            QuotaCommand::ApplyPolicySet { now_ms, files, digest, author } => {
                 let now_ms = self.advance(*now_ms);
-                QuotaResponse::PolicySet(self.put_policy_set(*version, policy_yaml, now_ms))
+                QuotaResponse::PolicySet(self.policies.apply(files, *digest, author, now_ms))
+            }
+            QuotaCommand::RollbackPolicySet { now_ms, to_version, author } => {
+                let now_ms = self.advance(*now_ms);
+                QuotaResponse::PolicySet(self.policies.rollback(*to_version, author, now_ms))
             }
             QuotaCommand::Region { now_ms, command } => {
                 let now_ms = self.advance(*now_ms);
@@ -1043,50 +1023,10 @@ impl QuotaLedger {
         (grant, fair.is_some())
     }
 
-    fn put_policy_set(
-        &mut self,
-        version: u64,
-        files: &[(String, String)],
-        now_ms: u64,
-    ) -> Result<(), PolicySetError> {
-        if files.len() > POLICY_FILES_MAX {
-            return Err(PolicySetError::TooManyFiles(files.len()));
-        }
-        let mut names = BTreeSet::new();
-        let mut total_bytes = 0usize;
-        for (name, text) in files {
-            if name.is_empty()
-                || name.len() > POLICY_FILE_NAME_BYTES_MAX
-                || !names.insert(name.as_str())
-            {
-                return Err(PolicySetError::FileName(name.clone()));
-            }
-            total_bytes = total_bytes.saturating_add(name.len()).saturating_add(text.len());
-        }
-        if total_bytes > POLICY_SET_BYTES_MAX {
-            return Err(PolicySetError::TooLarge(total_bytes));
-        }
-        if let Some(stored) = &self.policy {
-            if stored.version == version && stored.files == files {
-                return Ok(()); // A retry of the stored set.
-            }
-            if stored.version >= version {
-                return Err(PolicySetError::StaleVersion {
-                    offered: version,
-                    stored: stored.version,
-                });
-            }
-        }
-        self.policy = Some(PolicySet { version, files: files.to_vec(), stored_at_ms: now_ms });
-        self.policy_changed = true;
-        Ok(())
-    }
-
     /// Returns and forgets what changed since the last call.
     pub fn take_changes(&mut self) -> LedgerChanges {
         let last_seen_ms = std::mem::take(&mut self.last_seen_changed).then_some(self.last_seen_ms);
-        let policy =
-            if std::mem::take(&mut self.policy_changed) { self.policy.clone() } else { None };
+        let policies = self.policies.take_changes();
         let keys = std::mem::take(&mut self.changed_keys)
             .into_iter()
             .map(|key| {
@@ -1094,7 +1034,7 @@ impl QuotaLedger {
                 (key, entry)
             })
             .collect();
-        LedgerChanges { last_seen_ms, policy, regions: self.take_region_changes(), keys }
+        LedgerChanges { last_seen_ms, policies, regions: self.take_region_changes(), keys }
     }
 
     /// Ledger time: the greatest `now_ms` applied.
@@ -1102,9 +1042,9 @@ impl QuotaLedger {
         self.last_seen_ms
     }
 
-    /// The stored policy set, if any.
-    pub fn policy(&self) -> Option<&PolicySet> {
-        self.policy.as_ref()
+    /// The region's policy versions.
+    pub fn policies(&self) -> &PolicyVersions {
+        &self.policies
     }
 
     /// One key's bucket and leases.
@@ -1137,7 +1077,17 @@ impl QuotaLedger {
     pub fn digest(&self) -> u64 {
         let mut digest = Fnv1a::default();
         digest.write(&self.last_seen_ms.to_le_bytes());
-        digest.write_encoded(&self.policy);
+        if self.policies.is_empty() {
+            // As the single optional set was encoded before versions, so a ledger without
+            // policies keeps its digest across the upgrade.
+            digest.write_encoded(&None::<()>);
+        } else {
+            // Stored versions, oldest first: the same on replicas that applied the same sets.
+            digest.write(&(self.policies.stored().count() as u64).to_le_bytes());
+            for stored in self.policies.stored() {
+                digest.write_encoded(stored);
+            }
+        }
         // Only once regions are in use, so ledgers without them keep their digests.
         if !self.regions.is_empty() {
             digest.write_encoded(&self.regions);

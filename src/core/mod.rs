@@ -15,6 +15,7 @@
 //! - [`lease_key`]: a counter's name in the ledger, alike on every node.
 //! - [`circuit`]: the circuit breaker around ledger calls.
 //! - [`ledger`]: the regional quota ledger's deterministic state machine.
+//! - [`policy_versions`]: the region's replicated policy sets, versioned, with history.
 //! - [`ledger_time`]: how a group's leader stamps command time; clock offsets.
 //! - [`readiness`]: whether a node should take traffic (`/readyz`).
 //! - [`rfc3339`]: epoch milliseconds as RFC 3339 text for people.
@@ -37,6 +38,7 @@ pub mod lease_key;
 pub mod ledger;
 pub mod ledger_time;
 pub mod policy;
+pub mod policy_versions;
 pub mod rate;
 pub mod readiness;
 pub mod region;

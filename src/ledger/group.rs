@@ -595,6 +595,27 @@ impl<C: GroupConfig> RaftGroup<C> {
         self.route.cached().map(|(id, _)| id)
     }
 
+    /// The machine's change signal ([`GroupMachine::change_signal`]) as applied on this node.
+    pub fn subscribe_changes(&self) -> watch::Receiver<u64> {
+        self.view.subscribe()
+    }
+
+    /// Where a read from a node outside the group goes: the leader its writes last reached,
+    /// else the next seed (so a seed that is down is passed over on the next read).
+    pub(crate) fn read_target(&self) -> Option<(NodeId, BasicNode)> {
+        self.route.cached().or_else(|| self.route.next_seed())
+    }
+
+    /// Forgets `node_id` as the cached leader after a failed read, as a failed write does.
+    pub(crate) fn forget_target(&self, node_id: NodeId) {
+        self.route.forget(node_id);
+    }
+
+    /// The process's channels to its peers.
+    pub(crate) fn channels(&self) -> &PeerChannels {
+        &self.channels
+    }
+
     /// Runs `read` on the machine as applied on this node so far; it may be behind the leader.
     pub fn read<T>(&self, read: impl FnOnce(&C::Machine) -> T) -> T {
         self.view.read(read)

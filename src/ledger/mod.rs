@@ -172,6 +172,14 @@ pub trait GroupMachine: Sized + Send + Sync + 'static {
     /// Sets the time `command` applies at. The leader stamps every command before it
     /// proposes it, over whatever time its proposer put there.
     fn stamp(command: &mut Self::Command, now_ms: u64);
+
+    /// A number that changes when something outside the group should look at the machine
+    /// again (the quota ledger's policy version). The store publishes it on a watch channel
+    /// after each applied batch ([`state_store::MachineView::subscribe`]): apply never waits
+    /// on whoever follows it. The default never changes.
+    fn change_signal(&self) -> u64 {
+        0
+    }
 }
 
 /// Error values of openraft's storage traits, built from any error.

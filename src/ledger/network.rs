@@ -208,7 +208,7 @@ impl PeerChannels {
 
     /// Sends one already-encoded request to `group` on the peer at `address` and returns the
     /// reply's payload, within `timeout`.
-    async fn call_raw(
+    pub(crate) async fn call_raw(
         &self,
         address: &str,
         rpc: Rpc,
@@ -226,6 +226,7 @@ impl PeerChannels {
                 Rpc::Vote => client.vote(request).await,
                 Rpc::InstallSnapshot => client.install_snapshot(request).await,
                 Rpc::Forward => client.forward(request).await,
+                Rpc::FetchPolicy => client.fetch_policy(request).await,
             }
         };
         let result = match tokio::time::timeout(timeout, call).await {
@@ -318,6 +319,7 @@ pub(crate) enum Rpc {
     Vote,
     InstallSnapshot,
     Forward,
+    FetchPolicy,
 }
 
 /// openraft's network factory for one group on one node.

@@ -1,17 +1,19 @@
 //! The quota group: openraft's type configuration over the pure quota ledger
 //! (`crate::core::ledger`), and how the ledger's state maps onto the store's records.
 //!
-//! Records: `h` holds ledger time (`last_seen_ms`), `p` the policy set, `r` the region
+//! Records: `h` holds ledger time (`last_seen_ms`), `P` followed by the version's 8
+//! big-endian bytes one policy version (`crate::core::policy_versions`), `r` the region
 //! slices and transfers, and `k` followed by the key's bytes one key's bucket and leases;
-//! values are postcard. The rules are in the
-//! core; this file only names types and encodes.
+//! values are postcard. The rules are in the core; this file only names types and encodes.
 
 use std::io::Cursor;
 
 use crate::core::ledger::{
     KEY_BYTES_MAX, KeyEntry, LEASE_REQUESTS_PER_COMMAND_MAX, POLICY_FILE_NAME_BYTES_MAX,
-    POLICY_FILES_MAX, POLICY_SET_BYTES_MAX, PolicySet, QuotaCommand, QuotaLedger, QuotaResponse,
+    POLICY_FILES_MAX, POLICY_SET_BYTES_MAX, PolicyVersions, QuotaCommand, QuotaLedger,
+    QuotaResponse, StoredPolicyVersion,
 };
+use crate::core::policy_versions::{POLICY_MESSAGE_BYTES_MAX, POLICY_OPERATOR_BYTES_MAX};
 use crate::core::region::transfer::RegionLedger;
 
 use super::{
@@ -32,7 +34,11 @@ const _: () = assert!(
         <= COMMAND_BYTES_MAX
 );
 const _: () = assert!(
-    POLICY_SET_BYTES_MAX + POLICY_FILES_MAX * (POLICY_FILE_NAME_BYTES_MAX + 16)
+    POLICY_SET_BYTES_MAX
+        + POLICY_FILES_MAX * (POLICY_FILE_NAME_BYTES_MAX + 16)
+        + POLICY_MESSAGE_BYTES_MAX
+        + POLICY_OPERATOR_BYTES_MAX
+        + 64
         <= COMMAND_BYTES_MAX
 );
 
@@ -60,10 +66,14 @@ impl GroupConfig for QuotaGroup {
         let for_node = match command {
             QuotaCommand::AcquireLeases { node_id, .. }
             | QuotaCommand::SettleLeases { node_id, .. } => *node_id,
-            QuotaCommand::PutPolicySet { .. } | QuotaCommand::Region { .. } if sender_may_vote => {
+            QuotaCommand::ApplyPolicySet { .. }
+            | QuotaCommand::RollbackPolicySet { .. }
+            | QuotaCommand::Region { .. }
+                if sender_may_vote =>
+            {
                 return Ok(());
             }
-            QuotaCommand::PutPolicySet { .. } => {
+            QuotaCommand::ApplyPolicySet { .. } | QuotaCommand::RollbackPolicySet { .. } => {
                 return Err(format!("node {sender} is a gateway and may not change the policy"));
             }
             QuotaCommand::Region { .. } => {
@@ -79,7 +89,7 @@ impl GroupConfig for QuotaGroup {
 }
 
 const RECORD_LAST_SEEN: &[u8] = b"h";
-const RECORD_POLICY: &[u8] = b"p";
+const RECORD_POLICY_PREFIX: u8 = b'P';
 const RECORD_REGIONS: &[u8] = b"r";
 const RECORD_KEY_PREFIX: u8 = b'k';
 
@@ -91,6 +101,13 @@ fn key_record(key: &str) -> Vec<u8> {
     let mut record = Vec::with_capacity(1 + key.len());
     record.push(RECORD_KEY_PREFIX);
     record.extend_from_slice(key.as_bytes());
+    record
+}
+
+fn policy_record(version: u64) -> Vec<u8> {
+    let mut record = Vec::with_capacity(9);
+    record.push(RECORD_POLICY_PREFIX);
+    record.extend_from_slice(&version.to_be_bytes());
     record
 }
 
@@ -119,9 +136,11 @@ impl GroupMachine for QuotaLedger {
                 value: Some(encode(&last_seen_ms)),
             });
         }
-        if let Some(policy) = changes.policy {
-            records
-                .push(RecordChange { key: RECORD_POLICY.to_vec(), value: Some(encode(&policy)) });
+        for (version, stored) in changes.policies {
+            records.push(RecordChange {
+                key: policy_record(version),
+                value: stored.map(|stored| encode(&stored)),
+            });
         }
         if let Some(regions) = changes.regions {
             records
@@ -141,14 +160,14 @@ impl GroupMachine for QuotaLedger {
         I: IntoIterator<Item = Record>,
     {
         let mut last_seen_ms = 0;
-        let mut policy: Option<PolicySet> = None;
+        let mut policies: Vec<StoredPolicyVersion> = Vec::new();
         let mut regions = RegionLedger::default();
         let mut keys = Vec::new();
         for (key, value) in records {
             if key == RECORD_LAST_SEEN {
                 last_seen_ms = postcard::from_bytes(&value).map_err(|e| undecodable(&key, e))?;
-            } else if key == RECORD_POLICY {
-                policy = Some(postcard::from_bytes(&value).map_err(|e| undecodable(&key, e))?);
+            } else if key.len() == 9 && key[0] == RECORD_POLICY_PREFIX {
+                policies.push(postcard::from_bytes(&value).map_err(|e| undecodable(&key, e))?);
             } else if key == RECORD_REGIONS {
                 regions = postcard::from_bytes(&value).map_err(|e| undecodable(&key, e))?;
             } else if let Some((&RECORD_KEY_PREFIX, name)) = key.split_first() {
@@ -160,7 +179,7 @@ impl GroupMachine for QuotaLedger {
                 return Err(undecodable(&key, "unknown record"));
             }
         }
-        QuotaLedger::from_parts(last_seen_ms, policy, keys)
+        QuotaLedger::from_parts(last_seen_ms, PolicyVersions::from_stored(policies), keys)
             .map(|ledger| ledger.with_regions(regions))
             .map_err(|e| RecordError { key: "ledger".to_owned(), reason: e.to_string() })
     }
@@ -177,8 +196,93 @@ impl GroupMachine for QuotaLedger {
         match command {
             QuotaCommand::AcquireLeases { now_ms, .. }
             | QuotaCommand::SettleLeases { now_ms, .. }
-            | QuotaCommand::PutPolicySet { now_ms, .. }
+            | QuotaCommand::ApplyPolicySet { now_ms, .. }
+            | QuotaCommand::RollbackPolicySet { now_ms, .. }
             | QuotaCommand::Region { now_ms, .. } => *now_ms = stamp_ms,
         }
+    }
+
+    /// The current policy version: a node's policy store follows it (`crate::policy_store`).
+    fn change_signal(&self) -> u64 {
+        self.policies().current_version()
+    }
+}
+
+/// A `FetchPolicy` request: the policy version the caller serves (0: none replicated).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PolicyFetch {
+    /// The version the caller serves.
+    pub known_version: u64,
+}
+
+/// A `FetchPolicy` answer, from the machine as applied on the serving node.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PolicyFetched {
+    /// The current version there (0: none applied yet).
+    pub current_version: u64,
+    /// The current version with its files, when it is not the caller's.
+    pub version: Option<StoredPolicyVersion>,
+}
+
+impl PolicyFetched {
+    /// The answer of `ledger` to `fetch`: the version number alone while the caller serves
+    /// it, so a poll costs a few bytes.
+    pub fn answer(ledger: &QuotaLedger, fetch: PolicyFetch) -> Self {
+        let current_version = ledger.policies().current_version();
+        let version = (current_version != fetch.known_version)
+            .then(|| ledger.policies().current().cloned())
+            .flatten();
+        Self { current_version, version }
+    }
+}
+
+/// Why a `FetchPolicy` call got no answer; the next poll may.
+#[derive(Debug, thiserror::Error)]
+pub enum FetchPolicyError {
+    /// The node knows neither a leader nor a seed to ask.
+    #[error("no voter to ask for the policy")]
+    NoPeer,
+    /// The call failed.
+    #[error("asking node {node_id} for the policy: {source}")]
+    Call {
+        /// The node asked.
+        node_id: NodeId,
+        /// What failed.
+        #[source]
+        source: super::network::PeerCallError,
+    },
+}
+
+impl super::RaftGroup<QuotaGroup> {
+    /// Asks a voter (the leader this node last reached, else the next seed) for the region's
+    /// current policy version, with its files when it is not `known_version`: how a gateway,
+    /// which holds no replica, follows the policy. Bounded by `timeout`.
+    ///
+    /// # Errors
+    /// [`FetchPolicyError`]; nothing changed anywhere.
+    pub async fn fetch_policy(
+        &self,
+        known_version: u64,
+        timeout: std::time::Duration,
+    ) -> Result<PolicyFetched, FetchPolicyError> {
+        let (node_id, node) = self.read_target().ok_or(FetchPolicyError::NoPeer)?;
+        let call = |source| FetchPolicyError::Call { node_id, source };
+        let payload = postcard::to_allocvec(&PolicyFetch { known_version })
+            .map_err(|e| call(super::network::PeerCallError::Encode(e)))?;
+        let reply = self
+            .channels()
+            .call_raw(
+                &node.addr,
+                super::network::Rpc::FetchPolicy,
+                QUOTA_GROUP_NAME,
+                payload,
+                timeout,
+            )
+            .await
+            .map_err(|source| {
+                self.forget_target(node_id);
+                call(source)
+            })?;
+        postcard::from_bytes(&reply).map_err(|e| call(super::network::PeerCallError::Decode(e)))
     }
 }

@@ -19,6 +19,8 @@
 //!  Vote                             vote.leader_id (the candidate) names the sender; a voter's
 //!  Forward                          GroupConfig::check_forward (own leases only; policy and
 //!                                   billing from voters, each operation naming its caller)
+//!  FetchPolicy                      any node of the cluster (a read of the quota group's
+//!                                   current policy version, which every node serves)
 //! ```
 //!
 //! The role comes from the certificate, not from the membership: a leader being removed
@@ -43,7 +45,11 @@ use tonic::{Request, Response, Status};
 use super::ledger_time::Forwarded;
 use super::proto::raft_peer_server::{RaftPeer, RaftPeerServer};
 use super::proto::{GroupReply, GroupRequest};
-use super::{BasicNode, COMMAND_BYTES_MAX, GroupConfig, NodeId, PEER_MESSAGE_BYTES_MAX, RaftGroup};
+use super::quota::{PolicyFetch, PolicyFetched};
+use super::{
+    BasicNode, COMMAND_BYTES_MAX, GroupConfig, NodeId, PEER_MESSAGE_BYTES_MAX, QUOTA_GROUP_NAME,
+    QuotaGroup, RaftGroup,
+};
 use crate::tls::transport::PeerInfo;
 
 /// Most groups one process hosts (quota, billing, and room for multi-raft shards).
@@ -192,13 +198,15 @@ pub struct RaftPeerService {
     authenticated: bool,
     /// Where the server's calls are counted; none in tests that run the service bare.
     grpc_metrics: Option<GrpcMetricsLayer>,
+    /// The quota group whose policy versions `FetchPolicy` serves, once registered.
+    quota: Arc<RwLock<Option<RaftGroup<QuotaGroup>>>>,
 }
 
 impl RaftPeerService {
     /// A service hosting no group yet; `authenticated` when it is served over TLS
     /// ([`Self::serve_tls`]), so every request must name its verified sender.
     pub fn new(authenticated: bool) -> Self {
-        Self { groups: Arc::default(), authenticated, grpc_metrics: None }
+        Self { groups: Arc::default(), authenticated, grpc_metrics: None, quota: Arc::default() }
     }
 
     /// Counts the server's calls in `metrics` (`quotamesh_grpc_server_*`).
@@ -245,9 +253,23 @@ impl RaftPeerService {
         Ok(())
     }
 
+    /// Routes the quota group's requests to `group` ([`Self::register_group`]) and serves
+    /// its policy versions to `FetchPolicy`.
+    ///
+    /// # Errors
+    /// [`RegisterError`] as [`Self::register_group`].
+    pub fn register_quota_group(&self, group: &RaftGroup<QuotaGroup>) -> Result<(), RegisterError> {
+        self.register_group(group)?;
+        *self.quota.write() = Some(group.clone());
+        Ok(())
+    }
+
     /// Stops routing requests to `group` (peers then see it as unreachable).
     pub fn unregister(&self, group: &str) {
         self.groups.write().remove(group);
+        if group == QUOTA_GROUP_NAME {
+            self.quota.write().take();
+        }
     }
 
     fn endpoint(&self, group: &str) -> Result<Arc<dyn GroupEndpoint>, Status> {
@@ -348,5 +370,26 @@ impl RaftPeer for RaftPeerService {
         let request = request.into_inner();
         let payload = self.endpoint(&request.group)?.forward(&request.payload, sender).await?;
         Ok(Response::new(GroupReply { payload }))
+    }
+
+    async fn fetch_policy(
+        &self,
+        request: Request<GroupRequest>,
+    ) -> Result<Response<GroupReply>, Status> {
+        // Any node of the cluster may read: gateways follow the policy this way.
+        self.sender(&request)?;
+        let request = request.into_inner();
+        if request.group != QUOTA_GROUP_NAME {
+            return Err(Status::invalid_argument(format!(
+                "policies live in the {QUOTA_GROUP_NAME} group, not {:?}",
+                request.group
+            )));
+        }
+        let fetch: PolicyFetch = decode(&request.payload)?;
+        let quota = self.quota.read().clone().ok_or_else(|| {
+            Status::not_found(format!("this node hosts no Raft group {QUOTA_GROUP_NAME:?}"))
+        })?;
+        let fetched = quota.read(|ledger| PolicyFetched::answer(ledger, fetch));
+        Ok(Response::new(GroupReply { payload: encode(&fetched)? }))
     }
 }

@@ -102,11 +102,13 @@ struct Applied<M> {
 /// Read access to a group's machine, shared by the store and the group's handle.
 pub struct MachineView<M> {
     applied: Arc<RwLock<Applied<M>>>,
+    /// The machine's [`GroupMachine::change_signal`] as last applied.
+    signal: Arc<tokio::sync::watch::Sender<u64>>,
 }
 
 impl<M> Clone for MachineView<M> {
     fn clone(&self) -> Self {
-        Self { applied: Arc::clone(&self.applied) }
+        Self { applied: Arc::clone(&self.applied), signal: Arc::clone(&self.signal) }
     }
 }
 
@@ -127,6 +129,21 @@ impl<M: GroupMachine> MachineView<M> {
     pub fn last_applied_index(&self) -> Option<u64> {
         self.applied.read().last_applied.map(|id| id.index)
     }
+
+    /// The machine's [`GroupMachine::change_signal`], updated after every applied batch and
+    /// snapshot install; a receiver sees the latest value, never a queue of them.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.signal.subscribe()
+    }
+}
+
+/// Publishes the machine's change signal when it moved; never blocks.
+fn publish_signal(signal: &tokio::sync::watch::Sender<u64>, value: u64) {
+    signal.send_if_modified(|current| {
+        let moved = *current != value;
+        *current = value;
+        moved
+    });
 }
 
 /// The snapshot directory and the latest snapshot in it.
@@ -211,6 +228,7 @@ pub struct StateStore<C: GroupConfig> {
     db: Arc<sled::Db>,
     applied: Arc<RwLock<Applied<C::Machine>>>,
     snapshots: Arc<SnapshotFiles>,
+    signal: Arc<tokio::sync::watch::Sender<u64>>,
 }
 
 impl<C: GroupConfig> StateStore<C> {
@@ -276,7 +294,8 @@ impl<C: GroupConfig> StateStore<C> {
             replace_contents(&db, &body)?;
         }
         let applied = load_applied::<C::Machine>(&db)?;
-        Ok(Self { db: Arc::new(db), applied: Arc::new(RwLock::new(applied)), snapshots })
+        let signal = Arc::new(tokio::sync::watch::Sender::new(applied.machine.change_signal()));
+        Ok(Self { db: Arc::new(db), applied: Arc::new(RwLock::new(applied)), snapshots, signal })
     }
 
     /// Dies when the store is dropped: sled holds a lock on its directory until then.
@@ -286,7 +305,7 @@ impl<C: GroupConfig> StateStore<C> {
 
     /// A read handle on the machine, for the group's handle.
     pub fn view(&self) -> MachineView<C::Machine> {
-        MachineView { applied: Arc::clone(&self.applied) }
+        MachineView { applied: Arc::clone(&self.applied), signal: Arc::clone(&self.signal) }
     }
 }
 
@@ -431,7 +450,7 @@ impl<C: GroupConfig> RaftStateMachine<C> for StateStore<C> {
         I::IntoIter: Send,
     {
         let mut responses = Vec::new();
-        let (changes, last_applied, membership) = {
+        let (changes, last_applied, membership, signal) = {
             let mut applied = self.applied.write();
             for entry in entries {
                 applied.last_applied = Some(entry.log_id);
@@ -448,7 +467,13 @@ impl<C: GroupConfig> RaftStateMachine<C> for StateStore<C> {
                 };
                 responses.push(response);
             }
-            (applied.machine.take_changes(), applied.last_applied, applied.membership.clone())
+            let signal = applied.machine.change_signal();
+            (
+                applied.machine.take_changes(),
+                applied.last_applied,
+                applied.membership.clone(),
+                signal,
+            )
         };
         // One atomic batch: records and the applied id never disagree in sled.
         let mut batch = sled::Batch::default();
@@ -461,6 +486,8 @@ impl<C: GroupConfig> RaftStateMachine<C> for StateStore<C> {
         batch.insert(KEY_MEMBERSHIP, encode(&membership));
         batch.insert(KEY_APPLIED, encode(&last_applied));
         self.db.apply_batch(batch).map_err(|e| sm_error(ErrorVerb::Write, &e))?;
+        // After the write, so whoever follows the signal reads records a restart would too.
+        publish_signal(&self.signal, signal);
         Ok(responses)
     }
 
@@ -522,8 +549,10 @@ impl<C: GroupConfig> RaftStateMachine<C> for StateStore<C> {
             .map_err(|e| snapshot_error(ErrorVerb::Write, &e))?
             .map_err(|e| snapshot_error(ErrorVerb::Write, &e))?;
         replace_contents(&self.db, &body).map_err(|e| sm_error(ErrorVerb::Write, &e))?;
+        let signal = machine.change_signal();
         *self.applied.write() =
             Applied { machine, last_applied: body.last_applied, membership: body.membership };
+        publish_signal(&self.signal, signal);
         Ok(())
     }
 

@@ -65,6 +65,9 @@ pub struct ClusterOptions {
     pub logs_kept_after_snapshot: Option<u64>,
     /// The policy every node serves, when not [`CLUSTER_POLICY`].
     pub policy: Option<String>,
+    /// No `policy` path in the nodes' configs: they serve the embedded default until the
+    /// region has a replicated version (`quotamesh policy apply`), then follow it.
+    pub follow_region_policy: bool,
     /// More TOML sections for every node's config (e.g. a `[leasing]` table).
     pub config_extra: String,
     /// Run node N as user id `base + N` (the test runs as root), so firewall rules can
@@ -79,6 +82,7 @@ impl Default for ClusterOptions {
             snapshot_every_logs: None,
             logs_kept_after_snapshot: None,
             policy: None,
+            follow_region_policy: false,
             config_extra: String::new(),
             uid_base: None,
         }
@@ -139,13 +143,15 @@ impl ClusterNode {
     ) -> anyhow::Result<()> {
         let mut text = format!(
             "node_id = \"test-node-{id}\"\nraft_node_id = {id}\ncluster_id = \"{cluster}\"\n\
-             data_dir = \"{data}\"\npolicy = \"{policy}\"\nraft_addr = \"{raft}\"\n",
+             data_dir = \"{data}\"\nraft_addr = \"{raft}\"\n",
             id = self.id,
             cluster = options.cluster_id,
             data = self.data_dir.display(),
-            policy = policy.display(),
             raft = self.raft_addr,
         );
+        if !options.follow_region_policy {
+            text.push_str(&format!("policy = \"{}\"\n", policy.display()));
+        }
         if self.gateway {
             text.push_str("role = \"gateway\"\n");
         }

@@ -368,6 +368,29 @@ pub fn write_file(directory: &Path, name: &str, text: &str) -> PathBuf {
     path
 }
 
+/// What one run of the `quotamesh` binary left.
+pub struct CliRun {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Runs `quotamesh arguments`, with `QUOTAMESH_ADMIN_TOKEN` set to `token` or unset; the
+/// exit code is the caller's to judge.
+pub fn run_cli(arguments: &[&str], token: Option<&str>) -> anyhow::Result<CliRun> {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_quotamesh"));
+    command.args(arguments).env("RUST_BACKTRACE", "0").env_remove("QUOTAMESH_ADMIN_TOKEN");
+    if let Some(token) = token {
+        command.env("QUOTAMESH_ADMIN_TOKEN", token);
+    }
+    let output = command.output().context("run quotamesh")?;
+    Ok(CliRun {
+        code: output.status.code(),
+        stdout: String::from_utf8(output.stdout)?,
+        stderr: String::from_utf8(output.stderr)?,
+    })
+}
+
 /// Two threads that spin until dropped: both cores busy, as on a shared CI machine.
 pub struct CpuHog {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,

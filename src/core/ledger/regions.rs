@@ -37,7 +37,7 @@ impl QuotaLedger {
 
 #[cfg(test)]
 mod tests {
-    use super::super::QuotaCommand;
+    use super::super::{PolicyVersions, QuotaCommand};
     use super::*;
     use crate::core::region::transfer::{RegionResponse, Slice, SliceKey};
 
@@ -72,7 +72,7 @@ mod tests {
         assert_eq!(ledger.apply(&debit), QuotaResponse::Region(RegionResponse::Debited(1)));
         assert_eq!(ledger.take_changes().regions, None, "a replay changes nothing");
         assert_ne!(ledger.digest(), empty_digest);
-        let reloaded = QuotaLedger::from_parts(ledger.last_seen_ms(), None, [])
+        let reloaded = QuotaLedger::from_parts(ledger.last_seen_ms(), PolicyVersions::new(), [])
             .expect("no keys")
             .with_regions(persisted);
         assert_eq!(reloaded.regions(), ledger.regions());
