@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use common::{CpuHog, NodeProcess, free_port, http_request, metric_value, write_file};
+use quotamesh::core::policy::canary_point;
 
 /// The test's policy: the domain and descriptor keys of `cluster/envoy.yaml`, with numbers
 /// small enough to exhaust quickly: 5 hits per 10 s per API key (one token back every 2 s).
@@ -175,6 +176,48 @@ fn a_warn_rule_warns_through_envoy_and_enforces_after_one_line() -> anyhow::Resu
         }
         assert!(Instant::now() < deadline, "still not enforced after a reload: {response:?}");
         std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(())
+}
+
+/// A canary rule behind two real Envoys, each in front of its own node: the share puts
+/// exactly one node in the canary (the same hash the nodes use), so past the limit that
+/// node's Envoy answers 429 and the other's answers 200 with `RateLimit-Warning`.
+#[test]
+fn a_canary_rule_limits_through_envoy_on_its_nodes_only() -> anyhow::Result<()> {
+    let directory = tempfile::tempdir()?;
+    let (first, second) = ("envoy-canary-a", "envoy-canary-b");
+    let point = |node| canary_point(node, "quotamesh-example", "api_key");
+    let (inside, outside) =
+        if point(first) < point(second) { (first, second) } else { (second, first) };
+    anyhow::ensure!(point(inside) != point(outside), "two names, two points");
+    // Every point below the share is in: the share is the outside node's point.
+    let share = point(outside);
+    let policy = format!(
+        "domain: quotamesh-example\ndescriptors:\n  - key: api_key\n    \
+         rollout: {{canary: {}.{:02}%}}\n    enforce_after: 2027-01-08\n    \
+         rate_limit: {{unit: minute, requests_per_unit: 2}}\n",
+        share / 100,
+        share % 100
+    );
+    for (node_id, limited) in [(inside, true), (outside, false)] {
+        let node_directory = directory.path().join(node_id);
+        std::fs::create_dir_all(&node_directory)?;
+        let policy = write_file(&node_directory, "policy.yaml", &policy);
+        let node = NodeProcess::start_with(
+            &policy,
+            &node_directory.join("data"),
+            &["--node-id", node_id],
+        )?;
+        let envoy = start_envoy(node.rls_addr, &node_directory)?;
+        for hit in 1..=4 {
+            let response = http_request(envoy.listener, "/", &[("x-api-key", "carol")])?;
+            let past_the_limit = hit > 2;
+            let expected = if past_the_limit && limited { 429 } else { 200 };
+            assert_eq!(response.status, expected, "{node_id}, hit {hit}: {response:?}");
+            let warned = response.header("ratelimit-warning").is_some();
+            assert_eq!(warned, past_the_limit && !limited, "{node_id}, hit {hit}: {response:?}");
+        }
     }
     Ok(())
 }

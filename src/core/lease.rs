@@ -10,12 +10,14 @@
 //!   B = clamp(min_lease_tokens, rate * lookahead, max_lease_tokens)
 //!   refill when balance < low watermark = max(1, B * low_watermark_percent / 100)
 //!     raised to rate * 2 round trips (at most B / 2) while the ledger's bucket holds 2 B
+//!     and the key is not contended
 //! ```
 //!
 //! The raised watermark is for warm hot keys: a 500-token lease at 50,000 decisions/s lasts
 //! 10 ms, its 20 % watermark 2 ms, less than a ledger commit, so without it every refill
 //! would leave requests waiting. It applies only while the bucket has plenty: a key at its
-//! limit keeps the plain watermark, so asking early never takes from another node's share.
+//! limit, or contended, keeps the plain watermark, so asking early never takes from another
+//! node's share.
 //!
 //! B follows the rate estimate, which decays exponentially when traffic falls, so B decays
 //! back to `min_lease_tokens`; the surplus above the new B goes back to the ledger.
@@ -350,6 +352,8 @@ pub enum ReportAnswer {
         retry_after_ms: u64,
         /// Whole tokens left in the ledger's bucket after the grant.
         remaining_tokens: u64,
+        /// The key's demand exceeds its rate: grants follow fair shares.
+        contended: bool,
     },
     /// Not applied (the ledger had a newer report, or the call failed, or its outcome is
     /// unknown): the next report settles whatever happened, since its counts are totals.
@@ -386,6 +390,8 @@ pub struct KeyLease {
     /// Recent report round trips, node ms: the last one, or more while a slower one decays.
     round_trip_ms: u32,
     in_flight: bool,
+    /// The ledger's last answer said the key is contended (grants follow fair shares).
+    contended: bool,
     /// No answer has come yet: the key has never heard from the ledger.
     answered: bool,
     /// A report's outcome is unknown (no answer): the ledger may count a grant this node
@@ -526,10 +532,13 @@ impl KeyLease {
 
     /// Balance below which a key of lease size `size` asks for a refill at `now_ms`: the
     /// tuning's watermark, raised to cover two recent round trips of the key's traffic (at
-    /// most half the lease) while the ledger's last answer left two leases in its bucket.
+    /// most half the lease) while the ledger's last answer left two leases in its bucket and
+    /// did not find the key contended: a contended key asking early would only be granted
+    /// less of its share, and told to wait a lookahead.
     fn refill_watermark_tokens(&self, tuning: &LeaseTuning, size: u64, now_ms: u64) -> u64 {
         let watermark = tuning.low_watermark_tokens(size);
-        if !self.answered || self.ledger_remaining_tokens < size.saturating_mul(2) {
+        if !self.answered || self.contended || self.ledger_remaining_tokens < size.saturating_mul(2)
+        {
             return watermark;
         }
         let rate = self.rate.rate_milli_per_second(now_ms, tuning.rate_half_life_ms);
@@ -608,7 +617,8 @@ impl KeyLease {
         self.in_flight = false;
         self.in_flight_want_tokens = 0;
         self.expire(now_ms);
-        let ReportAnswer::Settled { granted_tokens, retry_after_ms, remaining_tokens } = answer
+        let ReportAnswer::Settled { granted_tokens, retry_after_ms, remaining_tokens, contended } =
+            answer
         else {
             self.unconfirmed = true;
             return;
@@ -621,6 +631,7 @@ impl KeyLease {
             u32::try_from(now_ms.saturating_sub(sent.sent_at_ms)).unwrap_or(u32::MAX);
         self.round_trip_ms = round_trip_ms.max(self.round_trip_ms - self.round_trip_ms / 4);
         self.ledger_remaining_tokens = remaining_tokens;
+        self.contended = contended;
         self.answered_at_ms = now_ms;
         // The report charged the debt it carried; a grant pays the debt run up since.
         self.debt_tokens = self.debt_tokens.saturating_sub(sent.debt_tokens);

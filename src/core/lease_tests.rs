@@ -111,7 +111,7 @@ fn lease_size_decays_when_traffic_stops() {
 }
 
 fn settled(granted_tokens: u64, retry_after_ms: u64, remaining_tokens: u64) -> ReportAnswer {
-    ReportAnswer::Settled { granted_tokens, retry_after_ms, remaining_tokens }
+    ReportAnswer::Settled { granted_tokens, retry_after_ms, remaining_tokens, contended: false }
 }
 
 /// A cold fail-open key admits its first hits on credit without waiting; its first report
@@ -141,9 +141,15 @@ fn cold_key_is_admitted_on_credit_then_leases() {
 
 /// Spends `rate_per_ms` hits every ms from 1,000 ms for 5 s, paid from grants of what the
 /// refills want, each answered `round_trip_ms` after its report and leaving
-/// `ledger_remaining` in the bucket. Returns the balances at which refills were asked and
-/// the ms in the last 2.5 s when the balance fell short (the ms a request would wait).
-fn warm_key(rate_per_ms: u64, round_trip_ms: u64, ledger_remaining: u64) -> (Vec<u64>, u64) {
+/// `ledger_remaining` in the bucket (and the key `contended` or not). Returns the balances at
+/// which refills were asked and the ms in the last 2.5 s when the balance fell short (the ms
+/// a request would wait).
+fn warm_key(
+    rate_per_ms: u64,
+    round_trip_ms: u64,
+    ledger_remaining: u64,
+    contended: bool,
+) -> (Vec<u64>, u64) {
     let tuning = LeaseTuning::default();
     let mut lease = KeyLease::new(1_000_000_000, 1_000_000_000);
     let mut flying: Option<(ReportDraft, u64)> = None;
@@ -153,8 +159,13 @@ fn warm_key(rate_per_ms: u64, round_trip_ms: u64, ledger_remaining: u64) -> (Vec
         if let Some((draft, due_ms)) = flying
             && now_ms >= due_ms
         {
-            let want = draft.tokens_wanted;
-            lease.apply_answer(&tuning, &draft, settled(want, 0, ledger_remaining), now_ms);
+            let answer = ReportAnswer::Settled {
+                granted_tokens: draft.tokens_wanted,
+                retry_after_ms: 0,
+                remaining_tokens: ledger_remaining,
+                contended,
+            };
+            lease.apply_answer(&tuning, &draft, answer, now_ms);
             flying = None;
         }
         if lease.spend(&tuning, Credit::NONE, now_ms, rate_per_ms) == Spend::Short
@@ -175,17 +186,20 @@ fn warm_key(rate_per_ms: u64, round_trip_ms: u64, ledger_remaining: u64) -> (Vec
 /// A warm hot key (a 500-token lease lasts 10 ms) whose reports take 3 ms asks for its
 /// refill while two round trips of its traffic are left, at most half a lease, and never
 /// runs short; with the plain 20 % watermark (2 ms of traffic) it would wait at every refill,
-/// which is what a key whose bucket is nearly empty does, so it takes nothing early.
+/// which is what a key whose bucket is nearly empty, or a contended key, does, so it takes
+/// nothing early.
 #[test]
 fn a_warm_key_asks_its_refill_two_round_trips_ahead_while_the_bucket_has_plenty() {
-    let (asked, short_ms) = warm_key(50, 3, 1_000_000);
+    let (asked, short_ms) = warm_key(50, 3, 1_000_000, false);
     let warm = &asked[asked.len() / 2..];
     assert!(warm.iter().all(|held| (200..250).contains(held)), "asked at {warm:?}");
     assert_eq!(short_ms, 0, "a warm key never waits");
-    let (asked, short_ms) = warm_key(50, 3, 999);
-    let warm = &asked[asked.len() / 2..];
-    assert!(warm.iter().all(|held| *held < 100), "plain watermark at the limit: {warm:?}");
-    assert!(short_ms > 100, "the plain watermark leaves it short {short_ms} ms");
+    for (remaining, contended) in [(999, false), (1_000_000, true)] {
+        let (asked, short_ms) = warm_key(50, 3, remaining, contended);
+        let warm = &asked[asked.len() / 2..];
+        assert!(warm.iter().all(|held| *held < 100), "plain watermark: {warm:?}");
+        assert!(short_ms > 100, "the plain watermark leaves it short {short_ms} ms");
+    }
 }
 
 /// A fail-closed key has no credit: its first hit waits for a lease.
