@@ -296,7 +296,6 @@ impl World {
                             granted_tokens: settlement.grant.granted_tokens,
                             retry_after_ms: settlement.grant.retry_after_ms,
                             remaining_tokens: settlement.grant.remaining_tokens,
-                            contended: settlement.contended,
                         }
                     }
                     ReportOutcome::Stale => {}

@@ -385,7 +385,6 @@ impl BrokerState {
                                 granted_tokens: grant.granted_tokens,
                                 retry_after_ms: grant.retry_after_ms,
                                 remaining_tokens: grant.remaining_tokens,
-                                contended: settlement.contended,
                             }
                         }
                         Ok(ReportOutcome::Stale) => ReportAnswer::NotApplied,

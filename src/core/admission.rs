@@ -480,12 +480,7 @@ mod tests {
         // With nothing granted the ledger says when it will grant again: the window's end.
         let retry_after_ms =
             if granted_tokens == 0 { spec.window_ms - now_ms % spec.window_ms } else { 0 };
-        let answer = ReportAnswer::Settled {
-            granted_tokens,
-            retry_after_ms,
-            remaining_tokens,
-            contended: false,
-        };
+        let answer = ReportAnswer::Settled { granted_tokens, retry_after_ms, remaining_tokens };
         staged.lease.apply_answer(&tuning, &draft, answer, now_ms);
         staged
     }

@@ -9,15 +9,7 @@
 //! ```text
 //!   B = clamp(min_lease_tokens, rate * lookahead, max_lease_tokens)
 //!   refill when balance < low watermark = max(1, B * low_watermark_percent / 100)
-//!     raised to rate * 2 round trips (at most B / 2) while the ledger's bucket holds 2 B
-//!     and the key is not contended
 //! ```
-//!
-//! The raised watermark is for warm hot keys: a 500-token lease at 50,000 decisions/s lasts
-//! 10 ms, its 20 % watermark 2 ms, less than a ledger commit, so without it every refill
-//! would leave requests waiting. It applies only while the bucket has plenty: a key at its
-//! limit, or contended, keeps the plain watermark, so asking early never takes from another
-//! node's share.
 //!
 //! B follows the rate estimate, which decays exponentially when traffic falls, so B decays
 //! back to `min_lease_tokens`; the surplus above the new B goes back to the ledger.
@@ -148,19 +140,12 @@ impl LeaseTuning {
         u64::try_from(share).unwrap_or(u64::MAX).max(1)
     }
 
-    /// Highest balance below which a key of lease size `size` asks for a refill: the
-    /// watermark, or half the lease while a warm key's round trips raise it (see
-    /// [`KeyLease::refill_watermark_tokens`]).
-    pub fn refill_watermark_max_tokens(&self, lease_size_tokens: u64) -> u64 {
-        self.low_watermark_tokens(lease_size_tokens).max(lease_size_tokens / 2)
-    }
-
     /// Most tokens one node can hold for a key of `capacity_tokens` in a region of `nodes`:
     /// a refill is asked only below the watermark, so at most `watermark - 1` remain when a
     /// full lease arrives; a key's lease is capped by its small-key cap.
     pub fn held_tokens_max(&self, capacity_tokens: u64, nodes: u64) -> u64 {
         let size = self.max_lease_tokens.min(size_cap_tokens(capacity_tokens, nodes));
-        size.saturating_add(self.refill_watermark_max_tokens(size).saturating_sub(1))
+        size.saturating_add(self.low_watermark_tokens(size).saturating_sub(1))
     }
 
     /// The drift bound of DESIGN section 3 for one key of `limit` in a region of `nodes`:
@@ -352,8 +337,6 @@ pub enum ReportAnswer {
         retry_after_ms: u64,
         /// Whole tokens left in the ledger's bucket after the grant.
         remaining_tokens: u64,
-        /// The key's demand exceeds its rate: grants follow fair shares.
-        contended: bool,
     },
     /// Not applied (the ledger had a newer report, or the call failed, or its outcome is
     /// unknown): the next report settles whatever happened, since its counts are totals.
@@ -387,11 +370,7 @@ pub struct KeyLease {
     in_flight_want_tokens: u64,
     /// The small-key cap on the lease size (see [`size_cap_tokens`]).
     size_cap_tokens: u64,
-    /// Recent report round trips, node ms: the last one, or more while a slower one decays.
-    round_trip_ms: u32,
     in_flight: bool,
-    /// The ledger's last answer said the key is contended (grants follow fair shares).
-    contended: bool,
     /// No answer has come yet: the key has never heard from the ledger.
     answered: bool,
     /// A report's outcome is unknown (no answer): the ledger may count a grant this node
@@ -521,31 +500,12 @@ impl KeyLease {
         let size = self.lease_size_tokens(tuning, now_ms);
         let lacking = hits.saturating_sub(self.balance_tokens);
         let small = self.size_cap_tokens < tuning.min_lease_tokens;
-        let below_watermark =
-            self.balance_tokens < self.refill_watermark_tokens(tuning, size, now_ms);
+        let below_watermark = self.balance_tokens < tuning.low_watermark_tokens(size);
         if lacking == 0 && (small || !below_watermark) {
             return None;
         }
         let want = if small { lacking.max(1) } else { size.max(lacking) };
         Some(self.draft(tuning, want.min(LEASE_TOKENS_MAX), now_ms))
-    }
-
-    /// Balance below which a key of lease size `size` asks for a refill at `now_ms`: the
-    /// tuning's watermark, raised to cover two recent round trips of the key's traffic (at
-    /// most half the lease) while the ledger's last answer left two leases in its bucket and
-    /// did not find the key contended: a contended key asking early would only be granted
-    /// less of its share, and told to wait a lookahead.
-    fn refill_watermark_tokens(&self, tuning: &LeaseTuning, size: u64, now_ms: u64) -> u64 {
-        let watermark = tuning.low_watermark_tokens(size);
-        if !self.answered || self.contended || self.ledger_remaining_tokens < size.saturating_mul(2)
-        {
-            return watermark;
-        }
-        let rate = self.rate.rate_milli_per_second(now_ms, tuning.rate_half_life_ms);
-        let in_transit =
-            u128::from(rate) * u128::from(self.round_trip_ms) * 2 / u128::from(MILLI * MILLI);
-        let in_transit = u64::try_from(in_transit).unwrap_or(u64::MAX);
-        watermark.max(in_transit.min(size / 2))
     }
 
     /// The refill to request now, if any (see [`KeyLease::poll_lease_for`]).
@@ -617,21 +577,14 @@ impl KeyLease {
         self.in_flight = false;
         self.in_flight_want_tokens = 0;
         self.expire(now_ms);
-        let ReportAnswer::Settled { granted_tokens, retry_after_ms, remaining_tokens, contended } =
-            answer
+        let ReportAnswer::Settled { granted_tokens, retry_after_ms, remaining_tokens } = answer
         else {
             self.unconfirmed = true;
             return;
         };
         self.answered = true;
         self.unconfirmed = false;
-        // A slow answer counts at once; a fast one lowers the figure by a quarter at a time,
-        // so one quick commit between slow ones does not drop the watermark.
-        let round_trip_ms =
-            u32::try_from(now_ms.saturating_sub(sent.sent_at_ms)).unwrap_or(u32::MAX);
-        self.round_trip_ms = round_trip_ms.max(self.round_trip_ms - self.round_trip_ms / 4);
         self.ledger_remaining_tokens = remaining_tokens;
-        self.contended = contended;
         self.answered_at_ms = now_ms;
         // The report charged the debt it carried; a grant pays the debt run up since.
         self.debt_tokens = self.debt_tokens.saturating_sub(sent.debt_tokens);
