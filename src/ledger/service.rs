@@ -136,6 +136,18 @@ fn check_raft_sender(
     Ok(())
 }
 
+impl<C: GroupConfig> Endpoint<C> {
+    /// Refuses a Raft message once the group's core has stopped: a stopping node keeps its
+    /// group registered until the storage is released, and openraft logs a call to a stopped
+    /// core as an ERROR. The peer sees UNAVAILABLE, as for a node that is down.
+    fn check_running(&self) -> Result<(), Status> {
+        if self.raft.metrics().borrow().running_state.is_err() {
+            return Err(Status::unavailable("this node's Raft group is stopping"));
+        }
+        Ok(())
+    }
+}
+
 #[tonic::async_trait]
 impl<C: GroupConfig> GroupEndpoint for Endpoint<C> {
     async fn append_entries(
@@ -145,12 +157,14 @@ impl<C: GroupConfig> GroupEndpoint for Endpoint<C> {
     ) -> Result<Vec<u8>, Status> {
         let request: openraft::raft::AppendEntriesRequest<C> = decode(payload)?;
         check_raft_sender("AppendEntries", request.vote.leader_id().voted_for(), sender)?;
+        self.check_running()?;
         encode(&self.raft.append_entries(request).await)
     }
 
     async fn vote(&self, payload: &[u8], sender: Option<Sender>) -> Result<Vec<u8>, Status> {
         let request: openraft::raft::VoteRequest<NodeId> = decode(payload)?;
         check_raft_sender("Vote", request.vote.leader_id().voted_for(), sender)?;
+        self.check_running()?;
         encode(&self.raft.vote(request).await)
     }
 
@@ -161,6 +175,7 @@ impl<C: GroupConfig> GroupEndpoint for Endpoint<C> {
     ) -> Result<Vec<u8>, Status> {
         let request: openraft::raft::InstallSnapshotRequest<C> = decode(payload)?;
         check_raft_sender("InstallSnapshot", request.vote.leader_id().voted_for(), sender)?;
+        self.check_running()?;
         let reply: Result<_, RaftError<NodeId, InstallSnapshotError>> =
             self.raft.install_snapshot(request).await;
         encode(&reply)
