@@ -39,6 +39,9 @@ const DECAY_SIXTEENTHS: [u64; 16] = [
     37316, 35734, 34219,
 ];
 
+/// One, in the fixed point of [`DECAY_SIXTEENTHS`].
+const FULL_WEIGHT: u64 = 65_536;
+
 /// Largest lease a rule may ask for.
 pub const LEASE_TOKENS_MAX: u64 = 1_000_000;
 /// Longest lease TTL: DESIGN caps it at one second so a dead node strands tokens briefly.
@@ -206,6 +209,14 @@ impl LeaseTuning {
 /// for a steady rate, so the rate is read back as `sum * ln 2 / half_life`. Integers only:
 /// the decay is a shift by whole half-lives and a table for sixteenths of one, with the
 /// time below one sixteenth carried to the next update.
+///
+/// A sum started from nothing `t` ago holds only the weight `1 - 2^(-t / half_life)` of a
+/// full history, so read as it is it would take a half-life to see half of a new key's
+/// rate, and a hot key would lease a few tokens at a time while its requests wait for each
+/// refill. The rate is divided by that weight (the bias correction of an average started at
+/// zero), with `t` at least an eighth of a half-life, so that one large request does not
+/// read as a flood. A sum worth less than one hit says nothing of the past: the next hit
+/// starts it anew.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RateEstimate {
     decayed_milli_hits: u64,
@@ -213,22 +224,30 @@ pub struct RateEstimate {
     /// Time already elapsed but not yet applied, in 1/16 ms: decay is applied in steps of
     /// 1/16 half-life, and carrying the rest keeps frequent small updates unbiased.
     unapplied_sixteenth_ms: u64,
+    /// When the sum last started from (next to) nothing.
+    started_ms: u64,
 }
 
 impl RateEstimate {
     /// Adds `hits` seen at `now_ms`.
     pub fn observe(&mut self, now_ms: u64, hits: u64, half_life_ms: u64) {
         self.decay_to(now_ms, half_life_ms);
+        if self.decayed_milli_hits < MILLI {
+            self.started_ms = now_ms;
+        }
         self.decayed_milli_hits =
             self.decayed_milli_hits.saturating_add(hits.saturating_mul(MILLI));
     }
 
     /// The estimated rate at `now_ms`, in milli-hits per second.
     pub fn rate_milli_per_second(&self, now_ms: u64, half_life_ms: u64) -> u64 {
+        let half_life_ms = half_life_ms.max(1);
         let mut decayed = *self;
         decayed.decay_to(now_ms, half_life_ms);
-        let rate = u128::from(decayed.decayed_milli_hits) * LN_2_MICRO
-            / (u128::from(half_life_ms.max(1)) * u128::from(MILLI));
+        let observed_ms = now_ms.saturating_sub(self.started_ms).max(half_life_ms / 8).max(1);
+        let weight = FULL_WEIGHT - decay_factor(observed_ms, half_life_ms);
+        let rate = u128::from(decayed.decayed_milli_hits) * LN_2_MICRO * u128::from(FULL_WEIGHT)
+            / (u128::from(half_life_ms) * u128::from(MILLI) * u128::from(weight.max(1)));
         u64::try_from(rate).unwrap_or(u64::MAX)
     }
 
@@ -242,16 +261,25 @@ impl RateEstimate {
             elapsed_ms.saturating_mul(16).saturating_add(self.unapplied_sixteenth_ms);
         let steps = elapsed_sixteenth_ms / half_life_ms;
         self.unapplied_sixteenth_ms = elapsed_sixteenth_ms % half_life_ms;
-        let halvings = steps / 16;
-        if halvings >= 64 {
-            self.decayed_milli_hits = 0;
-            return;
-        }
-        let shifted = self.decayed_milli_hits >> halvings;
-        let factor = DECAY_SIXTEENTHS[usize::try_from(steps % 16).expect("below 16")];
-        let scaled = u128::from(shifted) * u128::from(factor) / 65_536;
-        self.decayed_milli_hits = u64::try_from(scaled).expect("a decay never grows the value");
+        self.decayed_milli_hits = decay_by_steps(self.decayed_milli_hits, steps);
     }
+}
+
+/// `2^(-elapsed / half_life)` in 1/65536, rounded down to whole sixteenths of a half-life.
+fn decay_factor(elapsed_ms: u64, half_life_ms: u64) -> u64 {
+    decay_by_steps(FULL_WEIGHT, elapsed_ms.saturating_mul(16) / half_life_ms.max(1))
+}
+
+/// `value * 2^(-steps / 16)`.
+fn decay_by_steps(value: u64, steps: u64) -> u64 {
+    let halvings = steps / 16;
+    if halvings >= 64 {
+        return 0;
+    }
+    let shifted = value >> halvings;
+    let factor = DECAY_SIXTEENTHS[usize::try_from(steps % 16).expect("below 16")];
+    let scaled = u128::from(shifted) * u128::from(factor) / u128::from(FULL_WEIGHT);
+    u64::try_from(scaled).expect("a decay never grows the value")
 }
 
 /// How much a key may lean on the ledger without waiting for it; set per decision from the
