@@ -21,8 +21,8 @@ use anyhow::{Context, Result};
 use common::cluster::call;
 use common::leasing::{
     Answer, BURST_TOKENS, DOMAIN, GATEWAYS, LIMIT_PER_SECOND, NODES_IN_REGION, Outcome, Stream,
-    VOTERS, collect, figure, ms, percentile, rls_client, scrape, send_one, start_region,
-    start_stream, user_limit,
+    VOTERS, collect, figure, ms, percentile, rls_client, scrape, send_honouring_late_lease,
+    send_one, start_region, start_stream, user_limit,
 };
 use common::{metric_sum, metric_value};
 use quotamesh::api::proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
@@ -682,8 +682,11 @@ async fn a_blocked_key_is_refused_locally_until_its_window_ends() -> Result<()> 
         tokio::time::sleep(Duration::from_millis(JOB_WINDOW_MS - into_window_ms + 100)).await;
     }
     let entry = ("job", "nightly");
+    // A small key has no credit: each hit waits for the ledger, and one whose lease came
+    // after the wait budget is told to come back within a second.
     for hit in 0..JOB_LIMIT {
-        let answer = send_one(&mut client, GATEWAYS[0], "job", entry, origin).await;
+        let (answer, _) =
+            send_honouring_late_lease(&mut client, GATEWAYS[0], "job", entry, origin).await;
         assert_eq!(answer.outcome, Outcome::Admitted, "hit {hit}");
     }
     // The sixth is refused at once (the last grant left the ledger's window empty) and asks
@@ -738,14 +741,9 @@ async fn a_small_key_admits_one_hit_from_each_of_two_nodes() -> Result<()> {
     for trial in 0..12 {
         let value = format!("small-{trial}");
         for (id, client) in &mut gateways {
-            let mut answer = send_one(client, *id, "scarce", ("scarce", &value), origin).await;
-            if answer.outcome == Outcome::OverLimit
-                && answer.retry_after_s.is_some_and(|seconds: u64| seconds <= 1)
-            {
-                retried += 1;
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                answer = send_one(client, *id, "scarce", ("scarce", &value), origin).await;
-            }
+            let (answer, late) =
+                send_honouring_late_lease(client, *id, "scarce", ("scarce", &value), origin).await;
+            retried += u32::from(late);
             assert_eq!(answer.outcome, Outcome::Admitted, "trial {trial}, node {id}: {answer:?}");
         }
         let third = send_one(&mut voter, VOTERS[0], "scarce", ("scarce", &value), origin).await;

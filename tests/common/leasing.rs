@@ -147,6 +147,27 @@ pub async fn rls_client(address: SocketAddr) -> anyhow::Result<RateLimitServiceC
     Ok(RateLimitServiceClient::new(channel))
 }
 
+/// [`send_one`], sent once more a second later when the answer is a refusal that asks to
+/// come back within a second: a key with no credit (a small key) whose lease came after the
+/// wait budget on a loaded machine is refused by its fallback that way, and a client that
+/// honours Retry-After is then admitted. Returns the answer and whether it was retried.
+pub async fn send_honouring_late_lease(
+    client: &mut RateLimitServiceClient<Channel>,
+    node: u64,
+    label: &'static str,
+    entry: (&str, &str),
+    origin: Instant,
+) -> (Answer, bool) {
+    let answer = send_one(client, node, label, entry, origin).await;
+    if answer.outcome == Outcome::OverLimit
+        && answer.retry_after_s.is_some_and(|seconds: u64| seconds <= 1)
+    {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        return (send_one(client, node, label, entry, origin).await, true);
+    }
+    (answer, false)
+}
+
 /// Sends one request on `entry` and records it.
 pub async fn send_one(
     client: &mut RateLimitServiceClient<Channel>,
