@@ -4,7 +4,10 @@
 //! returns (measured with both cores busy and printed as a `figure |` line); re-applying the
 //! same rules makes no version; history, get --version, diff and rollback work against the
 //! region; a bad set is refused with file:line and changes nothing; an apply without an
-//! operator credential is refused; restarted nodes serve the latest version.
+//! operator credential is refused; restarted nodes serve the latest version. On an admin
+//! port served over TLS an operator certificate authors a version and a node's certificate
+//! applies nothing; a node whose own `[policy]` options refuse a version keeps serving the
+//! last one it accepted, says so once, and takes the next one it accepts.
 
 mod common;
 
@@ -16,6 +19,11 @@ use common::cluster::{CLUSTER_WAIT, Cluster, ClusterOptions, admin_client, call}
 use common::tls::ADMIN_TOKEN;
 use common::{CpuHog, http_get, metric_value, run_cli as quotamesh, write_file};
 use quotamesh::api::proto::quotamesh::admin::v1 as admin;
+use quotamesh::policy_follow::GATEWAY_POLL_INTERVAL;
+
+/// One test at a time in this binary: the propagation figure is measured against a target,
+/// and another test's region on the same two cores would skew it.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// The gateway's raft_node_id.
 const GATEWAY: u64 = 4;
@@ -71,10 +79,10 @@ fn served_version(cluster: &Cluster, id: u64) -> Result<f64> {
     Ok(metric_value(&process.metrics()?, "quotamesh_policy_version"))
 }
 
-/// Waits until every node serves `version`; returns how long that took from `since`.
-fn wait_served(cluster: &Cluster, version: u64, since: Instant) -> Result<Duration> {
+/// Waits until the nodes `ids` serve `version`; returns how long that took from `since`.
+fn wait_served(cluster: &Cluster, ids: &[u64], version: u64, since: Instant) -> Result<Duration> {
     let deadline = since + CLUSTER_WAIT;
-    let mut pending: Vec<u64> = NODES.to_vec();
+    let mut pending: Vec<u64> = ids.to_vec();
     while !pending.is_empty() {
         anyhow::ensure!(Instant::now() < deadline, "nodes {pending:?} never served {version}");
         let mut still = Vec::new();
@@ -121,10 +129,38 @@ fn config_of(cluster: &Cluster, id: u64) -> Result<(u64, String, String)> {
     ))
 }
 
+/// `policy history` of the region through voter `via`: (version, operator, message), newest
+/// first. `credentials` are the CLI's TLS flags; the test token is sent too.
+fn history(
+    cluster: &Cluster,
+    via: u64,
+    credentials: &[&str],
+) -> Result<Vec<(u64, String, String)>> {
+    let admin_addr = cluster.nodes[&via].admin_addr.to_string();
+    let mut arguments = vec!["policy", "history", "--admin-addr", &admin_addr, "--json"];
+    arguments.extend(credentials);
+    let run = quotamesh(&arguments, Some(ADMIN_TOKEN))?;
+    let history: serde_json::Value = serde_json::from_str(&run.stdout)
+        .with_context(|| format!("history: {}{}", run.stdout, run.stderr))?;
+    Ok(history["versions"]
+        .as_array()
+        .context("versions")?
+        .iter()
+        .map(|v| {
+            (
+                v["version"].as_u64().unwrap_or(0),
+                v["applied_by"].as_str().unwrap_or("").to_owned(),
+                v["message"].as_str().unwrap_or("").to_owned(),
+            )
+        })
+        .collect())
+}
+
 // Proves the whole life of a replicated policy set on a region of 3 voters and a gateway,
 // with both cores kept busy while versions propagate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn applied_versions_reach_every_node_and_roll_back() -> Result<()> {
+    let _serial = SERIAL.lock().await;
     let options = ClusterOptions { follow_region_policy: true, ..ClusterOptions::default() };
     let mut cluster = Cluster::start(3, options).await?;
     cluster.start_gateway(GATEWAY)?;
@@ -141,11 +177,11 @@ async fn applied_versions_reach_every_node_and_roll_back() -> Result<()> {
     let applied = apply(&cluster, 2, &first, "first rules")?;
     let returned = Instant::now();
     assert_eq!((applied["version"].as_u64(), applied["created"].as_bool()), (Some(1), Some(true)));
-    let first_figure = wait_served(&cluster, 1, returned)?;
+    let first_figure = wait_served(&cluster, &NODES, 1, returned)?;
     let applied = apply(&cluster, 1, &second, "halve the tenant limit")?;
     let returned = Instant::now();
     assert_eq!(applied["version"].as_u64(), Some(2), "{applied}");
-    let second_figure = wait_served(&cluster, 2, returned)?;
+    let second_figure = wait_served(&cluster, &NODES, 2, returned)?;
     drop(hog);
     println!(
         "figure | policy propagation, 3 voters + 1 gateway, 2 cores busy: every node served \
@@ -224,26 +260,13 @@ async fn applied_versions_reach_every_node_and_roll_back() -> Result<()> {
     assert_ne!(run.code, Some(0), "an apply without a token is refused: {}", run.stdout);
 
     // History: still two versions, newest first, with operator and message.
-    let history = quotamesh(
-        &["policy", "history", "--admin-addr", &admin_addr, "--json"],
-        Some(ADMIN_TOKEN),
-    )?;
-    let history: serde_json::Value = serde_json::from_str(&history.stdout)
-        .with_context(|| format!("history: {}{}", history.stdout, history.stderr))?;
-    let versions = history["versions"].as_array().context("versions")?;
-    let listed: Vec<(u64, &str, &str)> = versions
-        .iter()
-        .map(|v| {
-            (
-                v["version"].as_u64().unwrap_or(0),
-                v["applied_by"].as_str().unwrap_or(""),
-                v["message"].as_str().unwrap_or(""),
-            )
-        })
-        .collect();
+    let operator = "test-operator".to_owned();
     assert_eq!(
-        listed,
-        [(2, "test-operator", "halve the tenant limit"), (1, "test-operator", "first rules")]
+        history(&cluster, 1, &[])?,
+        [
+            (2, operator.clone(), "halve the tenant limit".to_owned()),
+            (1, operator, "first rules".to_owned())
+        ]
     );
 
     // Diff against what the gateway serves (version 2): the first rules differ, the second not.
@@ -277,7 +300,7 @@ async fn applied_versions_reach_every_node_and_roll_back() -> Result<()> {
     let rolled: serde_json::Value = serde_json::from_str(&rolled.stdout)
         .with_context(|| format!("rollback: {}{}", rolled.stdout, rolled.stderr))?;
     assert_eq!((rolled["version"].as_u64(), rolled["created"].as_bool()), (Some(3), Some(true)));
-    let rollback_figure = wait_served(&cluster, 3, returned)?;
+    let rollback_figure = wait_served(&cluster, &NODES, 3, returned)?;
     println!(
         "figure | policy rollback, 3 voters + 1 gateway: every node served version 3 {} ms \
          after rollback returned",
@@ -295,8 +318,195 @@ async fn applied_versions_reach_every_node_and_roll_back() -> Result<()> {
         cluster.node(id).stop()?;
         cluster.node(id).start()?;
         let restarted = Instant::now();
-        wait_served(&cluster, 3, restarted)?;
+        wait_served(&cluster, &NODES, 3, restarted)?;
         assert_eq!(config_of(&cluster, id)?.2, digest_one, "node {id} after a restart");
+    }
+    Ok(())
+}
+
+/// Rules over two files that both declare the domain: only a node with `[policy]
+/// merge_domains = true` loads them.
+const MERGED: [(&str, &str); 2] = [
+    (
+        "tenants.yaml",
+        "domain: governed\ndescriptors:\n  - key: tenant\n    rate_limit: {unit: minute, requests_per_unit: 75}\n",
+    ),
+    (
+        "paths.yaml",
+        "domain: governed\ndescriptors:\n  - key: path\n    rate_limit: {unit: second, requests_per_unit: 20}\n",
+    ),
+];
+/// The nodes of the refusal test that merge a domain spread over several files.
+const ACCEPTING: [u64; 2] = [1, 2];
+/// The nodes of the refusal test that do not, so refuse such a set.
+const REFUSING: [u64; 2] = [3, GATEWAY];
+/// What a following node logs when its own options refuse a replicated version.
+const REFUSAL_LOG: &str = "replicated policy version refused";
+/// Counts every policy load a node refused, replicated versions included.
+const REFUSALS_METRIC: &str = "quotamesh_policy_reload_failures_total";
+
+// Proves that on an admin port served over TLS an operator certificate of the cluster's CA,
+// with no token, applies a version authored by that operator, and that a node's certificate
+// of the same CA is refused and commits nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_certificate_authors_an_applied_version() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let options =
+        ClusterOptions { follow_region_policy: true, admin_tls: true, ..ClusterOptions::default() };
+    let cluster = Cluster::start(3, options).await?;
+    let root = cluster.root.path().to_owned();
+    let first = policy_directory(&root, "first", "governed.yaml", FIRST)?;
+    let second = policy_directory(&root, "second", "governed.yaml", SECOND)?;
+    let operator = cluster.ca.authority.issue_operator("alice", quotamesh::clock::now_ms(), 1)?;
+    let (alice_cert, alice_key) = cluster.ca.write("operator-alice", &operator)?;
+    // Node 3's own certificate: the cluster's CA signed it, but it names a node.
+    let node_cert = cluster.ca.directory.join("node-3.pem");
+    let node_key = cluster.ca.directory.join("node-3.key");
+    let bundle = cluster.ca.bundle().display().to_string();
+    let admin_addr = cluster.nodes[&2].admin_addr.to_string();
+    let apply_as = |directory: &Path, cert: &Path, key: &Path, message: &str| {
+        quotamesh(
+            &[
+                "policy",
+                "apply",
+                &directory.display().to_string(),
+                "--message",
+                message,
+                "--admin-addr",
+                &admin_addr,
+                "--ca-cert",
+                &bundle,
+                "--client-cert",
+                &cert.display().to_string(),
+                "--client-key",
+                &key.display().to_string(),
+                "--json",
+            ],
+            None,
+        )
+    };
+
+    let applied = apply_as(&first, &alice_cert, &alice_key, "by certificate")?;
+    assert_eq!(applied.code, Some(0), "{}{}", applied.stdout, applied.stderr);
+    let applied: serde_json::Value = serde_json::from_str(&applied.stdout)?;
+    assert_eq!((applied["version"].as_u64(), applied["created"].as_bool()), (Some(1), Some(true)));
+    wait_served(&cluster, &[1, 2, 3], 1, Instant::now())?;
+
+    let refused = apply_as(&second, &node_cert, &node_key, "by a node")?;
+    assert_ne!(refused.code, Some(0), "a node certificate applied: {}", refused.stdout);
+    assert!(refused.stderr.contains("Unauthenticated"), "{}", refused.stderr);
+
+    let tls = ["--ca-cert", bundle.as_str()];
+    assert_eq!(
+        history(&cluster, 1, &tls)?,
+        [(1, "alice".to_owned(), "by certificate".to_owned())],
+        "one version, authored by the certificate's operator"
+    );
+    for id in [1, 2, 3] {
+        assert_eq!(served_version(&cluster, id)?, 1.0, "node {id} after the refused apply");
+    }
+    Ok(())
+}
+
+// Proves that a voter and a gateway whose own `[policy]` options refuse a replicated
+// version keep serving the version they last accepted, log and count the refusal once while
+// the other voters serve the new version, and install the next version they accept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_refusing_a_version_keeps_the_last_it_accepted() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    // Every node merges a domain spread over several files, except voter 3 and the gateway,
+    // whose variable overrides the shared config.
+    let no_merging = vec![("QUOTAMESH_MERGE_DOMAINS", "false".to_owned())];
+    let options = ClusterOptions {
+        follow_region_policy: true,
+        config_extra: "[policy]\nmerge_domains = true\n".to_owned(),
+        node_environment: [(3, no_merging.clone()), (GATEWAY, no_merging)].into(),
+        ..ClusterOptions::default()
+    };
+    let mut cluster = Cluster::start(3, options).await?;
+    cluster.start_gateway(GATEWAY)?;
+    let root = cluster.root.path().to_owned();
+    let first = policy_directory(&root, "first", "governed.yaml", FIRST)?;
+    let merged = root.join("merged");
+    std::fs::create_dir_all(&merged)?;
+    for (name, text) in MERGED {
+        write_file(&merged, name, text);
+    }
+    let second = policy_directory(&root, "second", "governed.yaml", SECOND)?;
+    let metrics_of = |id: u64| -> Result<String> {
+        cluster.nodes[&id].process.as_ref().context("running")?.metrics()
+    };
+    let refusals_logged = |id: u64| -> Result<usize> {
+        Ok(std::fs::read_to_string(&cluster.nodes[&id].log_path)?.matches(REFUSAL_LOG).count())
+    };
+
+    // Version 1 loads everywhere.
+    let applied = apply(&cluster, 1, &first, "one file")?;
+    let digest_one = applied["digest"].as_str().context("digest")?.to_owned();
+    wait_served(&cluster, &NODES, 1, Instant::now())?;
+
+    // Version 2 merges the domain over two files: committed through voter 1, which merges,
+    // and served by the voters that merge; voter 3 and the gateway refuse it.
+    let hog = CpuHog::start(2);
+    let admin_addr = cluster.nodes[&1].admin_addr.to_string();
+    let run = quotamesh(
+        &[
+            "policy",
+            "apply",
+            &merged.display().to_string(),
+            "--merge-domains",
+            "--message",
+            "merged",
+            "--admin-addr",
+            &admin_addr,
+            "--json",
+        ],
+        Some(ADMIN_TOKEN),
+    )?;
+    anyhow::ensure!(run.code == Some(0), "apply failed: {}{}", run.stdout, run.stderr);
+    let applied: serde_json::Value = serde_json::from_str(&run.stdout)?;
+    assert_eq!((applied["version"].as_u64(), applied["created"].as_bool()), (Some(2), Some(true)));
+    let digest_two = applied["digest"].as_str().context("digest")?.to_owned();
+    wait_served(&cluster, &ACCEPTING, 2, Instant::now())?;
+    let deadline = Instant::now() + CLUSTER_WAIT;
+    for id in REFUSING {
+        while metric_value(&metrics_of(id)?, REFUSALS_METRIC) < 1.0 {
+            anyhow::ensure!(Instant::now() < deadline, "node {id} never refused version 2");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    // A few of the gateway's polls while version 2 is current: a refusal it did not
+    // remember would be fetched, logged and counted again.
+    std::thread::sleep(GATEWAY_POLL_INTERVAL * 5);
+    for id in ACCEPTING {
+        assert_eq!(config_of(&cluster, id)?, (2, "replicated".to_owned(), digest_two.clone()));
+    }
+    for id in REFUSING {
+        assert_eq!(
+            config_of(&cluster, id)?,
+            (1, "replicated".to_owned(), digest_one.clone()),
+            "node {id} keeps the version it accepted"
+        );
+        assert_eq!(served_version(&cluster, id)?, 1.0, "node {id}");
+        assert_eq!(metric_value(&metrics_of(id)?, REFUSALS_METRIC), 1.0, "node {id}");
+        assert_eq!(refusals_logged(id)?, 1, "node {id} logs the refusal once");
+    }
+
+    // Version 3 is one file again: every node serves it, the refusal is not repeated.
+    let applied = apply(&cluster, 2, &second, "one file again")?;
+    assert_eq!(applied["version"].as_u64(), Some(3), "{applied}");
+    let digest_three = applied["digest"].as_str().context("digest")?.to_owned();
+    wait_served(&cluster, &NODES, 3, Instant::now())?;
+    drop(hog);
+    for id in NODES {
+        assert_eq!(config_of(&cluster, id)?, (3, "replicated".to_owned(), digest_three.clone()));
+        let expected_refusals = if REFUSING.contains(&id) { 1 } else { 0 };
+        assert_eq!(refusals_logged(id)?, expected_refusals, "node {id}'s log");
+        assert_eq!(
+            metric_value(&metrics_of(id)?, REFUSALS_METRIC),
+            expected_refusals as f64,
+            "node {id}'s count"
+        );
     }
     Ok(())
 }

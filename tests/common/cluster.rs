@@ -7,7 +7,8 @@
 //! as node N too, listing the voters as its peers.
 //!
 //! Every cluster runs as shipped for several nodes: mTLS between nodes with a CA of its own
-//! (`super::tls`), and admin calls carrying the test operator token.
+//! (`super::tls`), and admin calls carrying the test operator token (over TLS, trusting the
+//! cluster's CA, when the nodes serve `admin.tls`).
 //!
 //! Waits poll a condition with a deadline; nothing sleeps for a fixed time.
 
@@ -70,6 +71,12 @@ pub struct ClusterOptions {
     pub follow_region_policy: bool,
     /// More TOML sections for every node's config (e.g. a `[leasing]` table).
     pub config_extra: String,
+    /// More environment variables for some nodes' processes, by node id: a `QUOTAMESH_*`
+    /// variable overrides the shared config for that node alone.
+    pub node_environment: BTreeMap<u64, Vec<(&'static str, String)>>,
+    /// `[admin] tls = true` on every node: the admin port speaks TLS only, with the node's
+    /// certificate, and accepts operator certificates of the cluster's CA.
+    pub admin_tls: bool,
     /// Run node N as user id `base + N` (the test runs as root), so firewall rules can
     /// match one node's packets (`meta skuid`); the nodes' directories are made writable.
     pub uid_base: Option<u32>,
@@ -84,6 +91,8 @@ impl Default for ClusterOptions {
             policy: None,
             follow_region_policy: false,
             config_extra: String::new(),
+            node_environment: BTreeMap::new(),
+            admin_tls: false,
             uid_base: None,
         }
     }
@@ -111,7 +120,7 @@ pub struct ClusterNode {
 }
 
 impl ClusterNode {
-    fn new(root: &Path, id: u64) -> anyhow::Result<Self> {
+    fn new(root: &Path, id: u64, options: &ClusterOptions) -> anyhow::Result<Self> {
         let ip = format!("127.0.0.{id}");
         let address =
             |port: u16| -> anyhow::Result<SocketAddr> { Ok(format!("{ip}:{port}").parse()?) };
@@ -127,7 +136,7 @@ impl ClusterNode {
             peers: Vec::new(),
             gateway: false,
             uid: None,
-            environment: Vec::new(),
+            environment: options.node_environment.get(&id).cloned().unwrap_or_default(),
             process: None,
         })
     }
@@ -161,6 +170,9 @@ impl ClusterNode {
         text.push('\n');
         text.push_str(&ca.node_section(self.id, &self.raft_addr.ip().to_string(), self.gateway)?);
         text.push('\n');
+        if options.admin_tls {
+            text.push_str("[admin]\ntls = true\n");
+        }
         text.push_str(&admin_section());
         text.push_str("\n[quota_group]\n");
         if let Some(every) = options.snapshot_every_logs {
@@ -263,7 +275,7 @@ impl Cluster {
             )?;
         }
         for id in 1..=voters {
-            let mut node = ClusterNode::new(root.path(), id)?;
+            let mut node = ClusterNode::new(root.path(), id, &options)?;
             node.uid = match options.uid_base {
                 Some(base) => Some(base + u32::try_from(id)?),
                 None => None,
@@ -295,7 +307,7 @@ impl Cluster {
     /// Creates node `id` as a newcomer (its config lists only itself as peer, so it waits to
     /// be added) and starts it.
     pub fn start_newcomer(&mut self, id: u64) -> anyhow::Result<&ClusterNode> {
-        let mut node = ClusterNode::new(self.root.path(), id)?;
+        let mut node = ClusterNode::new(self.root.path(), id, &self.options)?;
         node.peers = vec![(id, node.raft_addr)];
         node.write_config(&self.options, &self.policy, &self.ca)?;
         node.start()?;
@@ -306,7 +318,7 @@ impl Cluster {
     /// Creates node `id` as a gateway whose peers are the cluster's voters (every node that
     /// is not a gateway) and starts it; nothing needs to add it to the group.
     pub fn start_gateway(&mut self, id: u64) -> anyhow::Result<&ClusterNode> {
-        let mut node = ClusterNode::new(self.root.path(), id)?;
+        let mut node = ClusterNode::new(self.root.path(), id, &self.options)?;
         node.peers = self
             .nodes
             .values()
@@ -320,9 +332,16 @@ impl Cluster {
         Ok(&self.nodes[&id])
     }
 
-    /// Runs the `quotamesh` binary with the test operator token ([`cli`]).
+    /// Runs the `quotamesh` binary with the test operator token ([`cli`]), and with
+    /// `--ca-cert` when the admin ports speak TLS.
     pub fn cli(&self, arguments: &[&str]) -> anyhow::Result<String> {
-        cli(arguments)
+        if !self.options.admin_tls {
+            return cli(arguments);
+        }
+        let bundle = self.ca.bundle().display().to_string();
+        let mut arguments = arguments.to_vec();
+        arguments.extend(["--ca-cert", &bundle]);
+        cli(&arguments)
     }
 
     /// Comma-separated admin addresses of the given nodes, for the CLI.
@@ -339,9 +358,14 @@ impl Cluster {
         self.nodes.get_mut(&id).expect("a node of this cluster")
     }
 
-    /// An admin client of node `id`.
+    /// An admin client of node `id` (over TLS when the admin ports speak it).
     pub async fn admin(&self, id: u64) -> anyhow::Result<AdminClient<Channel>> {
-        admin_client(self.nodes[&id].admin_addr).await
+        let address = self.nodes[&id].admin_addr;
+        if self.options.admin_tls {
+            admin_client_tls(address, &self.ca.bundle()).await
+        } else {
+            admin_client(address).await
+        }
     }
 
     /// Node `id`'s status.
@@ -471,6 +495,23 @@ pub async fn admin_client(address: SocketAddr) -> anyhow::Result<AdminClient<Cha
         .connect()
         .await
         .with_context(|| format!("connect to the admin API at {address}"))?;
+    Ok(AdminClient::new(channel))
+}
+
+/// [`admin_client`] to an admin port served with `admin.tls`, trusting the CA `bundle`; no
+/// client certificate, so calls authenticate with the token [`call`] adds.
+pub async fn admin_client_tls(
+    address: SocketAddr,
+    bundle: &Path,
+) -> anyhow::Result<AdminClient<Channel>> {
+    let tls = quotamesh::cli::billing::client_tls(Some(bundle), None, None)?;
+    let channel = tonic::transport::Endpoint::from_shared(format!("https://{address}"))?
+        .tls_config(tls)?
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(CALL_TIMEOUT)
+        .connect()
+        .await
+        .with_context(|| format!("connect over TLS to the admin API at {address}"))?;
     Ok(AdminClient::new(channel))
 }
 
