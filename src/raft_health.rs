@@ -83,7 +83,7 @@ impl GroupViews {
         let views = names
             .iter()
             .map(|group| GroupView {
-                group: *group,
+                group,
                 member: true,
                 stopped: None,
                 leader: None,
