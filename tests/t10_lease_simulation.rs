@@ -756,3 +756,23 @@ fn the_enterprise_tier_at_twice_its_rate_is_shared_fairly() {
         );
     }
 }
+
+/// Proves that a key wanted by two of five nodes at three times its limit is shared between
+/// the two at its rate, for at most 4 ledger writes per second each: while the ledger divides
+/// the key, a node's lease may be twice the small-key cap of `capacity / (2 x nodes)` (100
+/// here, which covers only 200 ms of a 500/s share).
+#[test]
+fn a_key_at_its_limit_on_two_of_five_nodes_is_shared_for_few_writes() {
+    for seed in 0..4 {
+        let limit = LimitSpec::new(Algorithm::TokenBucket, 1_000, 1_000, Some(1_000))
+            .expect("a valid limit");
+        let mut world = World::contended(seed, 5, limit, 1_500, 30, &[]);
+        for idle in &mut world.nodes[2..] {
+            idle.offered_per_million = 0;
+        }
+        let mut measured = at_limit(world, seed, 3_000, 13_000);
+        measured.shares.truncate(2);
+        measured.writes_per_second.truncate(2);
+        assert_fair_and_cheap("2 of 5 nodes at 3x", &measured, 1_000.0);
+    }
+}

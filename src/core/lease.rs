@@ -145,9 +145,12 @@ impl LeaseTuning {
 
     /// Most tokens one node can hold for a key of `capacity_tokens` in a region of `nodes`:
     /// a refill is asked only below the watermark, so at most `watermark - 1` remain when a
-    /// full lease arrives; a key's lease is capped by its small-key cap.
+    /// full lease arrives; a key's lease is capped by its small-key cap, doubled while the
+    /// ledger divides the key ([`KeyLease::lease_size_tokens`]).
     pub fn held_tokens_max(&self, capacity_tokens: u64, nodes: u64) -> u64 {
-        let size = self.max_lease_tokens.min(size_cap_tokens(capacity_tokens, nodes));
+        let cap = size_cap_tokens(capacity_tokens, nodes);
+        let cap = if cap >= self.min_lease_tokens { cap.saturating_mul(2) } else { cap };
+        let size = self.max_lease_tokens.min(cap);
         size.saturating_add(self.low_watermark_tokens(size).saturating_sub(1))
     }
 
@@ -309,7 +312,8 @@ impl Credit {
 
 /// The lease size cap of a key whose limit is small against the region: a node leases at
 /// most `capacity / (2 x nodes)` (at least 1), so that all nodes' leases together never hold
-/// more than half of it. A key whose cap is below `min_lease_tokens` is a small key: it
+/// more than half of it (all of it while the ledger divides the key, when the cap doubles).
+/// A key whose cap is below `min_lease_tokens` is a small key: it
 /// leases only what a hit needs and never prefetches.
 pub fn size_cap_tokens(capacity_tokens: u64, nodes_in_region: u64) -> u64 {
     (capacity_tokens / nodes_in_region.max(1).saturating_mul(2)).max(1)
@@ -399,6 +403,9 @@ pub struct KeyLease {
     /// The small-key cap on the lease size (see [`size_cap_tokens`]).
     size_cap_tokens: u64,
     in_flight: bool,
+    /// The ledger's last answer to a want was short of it: the key is at its limit, and
+    /// divided between nodes by fair shares when several want it.
+    divided: bool,
     /// No answer has come yet: the key has never heard from the ledger.
     answered: bool,
     /// A report's outcome is unknown (no answer): the ledger may count a grant this node
@@ -612,6 +619,9 @@ impl KeyLease {
         };
         self.answered = true;
         self.unconfirmed = false;
+        if sent.tokens_wanted > 0 {
+            self.divided = granted_tokens < sent.tokens_wanted && retry_after_ms > 0;
+        }
         self.ledger_remaining_tokens = remaining_tokens;
         self.answered_at_ms = now_ms;
         // The report charged the debt it carried; a grant pays the debt run up since.
@@ -659,10 +669,20 @@ impl KeyLease {
     }
 
     /// The lease size this key's traffic calls for now, within its small-key cap.
+    ///
+    /// While the ledger divides the key, the cap of a key that is not small is doubled: the
+    /// ledger's fair cap then bounds each grant, and a node whose share is large (two of
+    /// five nodes wanting the key) needs grants of a lookahead of that share, or it would
+    /// ask more than 4 times a second.
     pub fn lease_size_tokens(&self, tuning: &LeaseTuning, now_ms: u64) -> u64 {
         let size = tuning
             .lease_size_tokens(self.rate.rate_milli_per_second(now_ms, tuning.rate_half_life_ms));
-        if self.size_cap_tokens == 0 { size } else { size.min(self.size_cap_tokens) }
+        let cap = if self.divided && self.size_cap_tokens >= tuning.min_lease_tokens {
+            self.size_cap_tokens.saturating_mul(2)
+        } else {
+            self.size_cap_tokens
+        };
+        if cap == 0 { size } else { size.min(cap) }
     }
 
     fn expire(&mut self, now_ms: u64) {

@@ -64,15 +64,17 @@ fn lease_size_is_traffic_proportional() {
     let large = LimitSpec::new(Algorithm::TokenBucket, 1_000_000, 60_000, None).expect("a limit");
     assert_eq!(tuning.drift_bound_tokens(&large, 3, false, None), 1_797);
     assert_eq!(tuning.drift_bound_tokens(&large, 3, true, None), 1_812, "3 x 5 of credit");
-    // 1,000/s over 5 nodes: leases capped at 100 (+19 below the watermark, +5 of credit).
+    // 1,000/s over 5 nodes: leases capped at 100, 200 while the ledger divides the key (+39
+    // below the watermark, +5 of credit).
     let capped = LimitSpec::new(Algorithm::TokenBucket, 1_000, 1_000, None).expect("a limit");
-    assert_eq!(tuning.drift_bound_tokens(&capped, 5, true, None), 5 * 124);
+    assert_eq!(tuning.drift_bound_tokens(&capped, 5, true, None), 5 * 244);
     assert_eq!(
         tuning.drift_bound_tokens(&large, 3, true, Some(1_000)),
         1_001_812,
         "the fallback allowance while the circuit is not closed"
     );
-    assert_eq!(tuning.held_tokens_max(20, 2), 5, "a key of 20 over 2 nodes: 5 + watermark 1 - 1");
+    assert_eq!(tuning.held_tokens_max(20, 2), 11, "a key of 20 over 2 nodes: 10 + watermark 2 - 1");
+    assert_eq!(tuning.held_tokens_max(8, 2), 2, "a small key's cap of 2 is never doubled");
 }
 
 /// A steady rate is estimated within 5 % once the estimate has settled (10 half-lives).
@@ -467,6 +469,37 @@ fn large_requests_and_settling() {
     lease.apply_answer(&tuning, &draft, settled(0, 300, 0), 1_005);
     assert!(!lease.is_settled(&spec, 1_200), "blocked until 1,304");
     assert!(lease.is_settled(&spec, 1_304));
+}
+
+/// A key whose want the ledger answered short (divided at its limit) leases up to twice its
+/// small-key cap, and back to the cap once a want is granted in full; a small key's cap
+/// stays.
+#[test]
+fn a_divided_key_doubles_its_cap() {
+    let tuning = LeaseTuning::default();
+    let mut lease = KeyLease::new(1_000, 100);
+    for now_ms in 1_000..1_200 {
+        lease.observe_demand(&tuning, now_ms, 10);
+    }
+    let first = lease.poll_lease_for(&tuning, 1_200, 1).expect("a lease");
+    assert_eq!(first.tokens_wanted, 100, "10,000/s held to the cap");
+    lease.apply_answer(&tuning, &first, settled(60, 250, 0), 1_201);
+    lease.spend(&tuning, Credit::NONE, 1_202, 60);
+    let divided = lease.poll_lease_for(&tuning, 1_460, 1).expect("a lease");
+    assert_eq!(divided.tokens_wanted, 200, "short of its want: divided");
+    lease.apply_answer(&tuning, &divided, settled(200, 0, 500), 1_461);
+    lease.spend(&tuning, Credit::NONE, 1_462, 200);
+    let whole = lease.poll_lease_for(&tuning, 1_462, 1).expect("a lease");
+    assert_eq!(whole.tokens_wanted, 100, "granted in full: the cap again");
+
+    let mut small = KeyLease::new(8, 2);
+    let draft = small.poll_lease_for(&tuning, 1_000, 1).expect("a lease");
+    small.apply_answer(&tuning, &draft, settled(0, 250, 0), 1_001);
+    for now_ms in 1_001..1_300 {
+        small.observe_demand(&tuning, now_ms, 10);
+    }
+    let draft = small.poll_lease_for(&tuning, 1_300, 1).expect("a lease");
+    assert_eq!(draft.tokens_wanted, 1, "a small key leases what a hit needs");
 }
 
 /// The fallback bucket is the node's share of the limit times the multiplier, never below
