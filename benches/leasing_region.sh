@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The leasing issue's figures, measured on real node processes (three voters and two
 # gateways, `nodes_in_region = 5`, the shipped `[leasing]` defaults): the hot key at 3x, the
-# enterprise tier (50,000/min, drained first) at 2x, traffic moving between nodes, one clock
-# 50 ms ahead, 2 per hour from two nodes, and a quorum lost for 20 s. For each: over-admission
+# enterprise tier (50,000/min, drained first) at 2x, traffic moving between nodes, a key at
+# its limit on two of five nodes, one clock 50 ms ahead, 2 per hour from two nodes, and a
+# quorum lost for 20 s. For each: over-admission
 # per window against the limit and against the exported bound, each node's share against its
 # fair share, ledger writes per second per node at the limit, bypasses, and how soon
 # fail-closed rules admit again. Tokens lost are checked exactly by the seeded simulation

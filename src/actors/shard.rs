@@ -185,27 +185,69 @@ pub enum ShardError {
     Churn,
 }
 
-/// Per-key state in a stripe.
+/// Per-key state in a stripe: what every decision reads inline, the rest out of line.
 #[derive(Debug)]
 struct Slot {
     lease: KeyLease,
     lease_key: LeaseKey,
-    /// The slot's life, for the ledger's settlement.
-    epoch: LeaseEpoch,
     /// The limit the counter follows (settle reports name it).
     spec: LimitSpec,
-    /// Only while the ledger is or was recently out of reach.
-    fallback: Option<Box<Fallback>>,
-    /// The owning rule's id ([`NO_RULE`] for an override), for its lease tuning and gauges.
-    rule: u32,
+    /// The slot's life in this process ([`LeaseEpoch::serial`]; the incarnation is the
+    /// process's, kept once in [`EpochSource`]), for the ledger's settlement.
+    epoch_serial: u64,
     /// The sweep keeps the key at least until then.
     keep_until_ms: u64,
+    /// Only while the ledger is or was recently out of reach, or a window is overrun.
+    rare: Option<Box<RareParts>>,
+    /// The owning rule's id ([`NO_RULE`] for an override), for its lease tuning and gauges.
+    rule: u32,
+}
+
+/// The parts of a slot that a key needs only while its ledger is out of reach or its fixed
+/// window is overrun: most keys never do, and a pointer costs them 8 bytes, not 40.
+#[derive(Debug, Default)]
+struct RareParts {
+    fallback: Option<Fallback>,
     /// A fixed window refused hits past what was left: until its end (0: never) every hit is
     /// refused and every leased token spent (`admission::overrun_until_ms`).
     overrun_until_ms: u64,
 }
 
-type Stripe = HashMap<CounterKey, Slot, BuildHasherDefault<FingerprintHasher>>;
+// The slot is what a tracked key costs (issue targets: resident bytes per key); a field
+// added here is a deliberate cost. With the slot boxed, a map entry is its key and a pointer.
+const _: () = assert!(size_of::<Slot>() <= 208);
+const _: () = assert!(size_of::<(CounterKey, Box<Slot>)>() == 24);
+
+impl Slot {
+    fn fallback(&self) -> Option<Fallback> {
+        self.rare.as_ref().and_then(|rare| rare.fallback)
+    }
+
+    fn overrun_until_ms(&self) -> u64 {
+        self.rare.as_ref().map_or(0, |rare| rare.overrun_until_ms)
+    }
+
+    fn set_fallback(&mut self, fallback: Option<Fallback>) {
+        self.rare_parts(|rare| rare.fallback = fallback);
+    }
+
+    fn set_overrun_until_ms(&mut self, until_ms: u64) {
+        self.rare_parts(|rare| rare.overrun_until_ms = until_ms);
+    }
+
+    /// Changes the rare parts, dropping their box once nothing is left in it.
+    fn rare_parts(&mut self, change: impl FnOnce(&mut RareParts)) {
+        let rare = self.rare.get_or_insert_with(Box::default);
+        change(rare);
+        if rare.fallback.is_none() && rare.overrun_until_ms == 0 {
+            self.rare = None;
+        }
+    }
+}
+
+/// A stripe's keys. Slots are boxed: a hash table sits between half and seven eighths full,
+/// and its empty buckets then cost a pointer each rather than a whole slot.
+type Stripe = HashMap<CounterKey, Box<Slot>, BuildHasherDefault<FingerprintHasher>>;
 
 /// The published state of one shard: its stripes, and what its last sweep counted.
 struct ShardTable {
@@ -282,11 +324,14 @@ impl EpochSource {
         Self { incarnation: crate::clock::now_us(), serial: AtomicU64::new(0) }
     }
 
-    fn next(&self) -> LeaseEpoch {
-        LeaseEpoch {
-            incarnation: self.incarnation,
-            serial: self.serial.fetch_add(1, Ordering::Relaxed),
-        }
+    /// The serial of a new slot's epoch.
+    fn next_serial(&self) -> u64 {
+        self.serial.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The epoch of the slot with `serial`.
+    fn epoch(&self, serial: u64) -> LeaseEpoch {
+        LeaseEpoch { incarnation: self.incarnation, serial }
     }
 }
 
@@ -389,19 +434,18 @@ impl ShardActorState {
                 self.evict_one(stripe_index, now_ms);
             }
             let capacity_tokens = cold.spec.capacity_tokens();
-            let slot = Slot {
+            let slot = Box::new(Slot {
                 lease: KeyLease::new(
                     capacity_tokens,
                     size_cap_tokens(capacity_tokens, self.nodes_in_region),
                 ),
                 lease_key: cold.lease_key,
-                epoch: self.epochs.next(),
                 spec: cold.spec,
-                fallback: None,
-                rule: cold.rule,
+                epoch_serial: self.epochs.next_serial(),
                 keep_until_ms: now_ms.saturating_add(FRESH_KEY_GRACE_MS),
-                overrun_until_ms: 0,
-            };
+                rare: None,
+                rule: cold.rule,
+            });
             self.table.stripes[stripe_index].lock().insert(cold.key, slot);
             self.key_count += 1;
             created += 1;
@@ -415,10 +459,12 @@ impl ShardActorState {
         let now_ms = crate::clock::now_ms();
         for (ask, answer) in answers {
             let mut stripe = self.table.stripes[ask.stripe as usize].lock();
-            if let Some(slot) = stripe.get_mut(&ask.counter).filter(|slot| slot.epoch == ask.epoch)
+            if let Some(slot) = stripe
+                .get_mut(&ask.counter)
+                .filter(|slot| self.epochs.epoch(slot.epoch_serial) == ask.epoch)
             {
                 slot.lease.apply_answer(&ask.tuning, &ask.draft, answer, now_ms);
-                if slot.overrun_until_ms > now_ms {
+                if slot.overrun_until_ms() > now_ms {
                     // What a lease brings to an overrun window is spent: the window's count
                     // stays at its limit.
                     admission::spend_what_is_left(&mut slot.lease, now_ms);
@@ -432,7 +478,7 @@ impl ShardActorState {
                 if matches!(answer, ReportAnswer::Settled { .. }) {
                     // The ledger answers again: a later fallback starts from its new count,
                     // not from a bucket filled while it was out of reach.
-                    slot.fallback = None;
+                    slot.set_fallback(None);
                 }
             }
         }
@@ -453,7 +499,7 @@ impl ShardActorState {
                 reply_to: self.answers_to.clone(),
                 stripe,
                 counter,
-                epoch: slot.epoch,
+                epoch: self.epochs.epoch(slot.epoch_serial),
                 lease_key: slot.lease_key,
                 spec: slot.spec,
                 tuning: *tuning,
@@ -541,13 +587,13 @@ impl ShardActorState {
                 if held > 0 {
                     *held_by_rule.entry(slot.rule).or_insert(0) += held;
                 }
-                if slot.fallback.as_ref().is_some_and(|f| f.spec.is_pristine(&f.state, now_ms)) {
-                    slot.fallback = None;
+                if slot.fallback().is_some_and(|f| f.spec.is_pristine(&f.state, now_ms)) {
+                    slot.set_fallback(None);
                 }
                 now_ms < slot.keep_until_ms
                     || !idle
                     || !slot.lease.is_settled(&slot.spec, now_ms)
-                    || slot.fallback.is_some()
+                    || slot.fallback().is_some()
             });
             removed += before - stripe.len();
         }
@@ -597,6 +643,7 @@ pub struct ShardSet {
     lease_events: Arc<Notify>,
     broker: LeaseBroker,
     options: ShardSetOptions,
+    epochs: Arc<EpochSource>,
     metrics: Metrics,
     sweeper: tokio::task::JoinHandle<()>,
 }
@@ -675,6 +722,7 @@ impl ShardSet {
             lease_events,
             broker,
             options,
+            epochs,
             metrics: metrics.clone(),
             sweeper,
         })
@@ -863,11 +911,11 @@ impl ShardSet {
                     probes[*earlier_probe].counters[*earlier_counter].0 == *key
                 });
                 let current = earlier.map_or_else(
-                    || Staged { lease: slot.lease, fallback: slot.fallback.as_deref().copied() },
+                    || Staged { lease: slot.lease, fallback: slot.fallback() },
                     |(_, _, staged)| *staged,
                 );
                 let counter = Self::counter(probe, spec);
-                let judgement = match admission::overrun_verdict(slot.overrun_until_ms, now_ms) {
+                let judgement = match admission::overrun_verdict(slot.overrun_until_ms(), now_ms) {
                     Some(verdict) => Judged::Decided {
                         verdict,
                         staged: current,
@@ -966,8 +1014,8 @@ impl ShardSet {
                 let stripe = &mut guards[guard_of(probe.stripe)];
                 let slot = stripe.get_mut(&key).expect("a decided key exists");
                 slot.lease = staged.lease;
-                if staged.fallback != slot.fallback.as_deref().copied() {
-                    slot.fallback = staged.fallback.map(Box::new);
+                if staged.fallback != slot.fallback() {
+                    slot.set_fallback(staged.fallback);
                 }
                 // While the circuit is open only the broker's probes reach the ledger.
                 if short_keys == ShortKeys::Wait
@@ -987,7 +1035,7 @@ impl ShardSet {
                 && let Some(until_ms) =
                     admission::overrun_until_ms(&slot.lease, spec, probe.hits, now_ms)
             {
-                slot.overrun_until_ms = until_ms;
+                slot.set_overrun_until_ms(until_ms);
                 admission::spend_what_is_left(&mut slot.lease, now_ms);
                 // The refusal spent the window: its own answer says so, as every later one
                 // will (a fallback's refusal would still show the fallback's balance).
@@ -1038,7 +1086,7 @@ impl ShardSet {
             reply_to: self.shards[probe.stripe.shard as usize].answers_to.clone(),
             stripe: probe.stripe.stripe,
             counter,
-            epoch: slot.epoch,
+            epoch: self.epochs.epoch(slot.epoch_serial),
             lease_key: slot.lease_key,
             spec: slot.spec,
             tuning: *probe.lease,

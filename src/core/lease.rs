@@ -44,6 +44,7 @@ const FULL_WEIGHT: u64 = 65_536;
 
 /// Largest lease a rule may ask for.
 pub const LEASE_TOKENS_MAX: u64 = 1_000_000;
+const _: () = assert!(LEASE_TOKENS_MAX <= u32::MAX as u64);
 /// Longest lease TTL: DESIGN caps it at one second so a dead node strands tokens briefly.
 pub const LEASE_TTL_MS_MAX: u64 = 1_000;
 
@@ -319,6 +320,12 @@ pub fn size_cap_tokens(capacity_tokens: u64, nodes_in_region: u64) -> u64 {
     (capacity_tokens / nodes_in_region.max(1).saturating_mul(2)).max(1)
 }
 
+/// `tokens` in 32 bits, at most [`LEASE_TOKENS_MAX`]: a lease size or a want, where more
+/// than any lease means the same as the largest lease.
+fn narrow_tokens(tokens: u64) -> u32 {
+    u32::try_from(tokens.min(LEASE_TOKENS_MAX)).expect("LEASE_TOKENS_MAX fits 32 bits")
+}
+
 /// What spending from a key's lease decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Spend {
@@ -399,9 +406,11 @@ pub struct KeyLease {
     /// Node time of the last answer that said how much the ledger had left.
     answered_at_ms: u64,
     /// What the report in flight wants (0 when none flies): the ledger may give it away.
-    in_flight_want_tokens: u64,
-    /// The small-key cap on the lease size (see [`size_cap_tokens`]).
-    size_cap_tokens: u64,
+    /// A want is at most [`LEASE_TOKENS_MAX`], so 32 bits hold it.
+    in_flight_want_tokens: u32,
+    /// The small-key cap on the lease size (see [`size_cap_tokens`]), at most
+    /// [`LEASE_TOKENS_MAX`]: no lease is larger, so a larger cap caps nothing.
+    size_cap_tokens: u32,
     in_flight: bool,
     /// The ledger's last answer to a want was short of it: the key is at its limit, and
     /// divided between nodes by fair shares when several want it.
@@ -414,11 +423,18 @@ pub struct KeyLease {
     rate: RateEstimate,
 }
 
+// Every tracked key holds one (with the shard's slot around it): kept to 120 bytes.
+const _: () = assert!(size_of::<KeyLease>() <= 120);
+
 impl KeyLease {
     /// A fresh key: nothing leased; `capacity_tokens` shown as the ledger's remaining count
     /// until the first answer.
     pub fn new(capacity_tokens: u64, size_cap_tokens: u64) -> Self {
-        Self { ledger_remaining_tokens: capacity_tokens, size_cap_tokens, ..Self::default() }
+        Self {
+            ledger_remaining_tokens: capacity_tokens,
+            size_cap_tokens: narrow_tokens(size_cap_tokens),
+            ..Self::default()
+        }
     }
 
     /// Tokens this node may still spend from its leases.
@@ -488,7 +504,8 @@ impl KeyLease {
         let lacking = hits - self.balance_tokens;
         let owed = self.debt_tokens.saturating_add(lacking);
         let ledger_may_pay = !self.answered
-            || owed.saturating_add(self.in_flight_want_tokens) <= self.ledger_remaining_tokens;
+            || owed.saturating_add(u64::from(self.in_flight_want_tokens))
+                <= self.ledger_remaining_tokens;
         if ledger_may_pay && owed <= credit.tokens_max {
             self.pay_beyond_lease(hits);
             return Spend::AdmittedOnCredit;
@@ -534,7 +551,7 @@ impl KeyLease {
         }
         let size = self.lease_size_tokens(tuning, now_ms);
         let lacking = hits.saturating_sub(self.balance_tokens);
-        let small = self.size_cap_tokens < tuning.min_lease_tokens;
+        let small = u64::from(self.size_cap_tokens) < tuning.min_lease_tokens;
         let below_watermark = self.balance_tokens < tuning.low_watermark_tokens(size);
         if lacking == 0 && (small || !below_watermark) {
             return None;
@@ -562,7 +579,7 @@ impl KeyLease {
 
     fn draft(&mut self, tuning: &LeaseTuning, tokens_wanted: u64, now_ms: u64) -> ReportDraft {
         self.in_flight = true;
-        self.in_flight_want_tokens = tokens_wanted;
+        self.in_flight_want_tokens = narrow_tokens(tokens_wanted);
         self.seq += 1;
         ReportDraft {
             seq: self.seq,
@@ -677,11 +694,8 @@ impl KeyLease {
     pub fn lease_size_tokens(&self, tuning: &LeaseTuning, now_ms: u64) -> u64 {
         let size = tuning
             .lease_size_tokens(self.rate.rate_milli_per_second(now_ms, tuning.rate_half_life_ms));
-        let cap = if self.divided && self.size_cap_tokens >= tuning.min_lease_tokens {
-            self.size_cap_tokens.saturating_mul(2)
-        } else {
-            self.size_cap_tokens
-        };
+        let cap = u64::from(self.size_cap_tokens);
+        let cap = if self.divided && cap >= tuning.min_lease_tokens { cap * 2 } else { cap };
         if cap == 0 { size } else { size.min(cap) }
     }
 
