@@ -31,6 +31,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use openraft::error::{ClientWriteError, InitializeError, RaftError};
+use openraft::storage::RaftLogStorage;
 use openraft::{
     ChangeMembers, Config, ConfigError, Raft, RaftMetrics, ServerState, SnapshotPolicy,
 };
@@ -271,6 +272,8 @@ pub struct RaftGroup<C: GroupConfig> {
     route: Arc<LeaderRoute>,
     stamper: Arc<Stamper>,
     clock_offsets: ClockOffsets,
+    /// The index of the last entry in this node's log when it started (0 for none).
+    recovery_index: u64,
 }
 
 /// How a node outside the group finds the leader: its seeds and the leader it last reached.
@@ -367,6 +370,7 @@ impl<C: GroupConfig> Clone for RaftGroup<C> {
             route: Arc::clone(&self.route),
             stamper: Arc::clone(&self.stamper),
             clock_offsets: self.clock_offsets.clone(),
+            recovery_index: self.recovery_index,
         }
     }
 }
@@ -407,7 +411,16 @@ impl<C: GroupConfig> RaftGroup<C> {
             path: directory.display().to_string(),
             source,
         })?;
-        let (log_store, state_store) = open_stores::<C>(&directory).await?;
+        let (mut log_store, state_store) = open_stores::<C>(&directory).await?;
+        let recovery_index = log_store
+            .get_log_state()
+            .await
+            .map_err(|error| OpenError::Start {
+                group: settings.group.clone(),
+                reason: error.to_string(),
+            })?
+            .last_log_id
+            .map_or(0, |log_id| log_id.index);
         let view = state_store.view();
         let storage = StorageLiveness { log: log_store.liveness(), state: state_store.liveness() };
         let name: Arc<str> = Arc::from(settings.group.as_str());
@@ -431,6 +444,7 @@ impl<C: GroupConfig> RaftGroup<C> {
             route,
             stamper,
             clock_offsets: settings.clock_offsets.clone(),
+            recovery_index,
         })
     }
 
@@ -630,6 +644,16 @@ impl<C: GroupConfig> RaftGroup<C> {
     /// The digest of the machine as applied on this node, to compare replicas.
     pub fn digest(&self) -> u64 {
         self.view.read(GroupMachine::digest)
+    }
+
+    /// Whether this node has applied every entry its log held when it started. Until then
+    /// its read index may miss acknowledged writes: openraft 0.9 lets a leader keep its
+    /// leadership across a restart, and the committed index it restarts from is a hint that
+    /// a crash may have lost (openraft issue 1511), so the entries past it were committed
+    /// (and acknowledged) for all this node knows. A linearizable read waits for a committed
+    /// barrier instead.
+    pub fn recovered(&self) -> bool {
+        self.last_applied_index().unwrap_or(0) >= self.recovery_index
     }
 
     /// The index of the last entry applied on this node.

@@ -9,8 +9,9 @@
 //!     ◀── UNAVAILABLE when no commit within the deadline (outcome unknown: retry, same key)
 //!
 //!  GetBalance / ListEntries on the leader:   ensure_linearizable (read index) ─▶ read
-//!                           on a follower:   commit an empty command through the leader
-//!                                            (a barrier), wait until applied here ─▶ read
+//!                           on a follower,   commit an empty command through the leader
+//!        or a leader not recovered from      (a barrier), wait until applied here ─▶ read
+//!        its restart (RaftGroup::recovered):
 //! ```
 //!
 //! - [`auth`]: bearer tokens and tenant scopes.
@@ -167,7 +168,8 @@ impl BillingService {
     }
 
     /// Runs `read` on a state that reflects every commit made before this call: read index
-    /// on the leader, a committed barrier from a follower. Returns the applied index too.
+    /// on the leader, a committed barrier from a follower (or from a leader not yet
+    /// recovered from its restart, `RaftGroup::recovered`). Returns the applied index too.
     async fn read_linearizable<T>(
         &self,
         deadline: Instant,
@@ -178,7 +180,9 @@ impl BillingService {
         };
         let remaining = || deadline.saturating_duration_since(Instant::now());
         let mut leader_read_done = false;
-        if self.group.leader() == Some(self.group.node_id()) {
+        // A leader that has not applied what its log held at its start may have kept its
+        // leadership across a crash without knowing what was committed: a barrier tells it.
+        if self.group.leader() == Some(self.group.node_id()) && self.group.recovered() {
             match tokio::time::timeout(remaining(), self.group.raft().ensure_linearizable()).await {
                 Err(_) => return Err(unavailable("leadership not confirmed by a quorum")),
                 Ok(Ok(_)) => leader_read_done = true,
