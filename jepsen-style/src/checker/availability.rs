@@ -125,7 +125,7 @@ pub fn measure(events: &[Event], faults: &[NemesisRecord], grace_ms: u64) -> Ava
             events
                 .iter()
                 .find(|event| {
-                    event.event_type == EventType::Ok
+                    event.served()
                         && event.time_ns >= end_ns
                         && node.is_none_or(|node| event.node == node)
                 })
@@ -177,7 +177,7 @@ pub fn measure(events: &[Event], faults: &[NemesisRecord], grace_ms: u64) -> Ava
         .collect();
     for operation in &operations {
         let at_ns = operation.invoke.time_ns;
-        let ok = operation.outcome() == EventType::Ok;
+        let ok = operation.served();
         let active: Vec<&Interval> = intervals
             .iter()
             .filter(|interval| interval.start_ns <= at_ns && at_ns <= interval.end_ns)
