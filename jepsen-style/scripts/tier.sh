@@ -11,8 +11,8 @@
 # each run's length. The ci tier exits non-zero only on a violation: a run it could not
 # judge (2) is reported, and fails the tier only with STRICT=1.
 # The netns lines need root (namespaces, nft); without it they are skipped, and said so.
-# Installs Debian's faketime (the clock nemeses) when it is missing; builds both binaries
-# (nothing to do after scripts/test.sh, which builds them).
+# Installs Debian's faketime (the clock nemeses) when it is missing; builds both binaries,
+# unless BUILD=0 (CI: scripts/test.sh built them).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -29,8 +29,17 @@ time_limit=${TIME_LIMIT:-20s}
 
 scripts/install-faketime.sh
 
-cargo build --release --bin quotamesh --bin quotamesh-jepsen
 jepsen=target/release/quotamesh-jepsen
+if [[ ${BUILD:-1} == 0 ]]; then
+  # The binaries `cargo test --release --workspace` built (CI): building them again alone
+  # would unify features otherwise and compile the whole crate graph a second time.
+  for binary in target/release/quotamesh "$jepsen"; do
+    [[ -x $binary ]] || { echo "$binary is missing: build it, or run without BUILD=0" >&2; exit 2; }
+  done
+else
+  cargo build --release --bin quotamesh
+  cargo build --release -p quotamesh-jepsen --bin quotamesh-jepsen
+fi
 
 # workload topology nemeses: each line runs per_line seeds.
 if [[ $tier == ci ]]; then

@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use super::CheckResult;
-use crate::history::{Event, EventType, NodeId, operations};
+use crate::history::{Event, NodeId, operations};
 use crate::nemesis::{FaultKind, NemesisRecord, Phase};
 
 /// What the checker demands.
@@ -229,7 +229,7 @@ pub fn check(events: &[Event], faults: &[NemesisRecord], thresholds: Thresholds)
 mod tests {
     use super::*;
     use crate::checker::Validity;
-    use crate::history::{Function, OpValue, ProcessId};
+    use crate::history::{EventType, Function, OpValue, ProcessId};
     use crate::nemesis::{FaultOutcome, Target};
 
     const MS: u64 = 1_000_000;
