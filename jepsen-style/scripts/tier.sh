@@ -3,7 +3,7 @@
 # workloads, topologies and nemeses, then the summary of every run and the worst verdict as
 # the exit code (0 valid, 1 a violation, 2 a run that could not be judged).
 #
-#   jepsen-style/scripts/tier.sh ci [OUT]     # 4 schedules of 20 s: about 2 minutes (.ci/run)
+#   jepsen-style/scripts/tier.sh ci [OUT]     # 4 schedules of 20 s: about 1.5 minutes (.ci/run)
 #   jepsen-style/scripts/tier.sh fast [OUT]   # 16 schedules of 20 s: about 7 minutes
 #   jepsen-style/scripts/tier.sh full [OUT]   # 136 schedules of 20 s: about 55 minutes
 #
