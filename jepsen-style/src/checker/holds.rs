@@ -320,6 +320,7 @@ mod tests {
     use crate::checker::Validity;
     use crate::history::OpValue;
     use crate::history::tests::HistoryBuilder;
+    use proptest::prelude::*;
 
     const FLOOR: u64 = 100;
 
@@ -536,6 +537,111 @@ mod tests {
         assert_eq!(scenario.failing(), ["holds-acknowledged"]);
         scenario.expire(4, 20_000);
         assert_eq!(scenario.failing(), Vec::<String>::new());
+    }
+
+    /// What one simulated command does after its sweep.
+    #[derive(Debug, Clone)]
+    enum Step {
+        Reserve { amount: u64, ttl_ms: u64 },
+        Capture { pick: prop::sample::Index, percent: u64 },
+        Void { pick: prop::sample::Index },
+        Credit { amount: u64 },
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            (1_u64..400, 1_u64..500).prop_map(|(amount, ttl_ms)| Step::Reserve { amount, ttl_ms }),
+            (any::<prop::sample::Index>(), 1_u64..=100)
+                .prop_map(|(pick, percent)| Step::Capture { pick, percent }),
+            any::<prop::sample::Index>().prop_map(|pick| Step::Void { pick }),
+            (1_u64..300).prop_map(|amount| Step::Credit { amount }),
+        ]
+    }
+
+    /// Runs commands on a reference ledger of one account (a sweep of due holds, in expiry
+    /// order, then one operation, all at the command's time and index), acknowledging every
+    /// client operation: the scenario's opening, then `steps` at the given time gaps.
+    fn simulate(steps: Vec<(u64, Step)>) -> Scenario {
+        let mut scenario = Scenario { history: HistoryBuilder::new(), trail: Vec::new() };
+        scenario.push(Function::CreateAccount, "create", 0, FLOOR, None, None);
+        scenario.push(Function::Credit, "fund", 0, 1_000, None, None);
+        // Open holds: (expires at, id).
+        let mut open: std::collections::BTreeSet<(u64, u64)> = std::collections::BTreeSet::new();
+        let mut time_ms = 0;
+        for (command, (gap_ms, step)) in steps.into_iter().enumerate() {
+            time_ms += gap_ms;
+            let first = scenario.trail.len();
+            while let Some(&(expires_at_ms, id)) = open.first().filter(|(at, _)| *at <= time_ms) {
+                open.remove(&(expires_at_ms, id));
+                scenario.expire(id, time_ms);
+            }
+            let key = format!("k{command}");
+            let hold_id = command as u64 + 100;
+            let (balance, held) = scenario
+                .trail
+                .last()
+                .map_or((0, 0), |entry| (entry.balance_after, entry.held_after));
+            let pick = |pick: &prop::sample::Index| {
+                (!open.is_empty())
+                    .then(|| *open.iter().nth(pick.index(open.len())).expect("in range"))
+            };
+            match step {
+                Step::Reserve { amount, ttl_ms } if amount <= balance - held - FLOOR => {
+                    scenario.push(
+                        Function::Reserve,
+                        &key,
+                        time_ms,
+                        amount,
+                        Some(hold_id),
+                        Some(ttl_ms),
+                    );
+                    open.insert((time_ms + ttl_ms, hold_id));
+                }
+                Step::Capture { pick: chosen, percent } => {
+                    if let Some((at, id)) = pick(&chosen) {
+                        open.remove(&(at, id));
+                        let amount = (scenario.hold_amount(id) * percent / 100).max(1);
+                        scenario.push(Function::Capture, &key, time_ms, amount, Some(id), None);
+                    }
+                }
+                Step::Void { pick: chosen } => {
+                    if let Some((at, id)) = pick(&chosen) {
+                        open.remove(&(at, id));
+                        let amount = scenario.hold_amount(id);
+                        scenario.push(Function::Void, &key, time_ms, amount, Some(id), None);
+                    }
+                }
+                Step::Credit { amount } => {
+                    scenario.push(Function::Credit, &key, time_ms, amount, None, None);
+                }
+                Step::Reserve { .. } => {}
+            }
+            // One command: one ledger index for every entry it made.
+            let index = 1_000 + command as u64;
+            for entry in &mut scenario.trail[first..] {
+                entry.ledger_index = index;
+            }
+        }
+        scenario
+    }
+
+    proptest! {
+        /// A reference ledger's trail and acknowledgements pass every check; without one of
+        /// its expiries that some entry follows, the holds check fails.
+        #[test]
+        fn reference_ledger_passes_and_a_missed_expiry_fails(
+            steps in prop::collection::vec((0_u64..200, step()), 0..80),
+            drop in any::<prop::sample::Index>(),
+        ) {
+            let mut scenario = simulate(steps);
+            prop_assert_eq!(scenario.failing(), Vec::<String>::new());
+            let followed: Vec<usize> = (0..scenario.trail.len().saturating_sub(1))
+                .filter(|&position| scenario.trail[position].kind == EntryKind::Expire)
+                .collect();
+            prop_assume!(!followed.is_empty());
+            scenario.trail.remove(followed[drop.index(followed.len())]);
+            prop_assert!(scenario.failing().contains(&"holds".to_owned()));
+        }
     }
 
     /// A reserve approved beyond what is available is flagged.
