@@ -146,6 +146,9 @@ impl Entries {
     }
 }
 
+/// [`Placed`] as the memo keeps it: the first unplaced operation and the placed ones above.
+type PlacedKey = (usize, Vec<u32>);
+
 /// The set of placed operations, as a bit set, with a compact key for the memo: operations
 /// are numbered in invoke order and placed roughly in that order, so "every operation below
 /// `first_unplaced`, and these above it" is short where the bit set is long.
@@ -176,7 +179,7 @@ impl Placed {
     }
 
     /// `first_unplaced` and the placed operations above it.
-    fn key(&self) -> (usize, Vec<u32>) {
+    fn key(&self) -> PlacedKey {
         let mut above = Vec::new();
         let start = self.first_unplaced + 1;
         for word_position in start / 64..self.words.len() {
@@ -198,7 +201,7 @@ impl Placed {
 pub fn check<M: Model>(model: &M, ops: &[Timed<M::Op>], steps_max: u64) -> Outcome<M::State> {
     let mut entries = Entries::new(ops);
     let mut placed = Placed::new(ops.len());
-    let mut seen: HashSet<((usize, Vec<u32>), M::State)> = HashSet::new();
+    let mut seen: HashSet<(PlacedKey, M::State)> = HashSet::new();
     // Each placement: its call entry and the state before it.
     let mut stack: Vec<(usize, M::State)> = Vec::new();
     let mut state = model.initial();
