@@ -31,8 +31,8 @@ scripts/install-faketime.sh
 
 jepsen=target/release/quotamesh-jepsen
 if [[ ${BUILD:-1} == 0 ]]; then
-  # The binaries `cargo test --release --workspace` built (CI): building them again alone
-  # would unify features otherwise and compile the whole crate graph a second time.
+  # The binaries `cargo test --release --workspace` built (CI): a `cargo build` of the
+  # binaries alone right after it was seen to compile the quotamesh crate again (minutes).
   for binary in target/release/quotamesh "$jepsen"; do
     [[ -x $binary ]] || { echo "$binary is missing: build it, or run without BUILD=0" >&2; exit 2; }
   done
