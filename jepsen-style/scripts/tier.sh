@@ -1,42 +1,68 @@
 #!/usr/bin/env bash
-# The fault-injection tiers: many short seeded schedules of quotamesh-jepsen across the
+# The fault-injection tiers: short seeded schedules of quotamesh-jepsen across the
 # workloads, topologies and nemeses, then the summary of every run and the worst verdict as
 # the exit code (0 valid, 1 a violation, 2 a run that could not be judged).
 #
-#   jepsen-style/scripts/tier.sh fast [OUT]   # 12 schedules of 20 s: about 5 minutes
-#   jepsen-style/scripts/tier.sh full [OUT]   # 102 schedules of 20 s: about 40 minutes
+#   jepsen-style/scripts/tier.sh ci [OUT]     # 4 schedules of 20 s: about 1.5 minutes (.ci/run)
+#   jepsen-style/scripts/tier.sh fast [OUT]   # 16 schedules of 20 s: about 7 minutes
+#   jepsen-style/scripts/tier.sh full [OUT]   # 136 schedules of 20 s: about 55 minutes
 #
 # SEED (default 1000) moves every seed; TIME_LIMIT (default 20s, three or four faults) sets
-# each run's length.
+# each run's length. The ci tier exits non-zero only on a violation: a run it could not
+# judge (2) is reported, and fails the tier only with STRICT=1.
 # The netns lines need root (namespaces, nft); without it they are skipped, and said so.
-# Installs Debian's faketime (the clock nemeses) when it is missing; builds both binaries.
+# Installs Debian's faketime (the clock nemeses) when it is missing; builds both binaries,
+# unless BUILD=0 (CI: scripts/test.sh built them).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 tier=${1:-fast}
 out=${2:-runs/tier-$tier}
 case $tier in
+  ci) per_line=1 ;;
   fast) per_line=2 ;;
   full) per_line=17 ;;
-  *) echo "usage: $0 fast|full [out-directory]" >&2; exit 2 ;;
+  *) echo "usage: $0 ci|fast|full [out-directory]" >&2; exit 2 ;;
 esac
 seed=${SEED:-1000}
 time_limit=${TIME_LIMIT:-20s}
 
 scripts/install-faketime.sh
 
-cargo build --release --bin quotamesh --bin quotamesh-jepsen
 jepsen=target/release/quotamesh-jepsen
+if [[ ${BUILD:-1} == 0 ]]; then
+  # The binaries `cargo test --release --workspace` built (CI): a `cargo build` of the
+  # binaries alone right after it was seen to compile the quotamesh crate again (minutes).
+  for binary in target/release/quotamesh "$jepsen"; do
+    [[ -x $binary ]] || { echo "$binary is missing: build it, or run without BUILD=0" >&2; exit 2; }
+  done
+else
+  cargo build --release --bin quotamesh
+  cargo build --release -p quotamesh-jepsen --bin quotamesh-jepsen
+fi
 
 # workload topology nemeses: each line runs per_line seeds.
-lines=(
-  "bank local kill,pause,clock,clock-step"
-  "rls local kill,pause,policy"
-  "bank local membership,kill,policy,pause"
-  "rls local clock-step,pause,membership"
-  "bank netns partition,partition-one-way,partition-flap,kill,pause,disk"
-  "rls netns partition,partition-flap,partition-one-way,kill"
-)
+if [[ $tier == ci ]]; then
+  # The issue's CI tier: bank under partitions and kills, accuracy under kills,
+  # linearizable reads under pauses; and holds under clock jumps.
+  lines=(
+    "bank netns partition,kill"
+    "rls local kill,pause"
+    "linear local pause,kill"
+    "holds local clock,kill"
+  )
+else
+  lines=(
+    "bank local kill,pause,clock,clock-step"
+    "rls local kill,pause,policy"
+    "bank local membership,kill,policy,pause"
+    "rls local clock-step,pause,membership"
+    "linear local pause,kill,clock,membership"
+    "holds local clock,clock-step,kill,pause"
+    "bank netns partition,partition-one-way,partition-flap,kill,pause,disk"
+    "rls netns partition,partition-flap,partition-one-way,kill"
+  )
+fi
 worst=0
 for line in "${lines[@]}"; do
   read -r workload topology nemeses <<<"$line"
@@ -54,4 +80,8 @@ for line in "${lines[@]}"; do
   seed=$((seed + 1000))
 done
 "$jepsen" report "$out"
+if [[ $tier == ci && $worst == 2 && ${STRICT:-0} != 1 ]]; then
+  echo "some run could not be judged (see above); no violation found" >&2
+  exit 0
+fi
 exit "$worst"

@@ -235,6 +235,21 @@ impl BillingNodes {
                 let body = pb::DebitRequest { account, amount, idempotency_key };
                 client.debit(self.request(body)).await
             }
+            Function::Reserve => {
+                let ttl_ms = value.ttl_ms.unwrap_or(0);
+                let body = pb::ReserveRequest { account, amount, ttl_ms, idempotency_key };
+                client.reserve(self.request(body)).await
+            }
+            Function::Capture => {
+                let hold_id = value.hold_id.unwrap_or(0);
+                let body = pb::CaptureRequest { account, hold_id, amount, idempotency_key };
+                client.capture(self.request(body)).await
+            }
+            Function::Void => {
+                let hold_id = value.hold_id.unwrap_or(0);
+                let body = pb::VoidRequest { account, hold_id, idempotency_key };
+                client.void(self.request(body)).await
+            }
             Function::Read => return self.read(position, value).await,
             Function::Check => {
                 let mut reply = value.clone();
@@ -253,10 +268,15 @@ impl BillingNodes {
                 reply.duplicate = response.decision() == pb::Decision::Duplicate;
                 reply.balance = Some(response.balance);
                 reply.ledger_index = Some(response.ledger_index);
+                reply.hold_id = response.hold_id.or(reply.hold_id);
                 (EventType::Ok, reply)
             }
             Err(status) => {
                 let event_type = classify(status.code(), connection_refused(&status), true);
+                reply.refused = matches!(
+                    status.code(),
+                    tonic::Code::FailedPrecondition | tonic::Code::NotFound
+                );
                 reply.error = Some(format!("{:?}: {}", status.code(), status.message()));
                 (event_type, reply)
             }
@@ -324,11 +344,16 @@ fn trail_entry(entry: &pb::Entry) -> TrailEntry {
         pb::OperationKind::CreateAccount => EntryKind::CreateAccount,
         pb::OperationKind::Credit => EntryKind::Credit,
         pb::OperationKind::Debit => EntryKind::Debit,
-        _ => EntryKind::Other,
+        pb::OperationKind::Reserve => EntryKind::Reserve,
+        pb::OperationKind::Capture => EntryKind::Capture,
+        pb::OperationKind::Void => EntryKind::Void,
+        pb::OperationKind::Expire => EntryKind::Expire,
+        pb::OperationKind::Unspecified => EntryKind::Other,
     };
     TrailEntry {
         sequence: entry.sequence,
         ledger_index: entry.ledger_index,
+        time_ms: entry.time_ms,
         kind,
         account: entry.account.as_ref().map(|account| account.meter.clone()).unwrap_or_default(),
         key: entry.idempotency_key.clone(),
@@ -339,7 +364,10 @@ fn trail_entry(entry: &pb::Entry) -> TrailEntry {
         },
         balance_before: entry.balance_before,
         balance_after: entry.balance_after,
+        held_before: entry.held_before,
         held_after: entry.held_after,
+        hold_id: entry.hold_id,
+        ttl_ms: entry.ttl_ms,
     }
 }
 

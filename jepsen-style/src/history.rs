@@ -40,12 +40,31 @@ pub enum Function {
     Read,
     /// An RLS decision on one hit.
     Check,
+    /// Holds an amount until captured, voided or expired (ledger time).
+    Reserve,
+    /// Debits up to a hold's amount and releases it.
+    Capture,
+    /// Releases a hold.
+    Void,
 }
 
 impl Function {
     /// Whether the operation changes the ledger (and so has an idempotency key).
     pub fn is_mutation(self) -> bool {
         !matches!(self, Self::Read | Self::Check)
+    }
+
+    /// The kind of trail entry a mutation makes when it commits.
+    pub fn entry_kind(self) -> Option<EntryKind> {
+        match self {
+            Self::CreateAccount => Some(EntryKind::CreateAccount),
+            Self::Credit => Some(EntryKind::Credit),
+            Self::Debit => Some(EntryKind::Debit),
+            Self::Reserve => Some(EntryKind::Reserve),
+            Self::Capture => Some(EntryKind::Capture),
+            Self::Void => Some(EntryKind::Void),
+            Self::Read | Self::Check => None,
+        }
     }
 }
 
@@ -77,6 +96,12 @@ pub struct OpValue {
     /// The bank transfer a debit or credit belongs to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transfer: Option<u64>,
+    /// The hold a reserve made (on its `ok`), or a capture or void resolves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold_id: Option<u64>,
+    /// How long after its commit (ledger time) a reserve's hold expires.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_ms: Option<u64>,
     /// The original commit's decision (`ok` mutations).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decision: Option<Decision>,
@@ -92,6 +117,10 @@ pub struct OpValue {
     /// Why a `fail` or `info` ended so.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// A `fail` the node answered by the ledger's rules (a hold already expired or
+    /// resolved, an unknown hold): a definite answer of a working service, not an outage.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub refused: bool,
 }
 
 /// One line of `history.jsonl`.
@@ -109,6 +138,15 @@ pub struct Event {
     pub value: OpValue,
 }
 
+impl Event {
+    /// Whether this completion is an answer of a working service: `ok`, or a refusal by
+    /// the ledger's rules.
+    pub fn served(&self) -> bool {
+        self.event_type == EventType::Ok
+            || (self.event_type == EventType::Fail && self.value.refused)
+    }
+}
+
 /// The kind of a committed audit-trail entry, as the billing API lists it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -116,7 +154,12 @@ pub enum EntryKind {
     CreateAccount,
     Credit,
     Debit,
-    /// Reserve, capture, void, expire: the bank workload makes none, so any is a phantom.
+    Reserve,
+    Capture,
+    Void,
+    /// A hold released by the ledger when its TTL ran out (no key).
+    Expire,
+    /// A kind this suite does not know.
     Other,
 }
 
@@ -126,6 +169,9 @@ pub enum EntryKind {
 pub struct TrailEntry {
     pub sequence: u64,
     pub ledger_index: u64,
+    /// Ledger time: the committing leader's clock, never going back along the trail.
+    #[serde(default)]
+    pub time_ms: u64,
     pub kind: EntryKind,
     pub account: String,
     pub key: String,
@@ -134,7 +180,15 @@ pub struct TrailEntry {
     pub decision: Decision,
     pub balance_before: u64,
     pub balance_after: u64,
+    #[serde(default)]
+    pub held_before: u64,
     pub held_after: u64,
+    /// The hold a reserve made, or a capture, void or expiry resolved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold_id: Option<u64>,
+    /// The TTL a reserve asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_ms: Option<u64>,
 }
 
 /// An operation paired up: its invoke and its completion, if any.
@@ -153,6 +207,11 @@ impl Operation<'_> {
     /// The completion's value (the invoke's when it never completed).
     pub fn result(&self) -> &OpValue {
         self.completion.map_or(&self.invoke.value, |event| &event.value)
+    }
+
+    /// Whether the service answered it: `ok`, or refused by the ledger's rules.
+    pub fn served(&self) -> bool {
+        self.completion.is_some_and(Event::served)
     }
 
     /// When it completed (never: `u64::MAX`).

@@ -33,9 +33,11 @@ struct RunArgs {
     topology: String,
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=9))]
     nodes: u64,
-    /// The workload: `bank` (transfers and reads on the billing API) or `rls` (hits on an
-    /// open and a closed rule through the Rate Limit Service).
-    #[arg(long, default_value = "bank", value_parser = ["bank", "rls"])]
+    /// The workload: `bank` (transfers and reads on the billing API), `linear` (the same on
+    /// two accounts, half reads: for the linearizability search), `holds` (reserves with
+    /// short TTLs, captured, voided or left to expire) or `rls` (hits on an open and a
+    /// closed rule through the Rate Limit Service).
+    #[arg(long, default_value = "bank", value_parser = ["bank", "linear", "holds", "rls"])]
     workload: String,
     /// Faults, comma-separated: `kill`, `pause`, `partition`, `partition-one-way`,
     /// `partition-flap` (netns only), `clock`, `clock-step` (libfaketime), `policy`,

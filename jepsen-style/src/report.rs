@@ -62,7 +62,16 @@ pub fn render_parts(
     let mut text = String::new();
     let nemeses: Vec<String> = options.nemeses.iter().map(|kind| kind.name().to_owned()).collect();
     let shape = match options.workload {
-        WorkloadKind::Bank => format!(
+        WorkloadKind::Holds => format!(
+            "holds of up to {} with TTLs of {} to {} ms on {} accounts of {} above a floor of {}",
+            record.bank.transfer_amount_max,
+            crate::workload::holds::TTL_MS_MIN,
+            crate::workload::holds::TTL_MS_MAX,
+            record.bank.accounts,
+            record.bank.initial_balance,
+            record.bank.floor
+        ),
+        WorkloadKind::Bank | WorkloadKind::Linear => format!(
             "{} accounts of {} above a floor of {}",
             record.bank.accounts, record.bank.initial_balance, record.bank.floor
         ),

@@ -38,6 +38,7 @@ use crate::nemesis::{
 use crate::topology::Topology;
 use crate::topology::processes::Cluster;
 use crate::workload::bank::{self, BankOptions};
+use crate::workload::holds::{self, HoldEnd};
 use crate::workload::rls::{self, RlsOptions};
 use crate::workload::{Planned, PlannedOp};
 
@@ -82,6 +83,11 @@ pub enum WorkloadKind {
     Bank,
     /// Hits on an open and a closed rule through the Rate Limit Service.
     Rls,
+    /// The bank's transfers and reads on two accounts, half of them reads: the history the
+    /// linearizability search judges hardest.
+    Linear,
+    /// Holds reserved with short TTLs and captured, voided or left to expire.
+    Holds,
 }
 
 impl WorkloadKind {
@@ -93,7 +99,9 @@ impl WorkloadKind {
         match name {
             "bank" => Ok(Self::Bank),
             "rls" => Ok(Self::Rls),
-            other => Err(format!("unknown workload {other:?}; known: bank, rls")),
+            "linear" => Ok(Self::Linear),
+            "holds" => Ok(Self::Holds),
+            other => Err(format!("unknown workload {other:?}; known: bank, rls, linear, holds")),
         }
     }
 
@@ -101,7 +109,14 @@ impl WorkloadKind {
         match self {
             Self::Bank => "bank",
             Self::Rls => "rls",
+            Self::Linear => "linear",
+            Self::Holds => "holds",
         }
+    }
+
+    /// Whether it drives the billing API's accounts (the bank's machinery and checks).
+    pub fn is_billing(self) -> bool {
+        matches!(self, Self::Bank | Self::Linear | Self::Holds)
     }
 }
 
@@ -124,7 +139,12 @@ pub struct Schedule {
 
 /// The bank's shape for a run.
 pub fn bank_options(options: &RunOptions) -> BankOptions {
-    BankOptions::new(options.nodes, options.rate_per_second, options.time_limit_ms)
+    let shape = match options.workload {
+        WorkloadKind::Linear => BankOptions::linear,
+        WorkloadKind::Holds => holds::options,
+        WorkloadKind::Bank | WorkloadKind::Rls => BankOptions::new,
+    };
+    shape(options.nodes, options.rate_per_second, options.time_limit_ms)
 }
 
 /// The RLS workload's shape for a run.
@@ -146,7 +166,10 @@ pub fn schedule(options: &RunOptions) -> Schedule {
         },
     );
     let operations = match options.workload {
-        WorkloadKind::Bank => bank::plan(options.seed, &bank_options(options)),
+        WorkloadKind::Bank | WorkloadKind::Linear => {
+            bank::plan(options.seed, &bank_options(options))
+        }
+        WorkloadKind::Holds => holds::plan(options.seed, &bank_options(options)),
         WorkloadKind::Rls => rls::plan(options.seed, &rls_options(options)),
     };
     Schedule { faults, operations }
@@ -251,6 +274,8 @@ impl Shared {
             match self.operation(process, node, f, value.clone()).await {
                 (EventType::Ok, reply) => return Step::Decided(reply),
                 (EventType::Info, _) => unknown = true,
+                // The ledger's answer: another node would give the same.
+                (EventType::Fail, reply) if reply.refused && !unknown => return Step::Failed,
                 _ => {}
             }
             tokio::time::sleep(RETRY_PAUSE).await;
@@ -321,6 +346,37 @@ impl Transfer {
     }
 }
 
+/// The capture or void of an approved hold, `wait_ms` after it was approved.
+struct HoldEnding {
+    hold: u64,
+    hold_id: u64,
+    account: usize,
+    node: usize,
+    end: HoldEnd,
+}
+
+impl HoldEnding {
+    /// Tried on up to [`ATTEMPTS`] nodes with one key; whatever the outcome, it is not
+    /// retried later (an unknown end counts either way, a refused one was not applied).
+    async fn run(self, shared: std::sync::Arc<Shared>, wait_ms: u64) {
+        tokio::time::sleep(Duration::from_millis(wait_ms)).await;
+        let (_, key) = holds::hold_keys(self.hold);
+        let (f, amount) = match self.end {
+            HoldEnd::Capture { amount } => (Function::Capture, Some(amount)),
+            HoldEnd::Void | HoldEnd::Lapse => (Function::Void, None),
+        };
+        let value = OpValue {
+            account: bank::account_name(self.account),
+            amount,
+            key: Some(key),
+            hold_id: Some(self.hold_id),
+            ..OpValue::default()
+        };
+        let mut process = shared.fresh_process();
+        shared.attempt(&mut process, self.node, f, &value, ATTEMPTS).await;
+    }
+}
+
 /// One worker: its plan until the time limit, then (once the cluster is healed) every
 /// transfer it left unresolved, retried by key until decided or the final phase ends.
 async fn worker(
@@ -332,6 +388,7 @@ async fn worker(
 ) -> usize {
     let mut process = shared.fresh_process();
     let mut unresolved = Vec::new();
+    let mut hold_ends = Vec::new();
     for planned in plan {
         tokio::time::sleep_until(clock.start + Duration::from_millis(planned.at_ms)).await;
         if clock.start.elapsed() >= clock.time_limit {
@@ -354,7 +411,31 @@ async fn worker(
                     unresolved.push(left);
                 }
             }
+            PlannedOp::Hold { hold, account, amount, ttl_ms, wait_ms, end } => {
+                let (reserve_key, _) = holds::hold_keys(hold);
+                let value = OpValue {
+                    account: bank::account_name(account),
+                    amount: Some(amount),
+                    key: Some(reserve_key),
+                    ttl_ms: Some(ttl_ms),
+                    ..OpValue::default()
+                };
+                let step =
+                    shared.attempt(&mut process, planned.node, Function::Reserve, &value, ATTEMPTS);
+                if let Step::Decided(reply) = step.await
+                    && let Some(hold_id) = reply.hold_id
+                    && end != HoldEnd::Lapse
+                {
+                    // Ended by a process of its own, so the worker goes on meanwhile.
+                    let ending = HoldEnding { hold, hold_id, account, node: planned.node, end };
+                    hold_ends.push(tokio::spawn(ending.run(shared.clone(), wait_ms)));
+                }
+            }
         }
+    }
+    for ending in hold_ends {
+        // A panicked ending only leaves its hold to expire, which the checks allow.
+        let _ = ending.await;
     }
     if healed.wait_for(|healed| *healed).await.is_err() {
         return unresolved.len();
@@ -690,7 +771,7 @@ async fn drive(
         next_process: AtomicU64::new(0),
         rule_keys,
     });
-    if options.workload == WorkloadKind::Bank {
+    if options.workload.is_billing() {
         open_accounts(&shared, bank).await?;
     }
     snapshot_metrics(&*cluster.lock().await, directory, "start").await;
@@ -730,7 +811,7 @@ async fn drive(
     if unresolved > 0 {
         eprintln!("quotamesh-jepsen: {unresolved} transfers left unresolved after healing");
     }
-    if options.workload == WorkloadKind::Bank {
+    if options.workload.is_billing() {
         final_reads(&shared, bank, directory).await?;
     }
     replica_states(&shared.clients, directory).await
@@ -820,8 +901,22 @@ pub fn check_directory(directory: &Path) -> anyhow::Result<Verdict> {
         checker::availability::check(&events, &faults, record.options.availability),
     ];
     match record.options.workload {
-        WorkloadKind::Bank => {
+        WorkloadKind::Bank | WorkloadKind::Linear => {
             checks.extend(check_bank(directory, &record, &events));
+            checks.push(checker::fail_closed::check(&events, &faults, record.options.nodes));
+            checks.push(checker::linearizable::check(
+                &events,
+                checker::linearizable::STEPS_PER_ACCOUNT_MAX,
+            ));
+        }
+        WorkloadKind::Holds => {
+            let (trails, mut read) = read_trails(directory, record.options.nodes);
+            read.push(checker::bank::trails_agree(&trails));
+            if let Some((_, trail)) = trails.first() {
+                let model = checker::holds::HoldsModel { floor: record.bank.floor };
+                read.extend(checker::holds::check(&events, trail, &model));
+            }
+            checks.extend(read);
             checks.push(checker::fail_closed::check(&events, &faults, record.options.nodes));
         }
         WorkloadKind::Rls => checks.extend(check_rls(directory, &record, &events)),
@@ -829,21 +924,29 @@ pub fn check_directory(directory: &Path) -> anyhow::Result<Verdict> {
     Ok(Verdict::of(checks))
 }
 
-fn check_bank(directory: &Path, record: &RunRecord, events: &[Event]) -> Vec<CheckResult> {
+/// Every node's saved trail, and the `trails-read` check (in a vector the caller extends).
+fn read_trails(
+    directory: &Path,
+    nodes: usize,
+) -> (Vec<(NodeId, Vec<TrailEntry>)>, Vec<CheckResult>) {
     let mut trails: Vec<(NodeId, Vec<TrailEntry>)> = Vec::new();
     let mut missing = CheckResult::new("trails-read");
-    for id in 1..=record.options.nodes as u64 {
+    for id in 1..=nodes as u64 {
         match read_jsonl(&directory.join(format!("trail-node-{id}.jsonl"))) {
             Ok(trail) => trails.push((NodeId(id), trail)),
             Err(error) => missing.unknown(error.to_string()),
         }
         missing.checked += 1;
     }
+    (trails, vec![missing])
+}
+
+fn check_bank(directory: &Path, record: &RunRecord, events: &[Event]) -> Vec<CheckResult> {
+    let (trails, mut checks) = read_trails(directory, record.options.nodes);
     let model = checker::bank::BankModel {
         accounts: (0..record.bank.accounts).map(bank::account_name).collect(),
         floor: record.bank.floor,
     };
-    let mut checks = vec![missing];
     checks.extend(checker::bank::check(events, &trails, &model));
     checks
 }

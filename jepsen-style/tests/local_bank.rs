@@ -1,8 +1,8 @@
 //! End to end against the real release binary: a short seeded bank run of three local
 //! nodes under kill -9, SIGSTOP, wall-clock offsets (libfaketime) and a voter removed and
 //! added back, with both cores busy, ends valid; and `check` on the
-//! same run, with one acknowledged debit removed from every node's trail, ends invalid (so
-//! the run's verdict is one that can fail).
+//! same run, with one acknowledged debit removed from every node's trail, ends invalid, and
+//! so does it with one read's answer changed (so the run's verdict is one that can fail).
 
 mod common;
 
@@ -40,4 +40,19 @@ fn bank_under_kill_pause_clock_and_membership_is_valid() {
     let (code, printed) = common::check(&directory);
     assert_eq!(code, Some(1), "the lost debit {lost} went unnoticed:\n{printed}");
     assert!(printed.contains("exactly-once   Invalid"), "{printed}");
+    assert!(printed.contains("linearizable   Valid"), "{printed}");
+
+    // One acknowledged read answering a balance no order of the writes gives: the
+    // linearizability search, which reads the history alone, flags it.
+    let mut changed = false;
+    common::rewrite_lines(&directory.join("history.jsonl"), |mut event| {
+        if !changed && event["type"] == "ok" && event["f"] == "read" {
+            event["value"]["balance"] = serde_json::json!(999_999);
+            changed = true;
+        }
+        Some(event)
+    });
+    let (code, printed) = common::check(&directory);
+    assert_eq!(code, Some(1), "{printed}");
+    assert!(printed.contains("linearizable   Invalid"), "{printed}");
 }

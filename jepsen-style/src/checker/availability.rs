@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use super::CheckResult;
-use crate::history::{Event, EventType, NodeId, operations};
+use crate::history::{Event, NodeId, operations};
 use crate::nemesis::{FaultKind, NemesisRecord, Phase};
 
 /// What the checker demands.
@@ -125,7 +125,7 @@ pub fn measure(events: &[Event], faults: &[NemesisRecord], grace_ms: u64) -> Ava
             events
                 .iter()
                 .find(|event| {
-                    event.event_type == EventType::Ok
+                    event.served()
                         && event.time_ns >= end_ns
                         && node.is_none_or(|node| event.node == node)
                 })
@@ -177,7 +177,7 @@ pub fn measure(events: &[Event], faults: &[NemesisRecord], grace_ms: u64) -> Ava
         .collect();
     for operation in &operations {
         let at_ns = operation.invoke.time_ns;
-        let ok = operation.outcome() == EventType::Ok;
+        let ok = operation.served();
         let active: Vec<&Interval> = intervals
             .iter()
             .filter(|interval| interval.start_ns <= at_ns && at_ns <= interval.end_ns)
@@ -229,7 +229,7 @@ pub fn check(events: &[Event], faults: &[NemesisRecord], thresholds: Thresholds)
 mod tests {
     use super::*;
     use crate::checker::Validity;
-    use crate::history::{Function, OpValue, ProcessId};
+    use crate::history::{EventType, Function, OpValue, ProcessId};
     use crate::nemesis::{FaultOutcome, Target};
 
     const MS: u64 = 1_000_000;

@@ -37,10 +37,27 @@ pub fn check(
     model: &BankModel,
 ) -> Vec<CheckResult> {
     let operations = operations(events);
+    let agree = trails_agree(trails);
+    let Some((_, trail)) = trails.first() else {
+        return vec![agree];
+    };
+    let chains = chains(trail);
+    vec![
+        agree,
+        trail_chain(trail, &chains, model),
+        floor(&chains, &operations, model),
+        exactly_once(trail, &operations),
+        reads(&chains, &operations),
+        conservation(trail, &chains, &operations),
+    ]
+}
+
+/// `trails-agree`: every node lists the same trail as the first (none read: unknown).
+pub fn trails_agree(trails: &[(NodeId, Vec<TrailEntry>)]) -> CheckResult {
     let mut agree = CheckResult::new("trails-agree");
     let Some((_, trail)) = trails.first() else {
         agree.unknown("no node's audit trail was read".to_owned());
-        return vec![agree];
+        return agree;
     };
     for (node, other) in trails {
         agree.checked += 1;
@@ -56,15 +73,7 @@ pub fn check(
             ));
         }
     }
-    let chains = chains(trail);
-    vec![
-        agree,
-        trail_chain(trail, &chains, model),
-        floor(&chains, &operations, model),
-        exactly_once(trail, &operations),
-        reads(&chains, &operations),
-        conservation(trail, &chains, &operations),
-    ]
+    agree
 }
 
 /// Each account's entries in trail order.
@@ -181,13 +190,9 @@ fn floor(
     result
 }
 
-fn entry_kind(function: Function) -> Option<EntryKind> {
-    match function {
-        Function::CreateAccount => Some(EntryKind::CreateAccount),
-        Function::Credit => Some(EntryKind::Credit),
-        Function::Debit => Some(EntryKind::Debit),
-        Function::Read | Function::Check => None,
-    }
+/// Whether the bank makes entries of this kind (it makes no holds: any is a phantom).
+fn made_by_bank(kind: EntryKind) -> bool {
+    matches!(kind, EntryKind::CreateAccount | EntryKind::Credit | EntryKind::Debit)
 }
 
 /// Mutations by idempotency key.
@@ -214,7 +219,7 @@ fn exactly_once(trail: &[TrailEntry], operations: &[Operation<'_>]) -> CheckResu
             result.problem(format!("key {key} applied {} times: {sequences:?}", applied.len()));
         }
         let entry = applied[0];
-        if entry.kind == EntryKind::Other {
+        if !made_by_bank(entry.kind) {
             result
                 .problem(format!("entry {} ({key}) of a kind no client asked for", entry.sequence));
         }
@@ -223,7 +228,7 @@ fn exactly_once(trail: &[TrailEntry], operations: &[Operation<'_>]) -> CheckResu
             continue;
         };
         let asked = &attempts[0].invoke;
-        if entry_kind(asked.f) != Some(entry.kind)
+        if asked.f.entry_kind() != Some(entry.kind)
             || asked.value.account != entry.account
             || asked.value.amount != Some(entry.amount)
         {
@@ -502,7 +507,7 @@ mod tests {
             let entry = TrailEntry {
                 sequence: self.trail.len() as u64 + 1,
                 ledger_index: self.trail.len() as u64 + 10,
-                kind: entry_kind(f).expect("a mutation"),
+                kind: f.entry_kind().expect("a mutation"),
                 account: account.to_owned(),
                 key: key.clone(),
                 amount,
@@ -513,7 +518,11 @@ mod tests {
                 },
                 balance_before: before,
                 balance_after: after.unwrap_or(before),
+                held_before: 0,
                 held_after: 0,
+                hold_id: None,
+                ttl_ms: None,
+                time_ms: 0,
             };
             let value = OpValue {
                 account: account.to_owned(),

@@ -63,9 +63,12 @@ pub fn check(events: &[Event], faults: &[NemesisRecord], node_count: usize) -> C
         let answered = operation.outcome() == EventType::Ok;
         let needs_quorum = match invoke.f {
             Function::Read => true,
-            Function::CreateAccount | Function::Credit | Function::Debit => {
-                !operation.result().duplicate
-            }
+            Function::CreateAccount
+            | Function::Credit
+            | Function::Debit
+            | Function::Reserve
+            | Function::Capture
+            | Function::Void => !operation.result().duplicate,
             // RLS decisions come from the node's own leases by design.
             Function::Check => false,
         };

@@ -5,9 +5,12 @@
 pub mod availability;
 pub mod bank;
 pub mod fail_closed;
+pub mod holds;
+pub mod linearizable;
 pub mod replicas;
 pub mod rls;
 pub mod well_formed;
+pub mod wgl;
 
 use serde::{Deserialize, Serialize};
 

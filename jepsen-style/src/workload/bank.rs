@@ -24,6 +24,9 @@ pub struct BankOptions {
     pub floor: u64,
     /// Transfers move 1 to this much.
     pub transfer_amount_max: u64,
+    /// In percent: the share of planned operations that are transfers (the rest are reads).
+    #[serde(default = "transfer_percent_default")]
+    pub transfer_percent: u64,
     /// Concurrent clients.
     pub workers: usize,
     /// Planned operations per second, over all workers.
@@ -42,12 +45,31 @@ impl BankOptions {
             initial_balance: 1_000,
             floor: 100,
             transfer_amount_max: 60,
+            transfer_percent: TRANSFER_PERCENT_DEFAULT,
             workers: 8,
             rate_per_second,
             time_limit_ms,
             nodes,
         }
     }
+
+    /// The `linear` workload's shape: the bank's on two accounts, half transfers and half
+    /// reads, so every account sees many concurrent writes and reads for the
+    /// linearizability search to order.
+    pub fn linear(nodes: usize, rate_per_second: u64, time_limit_ms: u64) -> Self {
+        Self {
+            accounts: 2,
+            transfer_percent: 50,
+            ..Self::new(nodes, rate_per_second, time_limit_ms)
+        }
+    }
+}
+
+/// The bank's share of transfers (runs saved before it was an option had it too).
+const TRANSFER_PERCENT_DEFAULT: u64 = 70;
+
+fn transfer_percent_default() -> u64 {
+    TRANSFER_PERCENT_DEFAULT
 }
 
 /// An account's meter name.
@@ -70,9 +92,6 @@ pub fn transfer_keys(transfer: u64) -> (String, String) {
     (format!("transfer-{transfer}-debit"), format!("transfer-{transfer}-credit"))
 }
 
-/// In percent: the share of planned operations that are transfers (the rest are reads).
-const TRANSFER_PERCENT: u64 = 70;
-
 /// Every worker's operations, in order. Transfer ids (`worker x`
 /// [`OPERATIONS_PER_WORKER_MAX`] `+ sequence`) are unique across workers.
 pub fn plan(seed: u64, options: &BankOptions) -> Vec<Vec<Planned>> {
@@ -84,7 +103,7 @@ pub fn plan(seed: u64, options: &BankOptions) -> Vec<Vec<Planned>> {
         options.time_limit_ms,
         options.nodes,
         |rng, worker, sequence| {
-            if accounts >= 2 && rng.percent(TRANSFER_PERCENT) {
+            if accounts >= 2 && rng.percent(options.transfer_percent) {
                 let from = rng.index(accounts);
                 let to = (from + 1 + rng.index(accounts - 1)) % accounts;
                 let amount = rng.between(1, options.transfer_amount_max.max(1));

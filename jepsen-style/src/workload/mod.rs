@@ -3,6 +3,7 @@
 //! `crate::run`.
 
 pub mod bank;
+pub mod holds;
 pub mod rls;
 
 use serde::{Deserialize, Serialize};
@@ -18,6 +19,8 @@ pub enum PlannedOp {
     Read { account: usize },
     /// RLS: one hit on a rule's key.
     Check { rule: usize },
+    /// Holds: a reserve on an account and, `wait_ms` after it is approved, its end.
+    Hold { hold: u64, account: usize, amount: u64, ttl_ms: u64, wait_ms: u64, end: holds::HoldEnd },
 }
 
 /// One operation of a worker's plan.

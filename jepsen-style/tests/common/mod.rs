@@ -140,7 +140,10 @@ pub fn lines(path: &Path) -> Vec<serde_json::Value> {
 }
 
 /// Rewrites a JSON-lines file through `edit`.
-pub fn rewrite_lines(path: &Path, edit: impl Fn(serde_json::Value) -> Option<serde_json::Value>) {
+pub fn rewrite_lines(
+    path: &Path,
+    edit: impl FnMut(serde_json::Value) -> Option<serde_json::Value>,
+) {
     let kept: String =
         lines(path).into_iter().filter_map(edit).map(|value| format!("{value}\n")).collect();
     std::fs::write(path, kept).expect("rewrite a JSON-lines file");
