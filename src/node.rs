@@ -32,7 +32,7 @@ use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
 
 use crate::actors::lease_broker::{BrokerSettings, LeaseBroker};
-use crate::actors::rebalancer::{Rebalancer, RebalancerParts};
+use crate::actors::rebalancer::{Rebalancer, RebalancerParts, RegionBoard};
 use crate::actors::shard::{ShardSet, ShardSetOptions, ShardSpawnError};
 use crate::api::admin::{AdminNode, AdminService};
 use crate::api::grpc_limits::{self, Bounded};
@@ -196,6 +196,7 @@ impl Node {
                 .map_err(|source| NodeError::ShadowEvents { path: path.clone(), source })?;
             rls = rls.with_shadow_events(sink, &config.node_id);
         }
+        let region_board = Arc::new(RegionBoard::default());
         let admin = AdminService::new(
             AdminNode {
                 name: config.node_id.clone(),
@@ -209,7 +210,8 @@ impl Node {
             raft.billing().cloned(),
             Arc::clone(&policy),
             crate::api::operators::Operators::new(&config.admin),
-        );
+        )
+        .with_regions(&config.region, Arc::clone(&region_board));
 
         let (stop, stopped) = watch::channel(false);
         let ready = Arc::new(AtomicBool::new(false));
@@ -320,16 +322,17 @@ impl Node {
             }
         };
 
-        let rebalancer = match start_rebalancer(&config, &raft, &metrics, &policy).await {
-            Ok(rebalancer) => rebalancer,
-            Err(error) => {
-                let mut servers = vec![grpc, admin_server, http, watcher];
-                servers.extend(billing_server);
-                servers.extend(group_watches);
-                unwind(&stop, servers, shards, broker, raft).await;
-                return Err(error);
-            }
-        };
+        let rebalancer =
+            match start_rebalancer(&config, &raft, &metrics, &policy, region_board).await {
+                Ok(rebalancer) => rebalancer,
+                Err(error) => {
+                    let mut servers = vec![grpc, admin_server, http, watcher];
+                    servers.extend(billing_server);
+                    servers.extend(group_watches);
+                    unwind(&stop, servers, shards, broker, raft).await;
+                    return Err(error);
+                }
+            };
 
         let mut servers = vec![grpc, http, admin_server];
         servers.extend(billing_server);
@@ -500,6 +503,7 @@ async fn start_rebalancer(
     raft: &RaftHost,
     metrics: &Metrics,
     policy: &Arc<PolicyStore>,
+    board: Arc<RegionBoard>,
 ) -> Result<Option<Rebalancer>, NodeError> {
     if config.regions.is_empty() || config.is_gateway() {
         return Ok(None);
@@ -517,6 +521,7 @@ async fn start_rebalancer(
         policy: Arc::clone(policy),
         metrics: metrics.clone(),
         settings: config.rebalance,
+        board,
     };
     let rebalancer = Rebalancer::start(parts)
         .await

@@ -96,13 +96,44 @@ pub struct RebalancerParts {
     pub metrics: Metrics,
     /// `[rebalance]`.
     pub settings: RebalanceConfig,
+    /// Where it shows what it measured and read (the admin API reads it too).
+    pub board: Arc<RegionBoard>,
 }
 
 /// What one sliced limit measured on the last tick: what peers read in this region's views.
-#[derive(Debug, Clone, Copy, Default)]
-struct Measured {
-    policy_tokens: u64,
-    demand_tokens: u64,
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Measured {
+    /// This region's slice by the policy's shares.
+    pub policy_tokens: u64,
+    /// This region's demand over the observation window, tokens per window of the limit.
+    pub demand_tokens: u64,
+}
+
+/// What the rebalancer last measured and read off its peers, while it leads: what peers and
+/// the admin API (`quotamesh cluster regions`) are shown. Empty on a node that does not
+/// lead. Bounded by the sliced limits ([`SLICED_RULES_MAX`]) and the configured peers.
+#[derive(Debug, Default)]
+pub struct RegionBoard {
+    measured: parking_lot::Mutex<BTreeMap<SliceKey, Measured>>,
+    peers: parking_lot::Mutex<BTreeMap<String, BTreeMap<SliceKey, RegionView>>>,
+}
+
+impl RegionBoard {
+    /// This region's measure of `key`, if it was measured on the last tick.
+    #[must_use]
+    pub fn measured(&self, key: &SliceKey) -> Option<Measured> {
+        self.measured.lock().get(key).copied()
+    }
+
+    /// The slices of `key` the peers reported on the last tick, by region.
+    #[must_use]
+    pub fn peer_slices(&self, key: &SliceKey) -> BTreeMap<String, u64> {
+        self.peers
+            .lock()
+            .iter()
+            .filter_map(|(peer, views)| Some((peer.clone(), views.get(key)?.slice_tokens)))
+            .collect()
+    }
 }
 
 /// What the actor and the QUIC handler share.
@@ -112,14 +143,14 @@ struct Shared {
     metrics: Metrics,
     /// Measured on the last tick while leading; empty otherwise (bounded by the sliced
     /// limits, [`SLICED_RULES_MAX`]).
-    measured: parking_lot::Mutex<BTreeMap<SliceKey, Measured>>,
+    board: Arc<RegionBoard>,
 }
 
 impl Shared {
     /// This region's view of `key`: its slice from the ledger as applied here now, the rest
     /// as measured.
     fn view(&self, key: &SliceKey, slice: Slice) -> RegionView {
-        let measured = self.measured.lock().get(key).copied().unwrap_or_default();
+        let measured = self.board.measured(key).unwrap_or_default();
         RegionView {
             global_tokens: slice.global_tokens,
             slice_tokens: slice.tokens,
@@ -235,7 +266,7 @@ impl Rebalancer {
             region: parts.region.clone(),
             group: parts.group.clone(),
             metrics: parts.metrics.clone(),
-            measured: parking_lot::Mutex::new(BTreeMap::new()),
+            board: parts.board,
         });
         let state = State {
             shared: Arc::clone(&shared),
@@ -358,7 +389,8 @@ impl State {
         } else {
             self.windows.clear();
             self.peer_views.clear();
-            self.shared.measured.lock().clear();
+            self.shared.board.measured.lock().clear();
+            self.shared.board.peers.lock().clear();
         }
         self.publish().await;
     }
@@ -421,7 +453,7 @@ impl State {
             }
         }
         self.windows = windows;
-        *self.shared.measured.lock() = measured;
+        *self.shared.board.measured.lock() = measured;
     }
 
     /// Sends every unsettled transfer's credit (its cancellation once timed out) and
@@ -530,6 +562,7 @@ impl State {
                 self.peer_views.remove(peer);
             }
         }
+        self.shared.board.peers.lock().clone_from(&self.peer_views);
     }
 
     /// This region's view of `key` now, if the ledger holds a slice for it.
@@ -638,7 +671,7 @@ impl State {
     /// Enforces the ledger's slices and exports the region's gauges (on every voter).
     async fn publish(&self) {
         let slices = self.shared.export();
-        let measured = self.shared.measured.lock().clone();
+        let measured = self.shared.board.measured.lock().clone();
         for key in slices.keys() {
             let demand = measured.get(key).map_or(0, |measured| measured.demand_tokens);
             self.metrics
