@@ -23,6 +23,13 @@
 //! name = "eu-central"              # as its nodes' certificates name it
 //! quic_addr = "10.1.0.1:8443"      # where its quota group's leader answers QUIC
 //!
+//! [rebalance]                      # the rebalancer, on the leader of the quota group
+//! trigger_percent = 80             # a region asks when its demand reaches this % of its slice
+//! target_percent = 50              # ... for enough tokens to bring its demand to this %
+//! observe_ms = 20000               # demand is measured over this window
+//! interval_ms = 1000               # how often the rebalancer looks
+//! transfer_timeout_ms = 30000      # an uncredited transfer is cancelled (returned) after it
+//!
 //! [[peers]]                        # the region's voters (for `cluster init`; a gateway's
 //! id = 1                           # way to the leader); none = single node
 //! raft_addr = "10.0.0.1:8084"      # as the other nodes reach it
@@ -194,6 +201,8 @@ pub struct NodeConfig {
     /// The other regions this region exchanges slices of global limits with; QUIC between
     /// regions always uses `[tls]`'s credentials.
     pub regions: Vec<RegionPeerConfig>,
+    /// How the rebalancer moves tokens of global limits between regions.
+    pub rebalance: RebalanceConfig,
     /// A voter of the region's Raft groups, or a gateway that only leases.
     pub role: Role,
     /// The region's voters with the Raft address the other nodes reach each at. For a voter,
@@ -218,6 +227,67 @@ pub struct NodeConfig {
     /// `cluster status`); ledger time follows the leader's stamps either way
     /// (`crate::core::ledger_time`).
     pub max_clock_offset_ms: u64,
+}
+
+/// The rebalancer (DESIGN section 5): when a region asks for tokens and how long a transfer
+/// may stay uncredited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RebalanceConfig {
+    /// A region asks when its demand reaches this share of its slice, in percent.
+    pub trigger_percent: u64,
+    /// What it asks for: a slice its demand fills to this percent.
+    pub target_percent: u64,
+    /// The window demand is measured over.
+    pub observe_ms: u64,
+    /// How often the rebalancer measures, exchanges views and moves tokens.
+    pub interval_ms: u64,
+    /// A transfer its recipient has not credited after this long is cancelled, so its tokens
+    /// return to the donor once the recipient confirms.
+    pub transfer_timeout_ms: u64,
+}
+
+impl Default for RebalanceConfig {
+    /// DESIGN section 5: 80 % within 20 s; a look each second; 30 s for a credit.
+    fn default() -> Self {
+        let plan = crate::core::region::plan::PlanSettings::default();
+        Self {
+            trigger_percent: plan.trigger_percent,
+            target_percent: plan.target_percent,
+            observe_ms: plan.observe_ms,
+            interval_ms: 1_000,
+            transfer_timeout_ms: 30_000,
+        }
+    }
+}
+
+impl RebalanceConfig {
+    /// The planner's settings.
+    #[must_use]
+    pub fn plan(&self) -> crate::core::region::plan::PlanSettings {
+        crate::core::region::plan::PlanSettings {
+            trigger_percent: self.trigger_percent,
+            target_percent: self.target_percent,
+            observe_ms: self.observe_ms,
+        }
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |message: String| Err(ConfigError::Invalid(message));
+        if let Err(error) = self.plan().check() {
+            return invalid(format!("rebalance: {error}"));
+        }
+        if !(10..=3_600_000).contains(&self.interval_ms) {
+            return invalid("rebalance.interval_ms must be between 10 and 3600000".to_owned());
+        }
+        if self.transfer_timeout_ms <= self.interval_ms {
+            return invalid(
+                "rebalance.transfer_timeout_ms must be longer than rebalance.interval_ms"
+                    .to_owned(),
+            );
+        }
+        Ok(())
+    }
 }
 
 /// The lease broker, its circuit breaker, and the fallback (DESIGN sections 2 and 3).
@@ -656,6 +726,7 @@ impl Default for NodeConfig {
             admin_addr: ADMIN_ADDR_DEFAULT.parse().expect("constant address parses"),
             quic_addr: crate::region::QUIC_ADDR_DEFAULT.parse().expect("constant address parses"),
             regions: Vec::new(),
+            rebalance: RebalanceConfig::default(),
             role: Role::Voter,
             peers: Vec::new(),
             quota_group: RaftGroupConfig::default(),
@@ -816,6 +887,7 @@ impl NodeConfig {
                 return invalid(format!("regions: {} is listed twice", peer.name));
             }
         }
+        self.rebalance.validate()?;
         if !self.regions.is_empty() && self.tls.is_none() {
             return invalid(
                 "[[regions]] needs [tls]: regions authenticate each other by certificate \
@@ -1162,7 +1234,7 @@ mod tests {
     }
 
     /// `[[regions]]` parse with their QUIC addresses; a bad or repeated name, the node's
-    /// own region, or regions without `[tls]` are refused.
+    /// own region, regions without `[tls]`, or bad `[rebalance]` settings are refused.
     #[test]
     fn regions_parse_and_bad_ones_are_refused() {
         let tls = "[tls]\ncert = \"n.pem\"\nkey = \"n.key\"\nca = \"ca.pem\"\n";
@@ -1173,6 +1245,7 @@ mod tests {
         .expect("parses");
         assert!(config.validate().is_ok(), "{:?}", config.validate());
         assert_eq!(config.quic_addr.to_string(), "0.0.0.0:9443");
+        assert_eq!(config.rebalance.plan(), crate::core::region::plan::PlanSettings::default());
         assert_eq!(NodeConfig::default().quic_addr.port(), 8443);
         let peer = crate::region::RegionPeer::from(&config.regions[0]);
         assert_eq!(
@@ -1186,6 +1259,9 @@ mod tests {
             (format!("region = \"a\"\n{tls}{}", entry("a")), "own region"),
             (format!("region = \"a\"\n{tls}{}{}", entry("b"), entry("b")), "listed twice"),
             (format!("region = \"a\"\n{}", entry("b")), "needs [tls]"),
+            ("[rebalance]\ntarget_percent = 90\n".to_owned(), "target_percent"),
+            ("[rebalance]\nobserve_ms = 0\n".to_owned(), "observe_ms"),
+            ("[rebalance]\ntransfer_timeout_ms = 500\n".to_owned(), "transfer_timeout_ms"),
         ] {
             let error = NodeConfig::from_toml(&text).expect("parses").validate().expect_err(&text);
             assert!(error.to_string().contains(expected), "{error} for {text}");

@@ -30,6 +30,12 @@ pub const COMMIT: &str = env!("QUOTAMESH_GIT_COMMIT");
 pub const BILLING_OUTCOMES: [&str; 6] =
     ["approved", "insufficient_funds", "duplicate", "refused", "unavailable", "overloaded"];
 
+/// The `result` labels of `quotamesh_region_transfers_total`: a donor's debit committed, a
+/// recipient's credit confirmed, a cancelled transfer's tokens returned to the donor, a step
+/// the peer or the ledger refused, a call that failed (it is retried with the same id).
+pub const REGION_TRANSFER_RESULTS: [&str; 5] =
+    ["debited", "credited", "returned", "refused", "failed"];
+
 /// The `reason` labels of `quotamesh_rate_limit_bypassed_total`.
 pub const BYPASS_REASONS: [&str; 3] = ["circuit_open", "ledger_timeout", "overloaded"];
 
@@ -151,6 +157,25 @@ pub struct Metrics {
     pub ledger_call_duration: Histogram,
     /// `quotamesh_ledger_circuit_state`: 0 closed, 1 half-open (leasing again), 2 open.
     pub ledger_circuit_state: IntGauge,
+    /// `quotamesh_region_slice_tokens{region, rule}`: a region's slice of a global limit
+    /// (tokens per window), this region's from its ledger, a peer's as it last reported.
+    pub region_slice_tokens: IntGaugeVec,
+    /// `quotamesh_region_in_flight_tokens{rule}`: tokens this region debited and has not
+    /// settled (in flight to another region, or credited there and not yet settled here).
+    pub region_in_flight_tokens: IntGaugeVec,
+    /// `quotamesh_region_demand_tokens{rule}`: this region's demand over the observation
+    /// window, in tokens per window of the limit.
+    pub region_demand_tokens: IntGaugeVec,
+    /// `quotamesh_region_transfers_total{result}`: transfer steps by result (see
+    /// [`REGION_TRANSFER_RESULTS`]).
+    pub region_transfers: IntCounterVec,
+    /// `quotamesh_region_link_up{region}`: 1 while a QUIC connection to the peer is open.
+    pub region_link_up: IntGaugeVec,
+    /// `quotamesh_region_link_rtt_seconds{region}`: the QUIC round-trip time to the peer.
+    pub region_link_rtt: GaugeVec,
+    /// `quotamesh_region_leading`: 1 while this node's rebalancer runs (it leads the quota
+    /// group of a region with `[[regions]]`).
+    pub region_leading: IntGauge,
     /// `quotamesh_clock_offset_seconds{node}`: how far a node's wall clock was ahead of this
     /// leader's (negative: behind) at its last forwarded write.
     pub clock_offset: GaugeVec,
@@ -281,6 +306,16 @@ impl Metrics {
         )
         .expect("valid metric");
         registry.register(Box::new(clock_offset.clone())).expect("unique metric");
+
+        let region_link_rtt = GaugeVec::new(
+            Opts::new(
+                "quotamesh_region_link_rtt_seconds",
+                "Round-trip time of the QUIC connection to a peer region, as quinn estimates it.",
+            ),
+            &["region"],
+        )
+        .expect("valid metric");
+        registry.register(Box::new(region_link_rtt.clone())).expect("unique metric");
 
         let stats_labels = ["domain", "key"];
         let ratelimit_stats = RateLimitStats {
@@ -460,6 +495,40 @@ impl Metrics {
                 "quotamesh_ledger_circuit_state",
                 "Circuit breaker around ledger calls: 0 closed, 1 half-open, 2 open.",
             ),
+            region_slice_tokens: gauge_vec(
+                "quotamesh_region_slice_tokens",
+                "A region's slice of a global limit (tokens per window): this region's from its \
+                 ledger, a peer region's as it last reported.",
+                &["region", "rule"],
+            ),
+            region_in_flight_tokens: gauge_vec(
+                "quotamesh_region_in_flight_tokens",
+                "Tokens this region debited from its slice and has not settled with the \
+                 recipient region.",
+                &["rule"],
+            ),
+            region_demand_tokens: gauge_vec(
+                "quotamesh_region_demand_tokens",
+                "This region's demand on a global limit over the observation window, in tokens \
+                 per window of the limit.",
+                &["rule"],
+            ),
+            region_transfers: counter_vec(
+                "quotamesh_region_transfers_total",
+                "Transfer steps of the rebalancer by result: debited, credited, returned, \
+                 refused, failed.",
+                &["result"],
+            ),
+            region_link_up: gauge_vec(
+                "quotamesh_region_link_up",
+                "1 while a QUIC connection to the peer region is open.",
+                &["region"],
+            ),
+            region_link_rtt,
+            region_leading: gauge(
+                "quotamesh_region_leading",
+                "1 while this node's rebalancer runs: it leads a quota group with [[regions]].",
+            ),
             clock_offset,
             clock_offset_exceeded: counter_vec(
                 "quotamesh_clock_offset_exceeded_total",
@@ -538,6 +607,9 @@ impl Metrics {
         }
         for result in ["ok", "slow", "timeout", "error"] {
             metrics.ledger_calls.with_label_values(&[result]);
+        }
+        for result in REGION_TRANSFER_RESULTS {
+            metrics.region_transfers.with_label_values(&[result]);
         }
         for outcome in BILLING_OUTCOMES {
             metrics.billing_operations.with_label_values(&[outcome]);

@@ -5,9 +5,10 @@
 //!           (identity, quota and billing groups, Raft peer listener) ─▶ lease broker ─▶ shard
 //!           actors ─▶ servers (RLS, admin, billing API in node/billing.rs) ─▶ group watches
 //!           (raft_health.rs) ─▶ the region's policy version installed, then followed
-//!           (policy_follow.rs) ─▶ ready
+//!           (policy_follow.rs) ─▶ QUIC endpoint and rebalancer (with [[regions]]) ─▶ ready
 //! shutdown: not ready ─▶ stop accepting, drain calls (RLS, HTTP, admin, billing) ─▶ stop
-//!           watchers ─▶ stop shard actors ─▶ stop lease broker ─▶ stop Raft groups, then the
+//!           the rebalancer and close QUIC ─▶ stop watchers ─▶ stop shard actors ─▶ stop
+//!           lease broker ─▶ stop Raft groups, then the
 //!           Raft peer listener ─▶ unlock
 //! ```
 //!
@@ -31,6 +32,7 @@ use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
 
 use crate::actors::lease_broker::{BrokerSettings, LeaseBroker};
+use crate::actors::rebalancer::{Rebalancer, RebalancerParts, RegionBoard};
 use crate::actors::shard::{ShardSet, ShardSetOptions, ShardSpawnError};
 use crate::api::admin::{AdminNode, AdminService};
 use crate::api::grpc_limits::{self, Bounded};
@@ -122,6 +124,8 @@ pub struct Node {
     broker: (LeaseBroker, JoinHandle<()>),
     policy: Arc<PolicyStore>,
     group_watches: Vec<JoinHandle<()>>,
+    /// The QUIC endpoint and rebalancer, on a voter of a region with `[[regions]]`.
+    rebalancer: Option<Rebalancer>,
     failures: Failures,
     _data_dir_lock: std::fs::File,
 }
@@ -192,6 +196,7 @@ impl Node {
                 .map_err(|source| NodeError::ShadowEvents { path: path.clone(), source })?;
             rls = rls.with_shadow_events(sink, &config.node_id);
         }
+        let region_board = Arc::new(RegionBoard::default());
         let admin = AdminService::new(
             AdminNode {
                 name: config.node_id.clone(),
@@ -205,7 +210,8 @@ impl Node {
             raft.billing().cloned(),
             Arc::clone(&policy),
             crate::api::operators::Operators::new(&config.admin),
-        );
+        )
+        .with_regions(&config.region, Arc::clone(&region_board));
 
         let (stop, stopped) = watch::channel(false);
         let ready = Arc::new(AtomicBool::new(false));
@@ -316,6 +322,18 @@ impl Node {
             }
         };
 
+        let rebalancer =
+            match start_rebalancer(&config, &raft, &metrics, &policy, region_board).await {
+                Ok(rebalancer) => rebalancer,
+                Err(error) => {
+                    let mut servers = vec![grpc, admin_server, http, watcher];
+                    servers.extend(billing_server);
+                    servers.extend(group_watches);
+                    unwind(&stop, servers, shards, broker, raft).await;
+                    return Err(error);
+                }
+            };
+
         let mut servers = vec![grpc, http, admin_server];
         servers.extend(billing_server);
         ready.store(true, Ordering::Release);
@@ -334,6 +352,7 @@ impl Node {
             broker,
             policy,
             group_watches,
+            rebalancer,
             failures,
             _data_dir_lock: data_dir_lock,
         })
@@ -390,6 +409,9 @@ impl Node {
                 server.abort();
                 let _ = server.await;
             }
+        }
+        if let Some(rebalancer) = self.rebalancer {
+            rebalancer.shutdown().await;
         }
         let _ = self.watcher.await;
         for watch in self.group_watches {
@@ -471,6 +493,46 @@ async fn start_leasing(
             Err(error.into())
         }
     }
+}
+
+/// Binds the QUIC endpoint and starts the rebalancer on a voter of a region with
+/// `[[regions]]` (`crate::actors::rebalancer`); `None` otherwise. A gateway holds no replica
+/// of the ledger to follow or to lead.
+async fn start_rebalancer(
+    config: &NodeConfig,
+    raft: &RaftHost,
+    metrics: &Metrics,
+    policy: &Arc<PolicyStore>,
+    board: Arc<RegionBoard>,
+) -> Result<Option<Rebalancer>, NodeError> {
+    if config.regions.is_empty() || config.is_gateway() {
+        return Ok(None);
+    }
+    let credentials = raft.credentials().ok_or_else(|| NodeError::Setup {
+        what: "QUIC endpoint",
+        reason: "[[regions]] needs [tls]".to_owned(),
+    })?;
+    let parts = RebalancerParts {
+        region: config.region.clone(),
+        peers: config.regions.iter().map(crate::region::RegionPeer::from).collect(),
+        quic_addr: config.quic_addr,
+        credentials: Arc::clone(credentials),
+        group: raft.quota().clone(),
+        policy: Arc::clone(policy),
+        metrics: metrics.clone(),
+        settings: config.rebalance,
+        board,
+    };
+    let rebalancer = Rebalancer::start(parts)
+        .await
+        .map_err(|error| NodeError::Setup { what: "QUIC endpoint", reason: error.to_string() })?;
+    let quic_addr = rebalancer.local_addr().map_err(|source| NodeError::Bind {
+        service: "QUIC",
+        address: config.quic_addr,
+        source,
+    })?;
+    tracing::info!(%quic_addr, peers = config.regions.len(), "serving QUIC to the other regions");
+    Ok(Some(rebalancer))
 }
 
 /// Creates the data directory and takes its lock, so two nodes never share one.

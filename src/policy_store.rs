@@ -17,7 +17,13 @@
 //! ```
 //!
 //! Every swap replaces one `Arc`: a decision reads one whole set, never a mix of two.
+//!
+//! A rule with `regions` is enforced at this region's slice: the policy's share until the
+//! rebalancer (`crate::actors::rebalancer`) reports the slices of the region's ledger
+//! ([`PolicyStore::follow_slices`]), those from then on. The unsliced set, with the global
+//! limits, is [`PolicyStore::global`].
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -30,6 +36,7 @@ use tokio::sync::mpsc;
 use crate::core::digest::Fnv1a;
 use crate::core::policy::{LoadOptions, PolicyErrors, PolicySet, PolicySource};
 use crate::core::policy_versions::StoredPolicyVersion;
+use crate::core::region::transfer::SliceKey;
 use crate::metrics::Metrics;
 
 /// The example policy served when no policy path is configured.
@@ -219,6 +226,10 @@ pub struct PolicyStore {
     /// enforces on some nodes only).
     node_id: String,
     active: Arc<ArcSwap<PolicySet>>,
+    /// The served set before slicing: the global limits of rules with `regions`.
+    global: ArcSwap<PolicySet>,
+    /// The region's slices from its quota ledger, by slice key (empty until reported).
+    slices: parking_lot::Mutex<Arc<BTreeMap<SliceKey, u64>>>,
     served: Arc<ArcSwap<ServedPolicy>>,
     /// The fingerprint of the files' content (or of the read error) last refused, so that
     /// the same refusal is logged and counted once, not on every file event.
@@ -253,6 +264,8 @@ impl PolicyStore {
             region: region.to_owned(),
             node_id: node_id.to_owned(),
             active: Arc::new(ArcSwap::from_pointee(PolicySet::default())),
+            global: ArcSwap::from_pointee(PolicySet::default()),
+            slices: parking_lot::Mutex::new(Arc::new(BTreeMap::new())),
             served: Arc::new(ArcSwap::from_pointee(ServedPolicy::default())),
             last_refused: parking_lot::Mutex::new(None),
             region_version: AtomicU64::new(0),
@@ -412,7 +425,34 @@ impl PolicyStore {
             sources,
             options: self.options,
         }));
-        self.active.store(Arc::new(policy.for_region(&self.region).for_node(&self.node_id)));
+        let slices = Arc::clone(&self.slices.lock());
+        self.global.store(Arc::new(policy.clone()));
+        self.active.store(Arc::new(
+            policy.for_region_slices(&self.region, &slices).for_node(&self.node_id),
+        ));
+    }
+
+    /// The served set before slicing: rules with `regions` carry their global limits.
+    pub fn global(&self) -> Arc<PolicySet> {
+        self.global.load_full()
+    }
+
+    /// Enforces `slices` (the region's ledger slices, by slice key) from now on, in place of
+    /// the policy's shares; a no-op when they are the ones enforced already.
+    pub fn follow_slices(&self, slices: BTreeMap<SliceKey, u64>) {
+        let _publishing = self.publishing.lock();
+        {
+            let mut current = self.slices.lock();
+            if **current == slices {
+                return;
+            }
+            *current = Arc::new(slices);
+        }
+        let slices = Arc::clone(&self.slices.lock());
+        let global = PolicySet::clone(&self.global.load());
+        self.active.store(Arc::new(
+            global.for_region_slices(&self.region, &slices).for_node(&self.node_id),
+        ));
     }
 
     /// Reloads whenever the policy files change or the process receives SIGHUP, until

@@ -15,9 +15,13 @@
 //! - [`lease_broker`]: gathers lease asks and returns from every shard into one ledger
 //!   command per batch window, owns the circuit breaker, and casts the answers back.
 //!
+//! - [`rebalancer`]: on the leader of the quota group, moves tokens of global limits
+//!   between regions over QUIC, and makes every voter enforce its region's ledger slices.
+//!
 //! Mailboxes are unbounded in ractor, so every sender bounds its in-flight messages itself
 //! (see `shard::COLD_ADMISSIONS_INFLIGHT_MAX` and `lease_broker::BROKER_QUEUE_MAX`).
 
 pub mod lease_broker;
 pub mod lease_protocol;
+pub mod rebalancer;
 pub mod shard;

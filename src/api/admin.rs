@@ -29,10 +29,13 @@
 //! the digest computed here and the operator's name; the ledger numbers the versions
 //! (`crate::core::policy_versions`). Every node then swaps it in (`crate::policy_follow`).
 //!
+//! `Regions` shows the region's slices of global limits and unsettled transfers from the
+//! ledger as applied here, with what the rebalancer (`crate::actors::rebalancer`) measured.
+//!
 //! Every call needs an operator token (`crate::api::operators`): the ones that change the
 //! group or the ledger (`Init`, `AddNode`, `RemoveNode`, `AcquireLeases`, `ApplyPolicy`,
 //! `RollbackPolicy`) a full one, the reads (`Status`, `ReadKeys`, `GetPolicy`,
-//! `PolicyHistory`) any, or none with `admin.read_open`. With `admin.tls` the
+//! `PolicyHistory`, `Regions`) any, or none with `admin.read_open`. With `admin.tls` the
 //! port is TLS and an operator certificate counts as a full token. Changes are logged with
 //! the operator's name.
 //!
@@ -47,6 +50,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use tonic::{Request, Response, Status};
 
+use crate::actors::rebalancer::RegionBoard;
 use crate::api::grpc_limits::{self, Bounded};
 use crate::api::operators::{Access, Operator, Operators};
 use crate::api::proto::quotamesh::admin::v1 as proto;
@@ -62,6 +66,7 @@ use crate::core::policy_versions::{
     POLICY_FILE_NAME_BYTES_MAX, POLICY_FILES_MAX, POLICY_SET_BYTES_MAX, PolicyApplied,
     PolicyAuthor, PolicySetError, PolicyVersionInfo, check_files,
 };
+use crate::core::region::transfer::SliceKey;
 use crate::ledger::{
     BasicNode, BillingGroup, GroupConfig, GroupMachine, MembershipError, NodeId, QuotaGroup,
     RaftGroup,
@@ -81,6 +86,8 @@ pub const ADMIN_CONCURRENT_REQUESTS_PER_CONNECTION_MAX: usize = 256;
 pub const LEASE_TTL_MS_DEFAULT: u64 = 1_000;
 /// Most keys one `ReadKeys` call may ask for.
 pub const READ_KEYS_MAX: usize = LEASE_REQUESTS_PER_COMMAND_MAX;
+/// Most slices one `Regions` reply lists (a reply stays well under a MiB).
+pub const REGION_SLICES_LISTED_MAX: usize = 512;
 /// Longest domain, entry key or entry value in a lease request: the RLS path's bound, so
 /// every descriptor the RLS path leases for can be granted by hand too (the ledger key is a
 /// fixed-length digest whatever the descriptor's length).
@@ -130,6 +137,8 @@ pub struct AdminService {
     /// node serves (`Status`).
     policy_store: Arc<PolicyStore>,
     operators: Arc<Operators>,
+    /// This node's region, and what its rebalancer measured (`Regions`).
+    regions: (String, Arc<RegionBoard>),
 }
 
 impl AdminService {
@@ -150,7 +159,15 @@ impl AdminService {
             policy: policy_store.active(),
             policy_store,
             operators: Arc::new(operators),
+            regions: (String::new(), Arc::new(RegionBoard::default())),
         }
+    }
+
+    /// Answers `Regions` for `region`, with what the rebalancer shows on `board`.
+    #[must_use]
+    pub fn with_regions(mut self, region: &str, board: Arc<RegionBoard>) -> Self {
+        self.regions = (region.to_owned(), board);
+        self
     }
 
     /// Checks the caller's token for `access`; logs who asks for a change. Returns the
@@ -877,6 +894,59 @@ impl Admin for AdminService {
                 .collect()
         });
         Ok(Response::new(proto::ReadKeysReply { entries, applied_index }))
+    }
+
+    async fn regions(
+        &self,
+        request: Request<proto::RegionsRequest>,
+    ) -> Result<Response<proto::RegionsReply>, Status> {
+        self.authorize(&request, Access::Read, "regions")?;
+        self.refuse_on_gateway("read region slices")?;
+        let (region, board) = &self.regions;
+        let ((slices, truncated, transfers), applied_index) =
+            self.quota.read_at_applied(|ledger| {
+                let regions = ledger.regions();
+                let mut in_flight: BTreeMap<&SliceKey, u64> = BTreeMap::new();
+                let transfers = regions
+                    .outgoing()
+                    .map(|(serial, transfer)| {
+                        let tokens = in_flight.entry(&transfer.key).or_default();
+                        *tokens = tokens.saturating_add(transfer.tokens);
+                        proto::RegionTransfer {
+                            serial,
+                            rule: transfer.key.0.clone(),
+                            recipient: transfer.recipient.clone(),
+                            tokens: transfer.tokens,
+                            debited_at_ms: transfer.debited_at_ms,
+                        }
+                    })
+                    .collect::<Vec<_>>();
+                let slices = regions
+                    .slices()
+                    .take(REGION_SLICES_LISTED_MAX)
+                    .map(|(key, slice)| {
+                        let measured = board.measured(key);
+                        proto::RegionSlice {
+                            rule: key.0.clone(),
+                            global_tokens: slice.global_tokens,
+                            slice_tokens: slice.tokens,
+                            policy_tokens: measured.map(|measured| measured.policy_tokens),
+                            demand_tokens: measured.map(|measured| measured.demand_tokens),
+                            in_flight_tokens: in_flight.get(key).copied().unwrap_or(0),
+                            peer_slice_tokens: board.peer_slices(key).into_iter().collect(),
+                        }
+                    })
+                    .collect::<Vec<_>>();
+                let truncated = regions.slices().count() > REGION_SLICES_LISTED_MAX;
+                (slices, truncated, transfers)
+            });
+        Ok(Response::new(proto::RegionsReply {
+            region: region.clone(),
+            slices,
+            transfers,
+            applied_index,
+            truncated,
+        }))
     }
 
     async fn apply_policy(

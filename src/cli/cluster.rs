@@ -1,4 +1,4 @@
-//! `quotamesh cluster init|add-node|remove-node|status|acquire-leases`: the command-line
+//! `quotamesh cluster init|add-node|remove-node|status|regions|acquire-leases`: the command-line
 //! client of the admin gRPC service (`crate::api::admin`); `cluster certs` is
 //! `crate::cli::certs`'s.
 //!
@@ -17,6 +17,7 @@
 //! Output is readable text, or one JSON document with `--json`. The connection and output
 //! options ([`Target`]) may come before or after the subcommand.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
@@ -233,6 +234,11 @@ pub enum ClusterCommand {
     /// follower, ledger digest (a gateway: the leader it last reached and its voters).
     #[command(arg(timeout_arg("How long each node may take to answer, in milliseconds")))]
     Status,
+    /// Show each node's region: every global limit's slice here, its policy share, the
+    /// demand measured, the peers' slices, and the transfers in flight (the rebalancer's
+    /// measures show on the quota group's leader).
+    #[command(arg(timeout_arg("How long each node may take to answer, in milliseconds")))]
+    Regions,
     /// Make the cluster's CA and node certificates (mTLS between nodes).
     #[command(subcommand)]
     Certs(crate::cli::certs::CertsCommand),
@@ -320,6 +326,7 @@ pub async fn run(arguments: ClusterArgs) -> anyhow::Result<()> {
             print_members(&target, "node removed", &changed)
         }
         ClusterCommand::Status => status(&target).await,
+        ClusterCommand::Regions => regions(&target).await,
         ClusterCommand::AcquireLeases { domain, entries, tokens, lease_ttl_ms } => {
             let entries = entries
                 .iter()
@@ -587,6 +594,119 @@ async fn init(target: &Target) -> anyhow::Result<()> {
             bail!("the group was formed but no leader was elected within {} ms", target.timeout_ms);
         }
         tokio::time::sleep(LEADER_POLL).await;
+    }
+}
+
+/// `cluster regions`: each node's `Regions` answer, as JSON or one line per slice and per
+/// transfer. Fails when no node answered.
+async fn regions(target: &Target) -> anyhow::Result<()> {
+    let mut answers = Vec::new();
+    for address in &target.admin_addrs {
+        let reply = async {
+            let mut client = connect(address, target).await?;
+            let request = with_deadline(proto::RegionsRequest {}, target);
+            anyhow::Ok(client.regions(request).await.map_err(rpc_error)?.into_inner())
+        }
+        .await;
+        answers.push((address.clone(), reply.map_err(|error| format!("{error:#}"))));
+    }
+    if target.json {
+        let nodes: Vec<serde_json::Value> = answers
+            .iter()
+            .map(|(address, answer)| match answer {
+                Ok(reply) => regions_json(address, reply),
+                Err(error) => serde_json::json!({"admin_addr": address, "error": error}),
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "nodes": nodes }))?);
+    } else {
+        for (address, answer) in &answers {
+            match answer {
+                Ok(reply) => print_regions(address, reply),
+                Err(error) => println!("{address}: {error}"),
+            }
+        }
+    }
+    if answers.iter().all(|(_, answer)| answer.is_err()) {
+        bail!("no node answered");
+    }
+    Ok(())
+}
+
+fn regions_json(address: &str, reply: &proto::RegionsReply) -> serde_json::Value {
+    let slices: Vec<serde_json::Value> = reply
+        .slices
+        .iter()
+        .map(|slice| {
+            serde_json::json!({
+                "rule": slice.rule,
+                "global_tokens": slice.global_tokens,
+                "slice_tokens": slice.slice_tokens,
+                "policy_tokens": slice.policy_tokens,
+                "demand_tokens": slice.demand_tokens,
+                "in_flight_tokens": slice.in_flight_tokens,
+                "peer_slice_tokens": slice.peer_slice_tokens.iter().collect::<BTreeMap<_, _>>(),
+            })
+        })
+        .collect();
+    let transfers: Vec<serde_json::Value> = reply
+        .transfers
+        .iter()
+        .map(|transfer| {
+            serde_json::json!({
+                "serial": transfer.serial,
+                "rule": transfer.rule,
+                "recipient": transfer.recipient,
+                "tokens": transfer.tokens,
+                "debited_at_ms": transfer.debited_at_ms,
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "admin_addr": address,
+        "region": reply.region,
+        "applied_index": reply.applied_index,
+        "slices": slices,
+        "transfers": transfers,
+        "truncated": reply.truncated,
+    })
+}
+
+fn print_regions(address: &str, reply: &proto::RegionsReply) {
+    println!("region {} (node at {address}): {} sliced limit(s)", reply.region, reply.slices.len());
+    let known = |tokens: Option<u64>| tokens.map_or_else(|| "-".to_owned(), |t| t.to_string());
+    for slice in &reply.slices {
+        let peers: Vec<String> = slice
+            .peer_slice_tokens
+            .iter()
+            .collect::<BTreeMap<_, _>>()
+            .into_iter()
+            .map(|(peer, tokens)| format!("{peer} {tokens}"))
+            .collect();
+        println!(
+            "  {}: slice {} of {} (policy {}), demand {}, in flight {}, peers: {}",
+            slice.rule,
+            slice.slice_tokens,
+            slice.global_tokens,
+            known(slice.policy_tokens),
+            known(slice.demand_tokens),
+            slice.in_flight_tokens,
+            if peers.is_empty() { "-".to_owned() } else { peers.join(", ") },
+        );
+    }
+    if reply.truncated {
+        println!("  (more slices not listed)");
+    }
+    for transfer in &reply.transfers {
+        println!(
+            "  transfer {}/{}: {} token(s) of {} to {}, debited at {}",
+            reply.region,
+            transfer.serial,
+            transfer.tokens,
+            transfer.rule,
+            transfer.recipient,
+            crate::core::rfc3339::format_epoch_ms(transfer.debited_at_ms)
+        );
     }
 }
 

@@ -287,10 +287,12 @@ async fn serve_connection(connection: quinn::Connection, region: String, handler
                 let bytes = recv.read_to_end(MESSAGE_BYTES_MAX).await.map_err(|e| e.to_string())?;
                 let reply = match wire::decode::<RegionRequest>(&bytes) {
                     Err(error) => RegionReply::refused(error.to_string(), false),
-                    Ok(request) if request.id().donor != region => RegionReply::refused(
-                        format!("region {region} may only speak for its own transfers"),
-                        false,
-                    ),
+                    Ok(RegionRequest::Transfer(transfer)) if transfer.id().donor != region => {
+                        RegionReply::refused(
+                            format!("region {region} may only speak for its own transfers"),
+                            false,
+                        )
+                    }
                     Ok(request) => handler(region.clone(), request).await,
                 };
                 let bytes = wire::encode(&reply).map_err(|e| e.to_string())?;

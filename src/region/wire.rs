@@ -1,23 +1,57 @@
 //! The messages regions exchange, one request and one reply per QUIC stream, encoded with
-//! postcard and bounded by [`MESSAGE_BYTES_MAX`] both ways.
+//! postcard and bounded by [`MESSAGE_BYTES_MAX`] both ways: a donor's transfer requests,
+//! and the pages of views a region reads off its peers to know which of them is hot.
 
 use serde::{Deserialize, Serialize};
 
-use crate::core::region::transfer::Received;
+use crate::core::region::plan::RegionView;
+use crate::core::region::transfer::{Received, SLICE_KEY_BYTES_MAX, SliceKey, TransferRequest};
 
 /// Largest request or reply, in bytes (a transfer message is well under 2 KiB: a slice key
 /// of at most 1 KiB and a region name of at most 128 bytes).
 pub const MESSAGE_BYTES_MAX: usize = 16 * 1024;
 /// Longest reason in a refusal, in bytes.
 pub const REASON_BYTES_MAX: usize = 512;
+/// Most views in one [`RegionReply::Views`]: each is a slice key and four numbers.
+pub const VIEWS_PER_MESSAGE_MAX: usize = 12;
 
-/// What a donor region asks a recipient region: the core's transfer request, whose id must
-/// name the calling region as its donor.
-pub use crate::core::region::transfer::TransferRequest as RegionRequest;
+// A page of views of the longest keys fits a message (a view's numbers and length prefixes
+// are under 64 bytes as postcard varints).
+const _: () = assert!(VIEWS_PER_MESSAGE_MAX * (SLICE_KEY_BYTES_MAX + 64) + 64 <= MESSAGE_BYTES_MAX);
 
-/// The recipient's answer.
+/// What one region asks another.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RegionRequest {
+    /// A donor's credit or cancellation of a transfer, whose id must name the calling region
+    /// as its donor (the core's request, `crate::core::region::transfer`).
+    Transfer(TransferRequest),
+    /// A page of the asked region's views of its sliced limits, in key order after `after`
+    /// (from the first when `None`): how a donor learns which peers are hot.
+    Views {
+        /// The last key of the previous page.
+        after: Option<SliceKey>,
+    },
+}
+
+/// One sliced limit as a region sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RuleView {
+    /// The limit.
+    pub key: SliceKey,
+    /// The region's slice, policy slice and demand.
+    pub view: RegionView,
+}
+
+/// The answer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum RegionReply {
+    /// A page of views (at most [`VIEWS_PER_MESSAGE_MAX`]); `more` when later keys follow.
+    Views {
+        /// The views, in key order.
+        views: Vec<RuleView>,
+        /// Whether to ask for the page after the last key.
+        more: bool,
+    },
     /// What the recipient did with the id (the same for every replay).
     Received(Received),
     /// The id is below the donor's own settled watermark: nothing to do.

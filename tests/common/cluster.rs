@@ -80,6 +80,9 @@ pub struct ClusterOptions {
     /// Run node N as user id `base + N` (the test runs as root), so firewall rules can
     /// match one node's packets (`meta skuid`); the nodes' directories are made writable.
     pub uid_base: Option<u32>,
+    /// `region` of every node, and the region its certificate names, when not the
+    /// default (`super::tls::REGION` in certificates, the node's default in its config).
+    pub region: Option<String>,
 }
 
 impl Default for ClusterOptions {
@@ -94,6 +97,7 @@ impl Default for ClusterOptions {
             node_environment: BTreeMap::new(),
             admin_tls: false,
             uid_base: None,
+            region: None,
         }
     }
 }
@@ -158,6 +162,9 @@ impl ClusterNode {
             data = self.data_dir.display(),
             raft = self.raft_addr,
         );
+        if let Some(region) = &options.region {
+            text.push_str(&format!("region = \"{region}\"\n"));
+        }
         if !options.follow_region_policy {
             text.push_str(&format!("policy = \"{}\"\n", policy.display()));
         }
@@ -259,13 +266,37 @@ impl Cluster {
     /// Starts nodes `1..=voters` with each other as peers, forms the group with
     /// `quotamesh cluster init`, and waits until every node names the same leader.
     pub async fn start(voters: u64, options: ClusterOptions) -> anyhow::Result<Self> {
+        Self::start_with_ca(voters, options, None).await
+    }
+
+    /// As [`Cluster::start`], for another region of the cluster of `other`: its nodes'
+    /// certificates come from `other`'s CA and name `options.region`.
+    pub async fn start_sharing_ca(
+        voters: u64,
+        options: ClusterOptions,
+        other: &Cluster,
+    ) -> anyhow::Result<Self> {
+        Self::start_with_ca(voters, options, Some(&other.ca)).await
+    }
+
+    async fn start_with_ca(
+        voters: u64,
+        options: ClusterOptions,
+        shared: Option<&TestCa>,
+    ) -> anyhow::Result<Self> {
         let root = tempfile::tempdir()?;
         let policy = write_file(
             root.path(),
             "policy.yaml",
             options.policy.as_deref().unwrap_or(CLUSTER_POLICY),
         );
-        let ca = TestCa::new(root.path(), &options.cluster_id)?;
+        let mut ca = match shared {
+            Some(other) => TestCa::sharing(root.path(), other, super::tls::REGION)?,
+            None => TestCa::new(root.path(), &options.cluster_id)?,
+        };
+        if let Some(region) = &options.region {
+            ca.region.clone_from(region);
+        }
         let mut nodes = BTreeMap::new();
         if options.uid_base.is_some() {
             // Nodes of other users create their data directories here.

@@ -10,7 +10,7 @@ use quotamesh::tls::authority::{Authority, Issued};
 
 /// The operator token every test node accepts for admin calls.
 pub const ADMIN_TOKEN: &str = "test-operator-token";
-/// The region named in test node certificates.
+/// The region named in test node certificates, unless a test names another.
 pub const REGION: &str = "test";
 
 /// The `[admin]` section accepting [`ADMIN_TOKEN`].
@@ -21,10 +21,12 @@ pub fn admin_section() -> String {
     )
 }
 
-/// A cluster's CA and the directory its certificates are written to.
+/// A cluster's CA, the directory its certificates are written to, and the region its node
+/// certificates name.
 pub struct TestCa {
     pub directory: PathBuf,
     pub authority: Authority,
+    pub region: String,
 }
 
 impl TestCa {
@@ -35,7 +37,17 @@ impl TestCa {
         std::fs::create_dir_all(&directory)?;
         let authority = Authority::generate(cluster_id, quotamesh::clock::now_ms(), 30)?;
         std::fs::write(directory.join("ca.pem"), authority.cert_pem())?;
-        Ok(Self { directory, authority })
+        Ok(Self { directory, authority, region: REGION.to_owned() })
+    }
+
+    /// The CA of `other`, issuing certificates of voters of `region` into `<root>/certs`:
+    /// another region of the same cluster, which regions authenticate each other by.
+    pub fn sharing(root: &Path, other: &TestCa, region: &str) -> anyhow::Result<Self> {
+        let directory = root.join("certs");
+        std::fs::create_dir_all(&directory)?;
+        other.authority.save(&directory)?;
+        let authority = Authority::load(&directory)?;
+        Ok(Self { directory, authority, region: region.to_owned() })
     }
 
     /// The bundle file the nodes trust.
@@ -46,14 +58,15 @@ impl TestCa {
     /// Issues voter `id`'s certificate for `host` (what its peers dial).
     pub fn issue(&self, id: u64, host: &str) -> anyhow::Result<Issued> {
         let hosts = [host.to_owned()];
-        Ok(self.authority.issue_node(REGION, NodeId(id), &hosts, quotamesh::clock::now_ms(), 30)?)
+        let now_ms = quotamesh::clock::now_ms();
+        Ok(self.authority.issue_node(&self.region, NodeId(id), &hosts, now_ms, 30)?)
     }
 
     /// Issues gateway `id`'s certificate for `host`.
     pub fn issue_gateway(&self, id: u64, host: &str) -> anyhow::Result<Issued> {
         let hosts = [host.to_owned()];
         let now_ms = quotamesh::clock::now_ms();
-        Ok(self.authority.issue_gateway(REGION, NodeId(id), &hosts, now_ms, 30)?)
+        Ok(self.authority.issue_gateway(&self.region, NodeId(id), &hosts, now_ms, 30)?)
     }
 
     /// Writes `issued` as `<name>.pem` and `<name>.key`; returns their paths.

@@ -47,11 +47,12 @@ mod proptests;
 mod tests;
 
 use std::borrow::Cow;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use crate::core::lease::LeaseTuning;
 use crate::core::rate::{Algorithm, LimitSpec};
-use crate::core::region::RegionShares;
+use crate::core::region::transfer::SliceKey;
+use crate::core::region::{RegionShares, slice_spec_of};
 
 /// Deepest nesting of `descriptors` accepted (the top level is depth 1). An input size
 /// limit: a request descriptor only ever matches at its own depth, and Envoy sends few entries.
@@ -508,13 +509,31 @@ impl PolicySet {
     /// rules without `regions` are unchanged. The digest stays the set's, alike in every
     /// region, since the files are.
     #[must_use]
-    pub fn for_region(mut self, region: &str) -> PolicySet {
+    pub fn for_region(self, region: &str) -> PolicySet {
+        self.for_region_slices(region, &BTreeMap::new())
+    }
+
+    /// The set as `region` enforces it once tokens moved between regions: a limit whose
+    /// [`SliceKey`] is in `slices` gets that many tokens per window (the region's slice in
+    /// its quota ledger, `crate::core::region::transfer`), the others their policy slice as
+    /// in [`PolicySet::for_region`]. A slice above the global limit is capped at it.
+    #[must_use]
+    pub fn for_region_slices(
+        mut self,
+        region: &str,
+        slices: &BTreeMap<SliceKey, u64>,
+    ) -> PolicySet {
         for rule in &mut self.rules {
             let Some(shares) = &rule.regions else { continue };
-            for limit in &mut rule.limits {
-                limit.spec = shares
-                    .slice_spec(region, &limit.spec)
-                    .expect("a slice of a valid limit is a valid limit");
+            for (index, limit) in rule.limits.iter_mut().enumerate() {
+                let key = SliceKey::of(&rule.domain, &rule.path, index);
+                let sliced = match slices.get(&key) {
+                    Some(tokens) => {
+                        slice_spec_of(&limit.spec, (*tokens).min(limit.spec.requests_per_window))
+                    }
+                    None => shares.slice_spec(region, &limit.spec),
+                };
+                limit.spec = sliced.expect("a slice of a valid limit is a valid limit");
             }
         }
         self

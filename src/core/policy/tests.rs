@@ -1477,6 +1477,16 @@ fn regions_slice_the_limits_per_region() {
     assert_eq!(thirds, 100, "the slices add up to the global limit");
     assert_eq!(global(&east, "local"), (5, 5));
     assert_eq!(east.digest(), set.digest());
+    // Once tokens moved, the region's ledger slice replaces its policy slice (burst scaled
+    // alike, capped at the global limit); limits the ledger does not name keep the policy's.
+    let moved = BTreeMap::from([
+        (SliceKey::of("rl", "global", 0), 900),
+        (SliceKey::of("rl", "thirds", 0), 5_000),
+    ]);
+    let moved = set.clone().for_region_slices("us-east", &moved);
+    assert_eq!(global(&moved, "global"), (900, 1_800));
+    assert_eq!(global(&moved, "thirds"), (100, 100));
+    assert_eq!(global(&set.clone().for_region_slices("a", &BTreeMap::new()), "thirds").0, 34);
     let unsliced = parse(&[
         "domain: rl",
         "descriptors:",

@@ -16,10 +16,13 @@
 //!   conservation invariant.
 //! - [`plan`]: the rebalance planner: when a region asks, how much a donor gives, how
 //!   slices drift back to the policy's shares.
+//! - [`demand`]: a region's demand on a limit over the observation window, from samples of
+//!   its count of offered hits.
 //!
-//! Nothing here does IO or reads a clock; the QUIC transport (`crate::region`, not built
-//! yet) and the rebalancer actor wrap it.
+//! Nothing here does IO or reads a clock; the QUIC transport (`crate::region`) and the
+//! rebalancer actor (`crate::actors::rebalancer`) wrap it.
 
+pub mod demand;
 pub mod plan;
 pub mod transfer;
 

@@ -169,8 +169,8 @@ impl PlanSettings {
     }
 }
 
-/// What the planner knows of one region for one rule.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// What the planner knows of one region for one rule (regions exchange it, `crate::region`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct RegionView {
     /// The rule's global limit, tokens per window.
     pub global_tokens: u64,

@@ -9,6 +9,7 @@ use super::*;
 use crate::core::ledger::NodeId;
 use crate::core::region::transfer::{
     Received, RegionCommand, RegionLedger, RegionResponse, Slice, SliceKey, TransferId,
+    TransferRequest,
 };
 use crate::tls::authority::Authority;
 use crate::tls::credentials::TlsFiles;
@@ -45,6 +46,10 @@ fn peer(name: &str, quic_addr: SocketAddr) -> RegionPeer {
 /// through its Raft group.
 fn ledger_handler(ledger: Arc<Mutex<RegionLedger>>) -> Handler {
     Arc::new(move |_region, request| {
+        let RegionRequest::Transfer(request) = request else {
+            let reply = RegionReply::Views { views: Vec::new(), more: false };
+            return Box::pin(async move { reply });
+        };
         let command = RegionCommand::Receive(request);
         let response = ledger.lock().expect("not poisoned").apply(&command, 0);
         let reply = match response {
@@ -86,8 +91,12 @@ async fn regions_credit_over_mutual_tls_and_refuse_strangers() -> anyhow::Result
         &[peer("b", b_addr)],
     )?;
     let id = TransferId { donor: "a".to_owned(), serial: 1 };
-    let credit =
-        RegionRequest::Credit { id: id.clone(), key: key.clone(), tokens: 25, settled_below: 1 };
+    let credit = RegionRequest::Transfer(TransferRequest::Credit {
+        id: id.clone(),
+        key: key.clone(),
+        tokens: 25,
+        settled_below: 1,
+    });
     for _ in 0..3 {
         assert_eq!(a.call("b", &credit).await?, RegionReply::Received(Received::Credited));
     }
@@ -100,10 +109,10 @@ async fn regions_credit_over_mutual_tls_and_refuse_strangers() -> anyhow::Result
     assert!(link.is_connected().await && link.rtt().await.is_some());
 
     // A region speaks only for its own transfers.
-    let spoofed = RegionRequest::Cancel {
+    let spoofed = RegionRequest::Transfer(TransferRequest::Cancel {
         id: TransferId { donor: "x".to_owned(), serial: 1 },
         settled_below: 1,
-    };
+    });
     assert!(matches!(a.call("b", &spoofed).await?, RegionReply::Refused { retry: false, .. }));
 
     // A voter of a region b does not list, and one of another cluster's CA, are refused.
@@ -113,10 +122,10 @@ async fn regions_credit_over_mutual_tls_and_refuse_strangers() -> anyhow::Result
         "s",
         &[peer("b", b_addr)],
     )?;
-    let request = RegionRequest::Cancel {
+    let request = RegionRequest::Transfer(TransferRequest::Cancel {
         id: TransferId { donor: "s".to_owned(), serial: 1 },
         settled_below: 1,
-    };
+    });
     assert!(stranger.call("b", &request).await.is_err(), "a region b does not list");
     let other_authority = Authority::generate("c", crate::clock::now_ms(), 1)?;
     let other_directory = tempfile::tempdir()?;
@@ -141,10 +150,10 @@ async fn regions_credit_over_mutual_tls_and_refuse_strangers() -> anyhow::Result
         "a",
         &[peer("z", silent.local_addr()?)],
     )?;
-    let request = RegionRequest::Cancel {
+    let request = RegionRequest::Transfer(TransferRequest::Cancel {
         id: TransferId { donor: "a".to_owned(), serial: 1 },
         settled_below: 1,
-    };
+    });
     let started = Instant::now();
     assert!(matches!(lonely.call("z", &request).await, Err(CallError::Connect { .. })));
     assert!(started.elapsed() < CONNECT_TIMEOUT + Duration::from_secs(1));
