@@ -238,7 +238,7 @@ async fn minority_refuses_within_the_deadline() -> anyhow::Result<()> {
     check_all(&cluster, &history).await
 }
 
-/// Coordinated crashes with reads right after: each trial commits a debit, kills all three
+/// Coordinated crashes with reads right after: each of ten trials commits a debit, kills all three
 /// nodes with SIGKILL the moment it is acknowledged, restarts them and reads the balance
 /// through the node that led, then through each other node; every read shows every
 /// acknowledged debit. A leader may keep its leadership across the restart while the
@@ -247,7 +247,7 @@ async fn minority_refuses_within_the_deadline() -> anyhow::Result<()> {
 /// quotamesh-jepsen's bank workload, seed 1000, as a stale read after a crash of all nodes).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_after_a_crash_of_every_node_show_every_acknowledged_debit() -> anyhow::Result<()> {
-    const TRIALS: u64 = 6;
+    const TRIALS: u64 = 10;
     let _hog = common::CpuHog::start(2);
     let mut cluster = BillingCluster::start(3, "")?;
     cluster.wait_for_leader(0).await?;
@@ -290,7 +290,7 @@ async fn reads_after_a_crash_of_every_node_show_every_acknowledged_debit() -> an
 }
 
 /// The first balance node `index` serves (it answers `UNAVAILABLE` while the group has no
-/// leader after a restart), within 30 s.
+/// leader after a restart), within 30 s, asked every 2 ms.
 async fn balance_when_served(
     cluster: &BillingCluster,
     index: usize,
@@ -303,6 +303,7 @@ async fn balance_when_served(
             return Ok(reply);
         }
         anyhow::ensure!(Instant::now() < deadline, "node {} served no read in 30 s", index + 1);
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        // Often: the stale read could only come before the first replication round.
+        tokio::time::sleep(Duration::from_millis(2)).await;
     }
 }
