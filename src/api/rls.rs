@@ -38,7 +38,7 @@ use crate::api::proto::envoy::service::ratelimit::v3::rate_limit_response::{
 use crate::api::proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use crate::api::proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use crate::api::proto::envoy::r#type::v3::RateLimitUnit;
-use crate::api::rule_metrics::{DescriptorCode, RuleCounters, RuleMetrics};
+use crate::api::rule_metrics::{DescriptorCode, DomainCounters, RuleCounters, RuleMetrics};
 use crate::api::shadow_events::ShadowSink;
 use crate::api::status::InvalidRequest;
 use crate::core::admission::Verdict;
@@ -49,7 +49,7 @@ use crate::core::policy::FailureMode;
 use crate::core::policy::{Entry, Match, PolicySet, Rule, RuleLimit, Stage, Unit};
 use crate::core::rate::LimitSpec;
 use crate::core::shadow_report::{DescriptorEntry, SHADOW_BLOCK_EVENT, ShadowEvent};
-use crate::metrics::{DOMAIN_UNKNOWN, Metrics, STATS_KEY_OVERRIDE};
+use crate::metrics::{Metrics, STATS_KEY_OVERRIDE};
 
 /// Most descriptors in one request.
 pub const DESCRIPTORS_MAX: usize = 64;
@@ -286,7 +286,8 @@ impl RlsService {
         } else {
             self.shards.decide(&probes, now_ms).await?
         };
-        let response = self.respond(request, &policy, &plans, &decision, &probes, now_ms);
+        let domain_counters = rule_counters.domain(domain);
+        let response = self.respond(request, domain_counters, &plans, &decision, &probes, now_ms);
         Ok(response)
     }
 
@@ -305,11 +306,11 @@ impl RlsService {
         match policy.match_descriptor(domain, &entries) {
             Match::Rule(rule) => Some(rule),
             Match::DomainNotFound => {
-                self.metrics.rls_unmatched.with_label_values(&["domain_not_found"]).inc();
+                self.rule_metrics.unmatched_domain.inc();
                 None
             }
             Match::NoRule => {
-                self.metrics.rls_unmatched.with_label_values(&["no_rule"]).inc();
+                self.rule_metrics.unmatched_rule.inc();
                 None
             }
         }
@@ -318,14 +319,14 @@ impl RlsService {
     fn respond(
         &self,
         request: &RateLimitRequest,
-        policy: &PolicySet,
+        domain_counters: &DomainCounters,
         plans: &[Plan<'_>],
         decision: &Decision,
         probes: &[Probe<'_>],
         now_ms: u64,
     ) -> RateLimitResponse {
         let domain = request.domain.as_str();
-        let domain_label = if policy.has_domain(domain) { domain } else { DOMAIN_UNKNOWN };
+        let domain_label = &*domain_counters.label;
         let mut metadata: Option<serde_json::Map<String, serde_json::Value>> = None;
         let mut statuses = Vec::with_capacity(plans.len());
         let mut reports: SmallVec<[LimitReport<'_>; 4]> = SmallVec::new();
@@ -455,10 +456,7 @@ impl RlsService {
             });
         }
         let overall = if decision.admitted { Code::Ok } else { Code::OverLimit };
-        self.metrics
-            .rls_decisions
-            .with_label_values(&[domain_label, if decision.admitted { "ok" } else { "over_limit" }])
-            .inc();
+        domain_counters.count_answer(decision.admitted);
         let retry_after_ms = if decision.admitted { None } else { retry_after_ms };
         let mut headers = format_headers(&reports, retry_after_ms, self.headers);
         if let Some(warning) = warning {

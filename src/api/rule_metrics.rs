@@ -1,17 +1,18 @@
-//! The counter handles of the active policy's rules, resolved once per policy.
+//! The counter handles of the active policy's rules and domains, resolved once per policy.
 //!
-//! A rule's labels (domain, path, statistics key) are fixed by the policy, so the RLS hot
-//! path increments a resolved handle instead of hashing its labels into a `MetricVec` on
-//! every request. A statistics key named by runtime values, and a request's own limit
+//! A rule's labels (domain, path, statistics key) and a domain's are fixed by the policy, so
+//! the RLS hot path increments a resolved handle instead of hashing its labels into a
+//! `MetricVec` on every request. A statistics key named by runtime values, and a request's own limit
 //! override, still go through the vectors (`crate::api::rls`).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use arc_swap::ArcSwapOption;
 use prometheus::IntCounter;
 
 use crate::core::policy::{PolicySet, Rule, RuleId};
-use crate::metrics::Metrics;
+use crate::metrics::{DOMAIN_UNKNOWN, Metrics};
 
 /// How `quotamesh_rls_descriptor_decisions_total` labels one descriptor's decision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,10 +99,36 @@ impl RuleCounters {
     }
 }
 
-/// The counters of one policy's rules, in [`RuleId`] order.
+/// One domain's answers, `quotamesh_rls_decisions_total`, under its label.
+pub struct DomainCounters {
+    /// The `domain` label: the domain, or [`DOMAIN_UNKNOWN`] for one no policy declares.
+    pub label: Box<str>,
+    ok: IntCounter,
+    over_limit: IntCounter,
+}
+
+impl DomainCounters {
+    fn of(metrics: &Metrics, label: &str) -> Self {
+        Self {
+            label: label.into(),
+            ok: metrics.rls_decisions.with_label_values(&[label, "ok"]),
+            over_limit: metrics.rls_decisions.with_label_values(&[label, "over_limit"]),
+        }
+    }
+
+    /// Counts one request's overall answer.
+    pub fn count_answer(&self, admitted: bool) {
+        if admitted { &self.ok } else { &self.over_limit }.inc();
+    }
+}
+
+/// The counters of one policy's rules, in [`RuleId`] order, and of its domains.
 pub struct ResolvedRules {
     policy: Arc<PolicySet>,
     rules: Vec<RuleCounters>,
+    /// Bounded by the policy's domains.
+    domains: HashMap<Box<str>, DomainCounters>,
+    unknown_domain: DomainCounters,
 }
 
 impl ResolvedRules {
@@ -109,18 +136,34 @@ impl ResolvedRules {
     pub fn rule(&self, id: RuleId) -> Option<&RuleCounters> {
         usize::try_from(id.0).ok().and_then(|index| self.rules.get(index))
     }
+
+    /// The counters of `domain`, or of [`DOMAIN_UNKNOWN`] when the policy declares no such
+    /// domain (a caller's domain never becomes a label of its own).
+    pub fn domain(&self, domain: &str) -> &DomainCounters {
+        self.domains.get(domain).unwrap_or(&self.unknown_domain)
+    }
 }
 
-/// The active policy's rule counters, resolved again when the policy changes.
+/// The active policy's rule and domain counters, resolved again when the policy changes,
+/// and the counters whose labels no policy names.
 pub struct RuleMetrics {
     metrics: Metrics,
     resolved: ArcSwapOption<ResolvedRules>,
+    /// `quotamesh_rls_unmatched_total{reason="domain_not_found"}`.
+    pub unmatched_domain: IntCounter,
+    /// `quotamesh_rls_unmatched_total{reason="no_rule"}`.
+    pub unmatched_rule: IntCounter,
 }
 
 impl RuleMetrics {
     /// Nothing resolved yet: the first request resolves its policy's rules.
     pub fn new(metrics: Metrics) -> Self {
-        Self { metrics, resolved: ArcSwapOption::empty() }
+        Self {
+            unmatched_domain: metrics.rls_unmatched.with_label_values(&["domain_not_found"]),
+            unmatched_rule: metrics.rls_unmatched.with_label_values(&["no_rule"]),
+            metrics,
+            resolved: ArcSwapOption::empty(),
+        }
     }
 
     /// The counters of `policy`'s rules: those already resolved when `policy` is the one
@@ -132,9 +175,15 @@ impl RuleMetrics {
         {
             return resolved;
         }
+        let domains = policy
+            .domains()
+            .map(|domain| (Box::from(domain), DomainCounters::of(&self.metrics, domain)))
+            .collect();
         let resolved = Arc::new(ResolvedRules {
             policy: Arc::clone(policy),
             rules: policy.rules().map(|rule| RuleCounters::of(&self.metrics, rule)).collect(),
+            domains,
+            unknown_domain: DomainCounters::of(&self.metrics, DOMAIN_UNKNOWN),
         });
         self.resolved.store(Some(Arc::clone(&resolved)));
         resolved
@@ -178,5 +227,27 @@ mod tests {
         assert!(!Arc::ptr_eq(&resolved, &again));
         again.rule(RuleId(0)).expect("the rule").count_decision(DescriptorCode::Ok);
         assert_eq!(metrics.rls_descriptor_decisions.with_label_values(&["e", "k", "ok"]).get(), 1);
+    }
+
+    /// A declared domain counts under its name; any other under the one unknown label, and
+    /// a domain the policy no longer declares is unknown after the change.
+    #[test]
+    fn answers_count_under_the_domain_or_the_unknown_label() {
+        let metrics = Metrics::new();
+        let rules = RuleMetrics::new(metrics.clone());
+        let first = policy("domain: d\ndescriptors: []\n");
+        let resolved = rules.of(&first);
+        resolved.domain("d").count_answer(true);
+        resolved.domain("d").count_answer(false);
+        resolved.domain("caller-made-up").count_answer(true);
+        let answers = |domain: &str, code: &str| {
+            metrics.rls_decisions.with_label_values(&[domain, code]).get()
+        };
+        assert_eq!((answers("d", "ok"), answers("d", "over_limit")), (1, 1));
+        assert_eq!(answers(DOMAIN_UNKNOWN, "ok"), 1);
+        assert_eq!(answers("caller-made-up", "ok"), 0);
+        let second = policy("domain: e\ndescriptors: []\n");
+        rules.of(&second).domain("d").count_answer(true);
+        assert_eq!((answers("d", "ok"), answers(DOMAIN_UNKNOWN, "ok")), (1, 2));
     }
 }

@@ -476,6 +476,11 @@ impl PolicySet {
         self.domains.contains_key(domain)
     }
 
+    /// Every domain some policy file declares, in no particular order.
+    pub fn domains(&self) -> impl Iterator<Item = &str> {
+        self.domains.keys().map(AsRef::as_ref)
+    }
+
     /// Every rule, in [`RuleId`] order.
     pub fn rules(&self) -> impl Iterator<Item = &Rule> {
         self.rules.iter()
