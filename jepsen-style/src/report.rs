@@ -91,10 +91,25 @@ pub fn render_parts(
                 record.rls.burst_tokens
             )
         }
+        WorkloadKind::Leases => match &record.leases {
+            Some(leases) => format!(
+                "{} keys of {}/s, bursts of {}, grants of 1 to {} for {} ms",
+                leases.keys,
+                leases.limit_per_second,
+                leases.burst_tokens,
+                leases.tokens_wanted_max,
+                leases.lease_ttl_ms
+            ),
+            None => "leases".to_owned(),
+        },
+    };
+    let gateways = match options.gateways {
+        0 => String::new(),
+        count => format!(" + {count} gateways"),
     };
     let _ = writeln!(
         text,
-        "# quotamesh-jepsen: {} on {} {} nodes, seed {}\n\n\
+        "# quotamesh-jepsen: {} on {} {} nodes{gateways}, seed {}\n\n\
          nemeses: {} · time limit {} s · rate {}/s · {shape}\n",
         options.workload.name(),
         options.nodes,
