@@ -39,6 +39,11 @@ const PORTS: std::ops::Range<u16> = 20_000..32_000;
 /// With disk faults, each node's data directory is a tmpfs of this size: room for a short
 /// run's logs and snapshots, little to fill.
 const DATA_DISK_BYTES: u64 = 128 << 20;
+/// How long the heal keeps trying to add a removed voter back (the region may be electing
+/// a leader after the removal of its last one).
+const ADD_BACK_WAIT: Duration = Duration::from_secs(15);
+/// Between two tries.
+const ADD_BACK_PAUSE: Duration = Duration::from_millis(250);
 /// The file a disk fault fills a data directory with.
 const FILLER: &str = "jepsen-filler";
 /// The cluster and region the nodes' configs and certificates name.
@@ -678,12 +683,22 @@ impl Cluster {
                 problems.push(format!("{error:#}"));
             }
         }
-        // Added back once every node runs again, so the change finds its leaders.
+        // Added back once every node runs again, so the change finds its leaders. A removed
+        // leader leaves the rest to elect a new one, which may still be under way: retried.
         for position in 0..self.nodes.len() {
-            if self.nodes[position].removed
-                && let Err(error) = self.add_voter(position).await
-            {
-                problems.push(format!("{error:#}"));
+            if !self.nodes[position].removed {
+                continue;
+            }
+            let deadline = Instant::now() + ADD_BACK_WAIT;
+            loop {
+                match self.add_voter(position).await {
+                    Ok(()) => break,
+                    Err(_) if Instant::now() < deadline => tokio::time::sleep(ADD_BACK_PAUSE).await,
+                    Err(error) => {
+                        problems.push(format!("{error:#}"));
+                        break;
+                    }
+                }
             }
         }
         problems
