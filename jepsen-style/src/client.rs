@@ -51,7 +51,8 @@ fn authorized<T>(body: T, token: &str) -> tonic::Request<T> {
     request
 }
 
-/// The clients of every node, by position: billing, RLS and admin.
+/// The clients of every node, by position: billing (voters only), RLS and admin (the
+/// voters, then the gateways).
 #[derive(Clone)]
 pub struct Clients {
     pub billing: BillingNodes,
@@ -116,12 +117,13 @@ impl Clients {
         ]
     }
 
+    /// The voters (the nodes with a billing API and replicas).
     pub fn len(&self) -> usize {
-        self.rls.len()
+        self.billing.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.rls.is_empty()
+        self.billing.is_empty()
     }
 
     /// Sends an operation to node `position`; returns how it ended and what came back.
@@ -133,7 +135,50 @@ impl Clients {
     ) -> (EventType, OpValue) {
         match f {
             Function::Check => self.check(position, value).await,
+            Function::Acquire => self.acquire(position, value).await,
             _ => self.billing.call(position, f, value).await,
+        }
+    }
+
+    /// One lease grant of `value.amount` tokens on the lease workload's key
+    /// `value.descriptor` for `value.ttl_ms`, held by node `position` (admin
+    /// `AcquireLeases`). Each call is a grant of its own: an unknown one is `info`.
+    async fn acquire(&self, position: usize, value: &OpValue) -> (EventType, OpValue) {
+        use crate::workload::leases::{DESCRIPTOR_KEY, DOMAIN};
+        let mut client = self.admin[position].clone();
+        let wanted = admin::LeaseWanted {
+            domain: DOMAIN.to_owned(),
+            entries: vec![admin::DescriptorEntry {
+                key: DESCRIPTOR_KEY.to_owned(),
+                value: value.descriptor.clone().unwrap_or_default(),
+            }],
+            tokens_wanted: value.amount.unwrap_or(0),
+        };
+        let lease_ttl_ms = value.ttl_ms.unwrap_or(0);
+        let body = admin::AcquireLeasesRequest { leases: vec![wanted], lease_ttl_ms };
+        let mut reply = value.clone();
+        match client.acquire_leases(authorized(body, &self.admin_token)).await {
+            Ok(response) => {
+                let Some(result) = response.into_inner().results.into_iter().next() else {
+                    reply.error = Some("no result for the one lease asked".to_owned());
+                    return (EventType::Info, reply);
+                };
+                if !result.error.is_empty() {
+                    // The ledger refused the item; nothing changed for it.
+                    reply.error = Some(result.error);
+                    return (EventType::Fail, reply);
+                }
+                reply.granted = Some(result.granted_tokens);
+                reply.remaining = Some(result.remaining_tokens);
+                reply.ledger_time_ms = result
+                    .lease_expires_at_ms
+                    .map(|expires_at_ms| expires_at_ms.saturating_sub(lease_ttl_ms));
+                (EventType::Ok, reply)
+            }
+            Err(status) => {
+                reply.error = Some(format!("{:?}: {}", status.code(), status.message()));
+                (classify(status.code(), connection_refused(&status), true), reply)
+            }
         }
     }
 
@@ -251,9 +296,9 @@ impl BillingNodes {
                 client.void(self.request(body)).await
             }
             Function::Read => return self.read(position, value).await,
-            Function::Check => {
+            Function::Check | Function::Acquire => {
                 let mut reply = value.clone();
-                reply.error = Some("an RLS hit is no billing call".to_owned());
+                reply.error = Some(format!("{f:?} is no billing call"));
                 return (EventType::Fail, reply);
             }
         };

@@ -46,12 +46,15 @@ pub enum Function {
     Capture,
     /// Releases a hold.
     Void,
+    /// A lease grant through the admin `AcquireLeases` (no idempotency key: each call is a
+    /// grant of its own).
+    Acquire,
 }
 
 impl Function {
-    /// Whether the operation changes the ledger (and so has an idempotency key).
+    /// Whether the operation changes the billing ledger (and so has an idempotency key).
     pub fn is_mutation(self) -> bool {
-        !matches!(self, Self::Read | Self::Check)
+        !matches!(self, Self::Read | Self::Check | Self::Acquire)
     }
 
     /// The kind of trail entry a mutation makes when it commits.
@@ -63,7 +66,7 @@ impl Function {
             Self::Reserve => Some(EntryKind::Reserve),
             Self::Capture => Some(EntryKind::Capture),
             Self::Void => Some(EntryKind::Void),
-            Self::Read | Self::Check => None,
+            Self::Read | Self::Check | Self::Acquire => None,
         }
     }
 }
@@ -85,6 +88,16 @@ pub struct OpValue {
     /// The descriptor key an RLS hit carries (its rule).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub descriptor: Option<String>,
+    /// The tokens a lease grant got (its `ok`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub granted: Option<u64>,
+    /// The whole tokens the bucket kept after a lease grant.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remaining: Option<u64>,
+    /// The ledger time a lease grant committed at (its expiry less its TTL; none when
+    /// nothing was granted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ledger_time_ms: Option<u64>,
     /// Whether an RLS hit was admitted (`OK`) or refused (`OVER_LIMIT`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub admitted: Option<bool>,

@@ -31,16 +31,22 @@ struct RunArgs {
     /// namespace each, on a bridge; needs root; allows partitions).
     #[arg(long, default_value = "local", value_parser = ["local", "netns"])]
     topology: String,
+    /// Voters: members of both Raft groups.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=9))]
     nodes: u64,
+    /// Gateways besides the voters (`role = "gateway"`: they serve RLS and lease through
+    /// the voters, no replica, no vote); the `rls` and `leases` workloads send to them too.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=4))]
+    gateways: u64,
     /// The workload: `bank` (transfers and reads on the billing API), `linear` (the same on
     /// two accounts, half reads: for the linearizability search), `holds` (reserves with
-    /// short TTLs, captured, voided or left to expire) or `rls` (hits on an open and a
-    /// closed rule through the Rate Limit Service).
-    #[arg(long, default_value = "bank", value_parser = ["bank", "linear", "holds", "rls"])]
+    /// short TTLs, captured, voided or left to expire), `rls` (hits on an open and a
+    /// closed rule through the Rate Limit Service) or `leases` (lease grants through the
+    /// admin API, held to the bucket's capacity and refill).
+    #[arg(long, default_value = "bank", value_parser = ["bank", "linear", "holds", "rls", "leases"])]
     workload: String,
     /// Faults, comma-separated: `kill`, `pause`, `partition`, `partition-one-way`,
-    /// `partition-flap` (netns only), `clock`, `clock-step` (libfaketime), `policy`,
+    /// `partition-flap`, `majorities-ring` (netns only), `clock`, `clock-step` (libfaketime), `policy`,
     /// `membership`, `disk` (root); `none` for a fault-free baseline.
     #[arg(long, default_value = "kill,pause")]
     nemesis: String,
@@ -88,6 +94,7 @@ impl RunArgs {
         Ok(RunOptions {
             topology,
             nodes: usize::try_from(self.nodes)?,
+            gateways: usize::try_from(self.gateways)?,
             workload: WorkloadKind::parse(&self.workload).map_err(anyhow::Error::msg)?,
             nemeses,
             time_limit_ms: u64::try_from(self.time_limit.as_millis())?,

@@ -42,6 +42,10 @@ pub enum FaultKind {
     /// The targets' data directories full: each is a small tmpfs (root), filled by a file
     /// the runner writes until no space is left, and removed when the fault ends.
     Disk,
+    /// Jepsen's `majorities-ring` (netns): every node hears a majority, no two the same one.
+    /// The nodes stand in a seeded ring ([`Target::Ring`]) and each drops what it receives
+    /// from every node outside the window of a majority around it ([`majorities_ring_links`]).
+    MajoritiesRing,
 }
 
 /// A flapping partition changes state this often: below the election timeouts' 300 ms,
@@ -63,7 +67,7 @@ pub enum PolicyEdit {
 
 impl FaultKind {
     /// Every kind.
-    pub const ALL: [Self; 10] = [
+    pub const ALL: [Self; 11] = [
         Self::Kill,
         Self::Pause,
         Self::Partition,
@@ -74,6 +78,7 @@ impl FaultKind {
         Self::Policy,
         Self::Membership,
         Self::Disk,
+        Self::MajoritiesRing,
     ];
 
     /// Parses a `--nemesis` name.
@@ -101,6 +106,7 @@ impl FaultKind {
             Self::Policy => "policy",
             Self::Membership => "membership",
             Self::Disk => "disk",
+            Self::MajoritiesRing => "majorities-ring",
         }
     }
 
@@ -115,7 +121,10 @@ impl FaultKind {
 
     /// Whether it cuts network links (netns only).
     pub fn is_partition(self) -> bool {
-        matches!(self, Self::Partition | Self::PartitionOneWay | Self::PartitionFlap)
+        matches!(
+            self,
+            Self::Partition | Self::PartitionOneWay | Self::PartitionFlap | Self::MajoritiesRing
+        )
     }
 
     /// Whether it moves wall clocks (the nodes then run under libfaketime).
@@ -139,6 +148,8 @@ pub enum Target {
     /// Partitions only: the other nodes split in two halves that cannot reach each other,
     /// this node (by position) reaching both.
     Bridge(usize),
+    /// [`FaultKind::MajoritiesRing`] only: every node, in this ring order (positions).
+    Ring(Vec<usize>),
 }
 
 /// The links a partition of `target` cuts, as pairs of positions (lower first), given the
@@ -153,7 +164,7 @@ pub fn cut_links(target: &Target, positions: &[usize], nodes: usize) -> Vec<(usi
             let (left, right) = others.split_at(others.len() / 2);
             pairs.filter(|(first, second)| left.contains(first) && right.contains(second)).collect()
         }
-        Target::One(_) | Target::Leader | Target::Minority(_) => pairs
+        Target::One(_) | Target::Leader | Target::Minority(_) | Target::Ring(_) => pairs
             .filter(|(first, second)| positions.contains(first) != positions.contains(second))
             .collect(),
     }
@@ -172,6 +183,28 @@ pub fn one_way_links(target: &Target, positions: &[usize], nodes: usize) -> Vec<
                 }
         })
         .collect()
+}
+
+/// The directed links a majorities ring cuts, as (sender, receiver) pairs of positions:
+/// each node hears the majority of nodes in the window of the ring around it (itself at
+/// its middle, as Jepsen's `majorities-ring-perfect` places it) and drops what the others
+/// send. With three or more nodes no two windows are the same majority. For five nodes the
+/// cuts are symmetric (each node linked to its two neighbours); for three they are one
+/// way round the ring, which over TCP, needing both directions, leaves every node alone.
+pub fn majorities_ring_links(ring: &[usize]) -> Vec<(usize, usize)> {
+    let count = ring.len();
+    let majority = count / 2 + 1;
+    let mut links = Vec::new();
+    for (slot, receiver) in ring.iter().enumerate() {
+        // The window starts majority / 2 slots before the receiver's.
+        let first = slot + count - majority / 2;
+        let heard: Vec<usize> = (first..first + majority).map(|at| ring[at % count]).collect();
+        links.extend(
+            ring.iter().filter(|sender| !heard.contains(sender)).map(|sender| (*sender, *receiver)),
+        );
+    }
+    links.sort_unstable();
+    links
 }
 
 /// One planned fault.
@@ -254,6 +287,14 @@ pub fn schedule(seed: u64, options: &ScheduleOptions) -> Vec<ScheduledFault> {
         // Drawn only for partitions, so other kinds' schedules do not depend on it.
         if kind == FaultKind::Partition && options.nodes >= 3 && rng.percent(BRIDGE_PERCENT) {
             target = Target::Bridge(rng.index(options.nodes));
+        }
+        // Drawn only for majorities rings, so other kinds' schedules do not depend on it.
+        if kind == FaultKind::MajoritiesRing {
+            let mut ring: Vec<usize> = (0..options.nodes).collect();
+            for slot in (1..ring.len()).rev() {
+                ring.swap(slot, rng.index(slot + 1));
+            }
+            target = Target::Ring(ring);
         }
         // A region keeps a voter: a membership fault removes one node, or the leader.
         if kind == FaultKind::Membership && !matches!(target, Target::One(_)) {
@@ -384,6 +425,7 @@ mod tests {
                     FaultKind::Policy,
                     FaultKind::Membership,
                     FaultKind::Disk,
+                    FaultKind::MajoritiesRing,
                 ]
             };
             let options = options(nodes, time_limit_ms, kinds.clone());
@@ -419,8 +461,18 @@ mod tests {
                         prop_assert!(*position < nodes && nodes >= 3);
                         prop_assert_eq!(fault.kind, FaultKind::Partition);
                     }
+                    Target::Ring(ring) => {
+                        prop_assert_eq!(fault.kind, FaultKind::MajoritiesRing);
+                        let mut sorted = ring.clone();
+                        sorted.sort_unstable();
+                        prop_assert_eq!(sorted, (0..nodes).collect::<Vec<_>>());
+                    }
                     Target::Leader | Target::All => {}
                 }
+                prop_assert_eq!(
+                    fault.kind == FaultKind::MajoritiesRing,
+                    matches!(fault.target, Target::Ring(_))
+                );
                 previous_end_ms = fault.end_ms();
             }
         }
@@ -446,6 +498,46 @@ mod tests {
             assert_eq!(serde_json::to_string(&kind).expect("json"), format!("\"{}\"", kind.name()));
         }
         assert!(FaultKind::parse("flood").is_err());
+    }
+
+    proptest! {
+        /// In a majorities ring of three or more nodes every node hears a majority (itself
+        /// included) and no two hear the same one; no node drops its own traffic.
+        #[test]
+        fn majorities_rings_are_distinct_majorities(
+            nodes in 3_usize..10,
+            seed: u64,
+        ) {
+            let mut rng = SeededRng::new(seed);
+            let mut ring: Vec<usize> = (0..nodes).collect();
+            for slot in (1..nodes).rev() {
+                ring.swap(slot, rng.index(slot + 1));
+            }
+            let links = majorities_ring_links(&ring);
+            let mut heard_sets = Vec::new();
+            for receiver in 0..nodes {
+                let heard: Vec<usize> = (0..nodes)
+                    .filter(|sender| !links.contains(&(*sender, receiver)))
+                    .collect();
+                prop_assert!(heard.contains(&receiver));
+                prop_assert!(heard.len() * 2 > nodes, "{heard:?} of {nodes}");
+                prop_assert!(!heard_sets.contains(&heard), "{heard:?} twice");
+                heard_sets.push(heard);
+            }
+        }
+    }
+
+    /// Five nodes: each linked both ways to its two ring neighbours only (Jepsen's exact
+    /// ring); three: one way round the ring.
+    #[test]
+    fn majorities_rings_match_jepsen() {
+        let five = majorities_ring_links(&[0, 1, 2, 3, 4]);
+        let expected: Vec<(usize, usize)> =
+            vec![(0, 2), (0, 3), (1, 3), (1, 4), (2, 0), (2, 4), (3, 0), (3, 1), (4, 1), (4, 2)];
+        assert_eq!(five, expected);
+        // Node 1 hears 0 and itself, 2 hears 1, 0 hears 2.
+        assert_eq!(majorities_ring_links(&[0, 1, 2]), vec![(0, 2), (1, 0), (2, 1)]);
+        assert_eq!(majorities_ring_links(&[0, 2, 1]), vec![(0, 1), (1, 2), (2, 0)]);
     }
 
     /// One way: the rest to the targets only; for all, every node hears no other.

@@ -2,7 +2,8 @@
 //! the verdict with each check's first problems, operations by function and outcome, the
 //! share of operations that succeeded with and without a fault active, and each fault with
 //! the time from its end to the next `ok` through any node and through every node. Rendered from the run's files alone. Also the
-//! summary of a directory of runs: one row per run.
+//! summary of a directory of runs: one row per run, then per kind of fault over every run
+//! the faults, the share `ok` while one was active and the recovery times.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -12,7 +13,7 @@ use anyhow::Context;
 
 use crate::checker::{Verdict, availability};
 use crate::history::{Event, EventType, Function, operations, read_jsonl};
-use crate::nemesis::{NemesisRecord, Phase};
+use crate::nemesis::{FaultKind, NemesisRecord, Phase};
 use crate::run::{RunRecord, WorkloadKind};
 
 /// What a report is rendered from: a saved run's records.
@@ -91,10 +92,25 @@ pub fn render_parts(
                 record.rls.burst_tokens
             )
         }
+        WorkloadKind::Leases => match &record.leases {
+            Some(leases) => format!(
+                "{} keys of {}/s, bursts of {}, grants of 1 to {} for {} ms",
+                leases.keys,
+                leases.limit_per_second,
+                leases.burst_tokens,
+                leases.tokens_wanted_max,
+                leases.lease_ttl_ms
+            ),
+            None => "leases".to_owned(),
+        },
+    };
+    let gateways = match options.gateways {
+        0 => String::new(),
+        count => format!(" + {count} gateways"),
     };
     let _ = writeln!(
         text,
-        "# quotamesh-jepsen: {} on {} {} nodes, seed {}\n\n\
+        "# quotamesh-jepsen: {} on {} {} nodes{gateways}, seed {}\n\n\
          nemeses: {} · time limit {} s · rate {}/s · {shape}\n",
         options.workload.name(),
         options.nodes,
@@ -214,6 +230,11 @@ pub struct SummaryRow {
     pub quiet_ok_permille: Option<u64>,
     /// The longest time from a heal to the last node's first `ok`.
     pub recovery_ms_max: Option<u64>,
+    /// Operations invoked while a fault of each kind was active, and how many were `ok`.
+    pub during: BTreeMap<FaultKind, availability::Share>,
+    /// Each fault's kind and the time from its heal to the last node's first `ok` (`None`:
+    /// some node had none).
+    pub recoveries: Vec<(FaultKind, Option<u64>)>,
     pub validity: crate::checker::Validity,
 }
 
@@ -249,6 +270,12 @@ impl SummaryRow {
                 .iter()
                 .filter_map(|recovery| recovery.every_ms)
                 .max(),
+            during: measured.during.clone(),
+            recoveries: measured
+                .recoveries
+                .iter()
+                .map(|recovery| (recovery.kind, recovery.every_ms))
+                .collect(),
             validity: verdict.validity,
         }
     }
@@ -329,6 +356,60 @@ pub fn summary_table(rows: &[SummaryRow]) -> String {
         count(crate::checker::Validity::Invalid),
         count(crate::checker::Validity::Unknown),
     );
+    text.push_str(&per_fault_kind(rows));
+    text
+}
+
+/// Per kind of fault over every run: how many, the share of operations `ok` while one was
+/// active, and the time from a heal to every node's first `ok` (median, 95th percentile,
+/// longest, and how many heals some node did not answer after).
+fn per_fault_kind(rows: &[SummaryRow]) -> String {
+    let mut during: BTreeMap<FaultKind, availability::Share> = BTreeMap::new();
+    let mut recoveries: BTreeMap<FaultKind, (Vec<u64>, u64)> = BTreeMap::new();
+    for row in rows {
+        for (kind, share) in &row.during {
+            let total = during.entry(*kind).or_default();
+            total.operations += share.operations;
+            total.ok += share.ok;
+        }
+        for (kind, every_ms) in &row.recoveries {
+            let (times, missing) = recoveries.entry(*kind).or_default();
+            match every_ms {
+                Some(ms) => times.push(*ms),
+                None => *missing += 1,
+            }
+        }
+    }
+    if recoveries.is_empty() {
+        return String::new();
+    }
+    let mut text = String::from(
+        "\n| fault | faults | ok while active | recovery median | p95 | longest | unrecovered |\n\
+         |---|---|---|---|---|---|---|\n",
+    );
+    let permille = |share: Option<&availability::Share>| {
+        share
+            .and_then(|share| share.permille())
+            .map_or("-".to_owned(), |permille| format!("{}.{} %", permille / 10, permille % 10))
+    };
+    for (kind, (times, missing)) in &mut recoveries {
+        times.sort_unstable();
+        let quantile = |numerator: usize| {
+            let last = times.len().checked_sub(1)?;
+            times.get(last * numerator / 100).copied()
+        };
+        let ms = |value: Option<u64>| value.map_or("-".to_owned(), |ms| format!("{ms} ms"));
+        let _ = writeln!(
+            text,
+            "| {} | {} | {} | {} | {} | {} | {missing} |",
+            kind.name(),
+            times.len() as u64 + *missing,
+            permille(during.get(kind)),
+            ms(quantile(50)),
+            ms(quantile(95)),
+            ms(times.last().copied()),
+        );
+    }
     text
 }
 
@@ -351,6 +432,15 @@ mod tests {
             faults: 3,
             quiet_ok_permille: Some(987),
             recovery_ms_max: Some(seed * 1_000),
+            during: BTreeMap::from([(
+                FaultKind::Kill,
+                availability::Share { operations: 10, ok: 7 },
+            )]),
+            recoveries: vec![
+                (FaultKind::Kill, Some(seed * 1_000)),
+                (FaultKind::Kill, Some(seed * 100)),
+                (FaultKind::Kill, None),
+            ],
             validity,
         };
         let text = summary_table(&[row(1, Validity::Valid), row(2, Validity::Invalid)]);
@@ -364,5 +454,7 @@ mod tests {
             ),
             "{text}"
         );
+        // Per kind: six kills, 14 of 20 operations ok, recoveries 100, 200, 1000, 2000 ms.
+        assert!(text.contains("| kill | 6 | 70.0 % | 200 ms | 1000 ms | 2000 ms | 2 |"), "{text}");
     }
 }

@@ -36,9 +36,10 @@ use crate::nemesis::{
     self, FaultKind, FaultOutcome, NemesisRecord, Phase, ScheduleOptions, ScheduledFault, Target,
 };
 use crate::topology::Topology;
-use crate::topology::processes::Cluster;
+use crate::topology::processes::{Cluster, Shape};
 use crate::workload::bank::{self, BankOptions};
 use crate::workload::holds::{self, HoldEnd};
+use crate::workload::leases::{self, LeaseOptions};
 use crate::workload::rls::{self, RlsOptions};
 use crate::workload::{Planned, PlannedOp};
 
@@ -59,7 +60,11 @@ const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunOptions {
     pub topology: Topology,
+    /// Voters.
     pub nodes: usize,
+    /// Gateways besides the voters: RLS and lease requests go to them too.
+    #[serde(default)]
+    pub gateways: usize,
     pub workload: WorkloadKind,
     pub nemeses: Vec<FaultKind>,
     pub time_limit_ms: u64,
@@ -88,6 +93,9 @@ pub enum WorkloadKind {
     Linear,
     /// Holds reserved with short TTLs and captured, voided or left to expire.
     Holds,
+    /// Lease grants through the admin API on keys no node settles: the grants alone are
+    /// bounded by the bucket.
+    Leases,
 }
 
 impl WorkloadKind {
@@ -101,7 +109,10 @@ impl WorkloadKind {
             "rls" => Ok(Self::Rls),
             "linear" => Ok(Self::Linear),
             "holds" => Ok(Self::Holds),
-            other => Err(format!("unknown workload {other:?}; known: bank, rls, linear, holds")),
+            "leases" => Ok(Self::Leases),
+            other => {
+                Err(format!("unknown workload {other:?}; known: bank, rls, linear, holds, leases"))
+            }
         }
     }
 
@@ -111,6 +122,7 @@ impl WorkloadKind {
             Self::Rls => "rls",
             Self::Linear => "linear",
             Self::Holds => "holds",
+            Self::Leases => "leases",
         }
     }
 
@@ -126,6 +138,9 @@ pub struct RunRecord {
     pub options: RunOptions,
     pub bank: BankOptions,
     pub rls: RlsOptions,
+    /// The lease workload's shape (runs saved before it existed have none).
+    #[serde(default)]
+    pub leases: Option<LeaseOptions>,
     pub started_unix_ms: u64,
 }
 
@@ -142,14 +157,24 @@ pub fn bank_options(options: &RunOptions) -> BankOptions {
     let shape = match options.workload {
         WorkloadKind::Linear => BankOptions::linear,
         WorkloadKind::Holds => holds::options,
-        WorkloadKind::Bank | WorkloadKind::Rls => BankOptions::new,
+        WorkloadKind::Bank | WorkloadKind::Rls | WorkloadKind::Leases => BankOptions::new,
     };
     shape(options.nodes, options.rate_per_second, options.time_limit_ms)
 }
 
+/// The nodes RLS and lease requests go to: the voters, then the gateways.
+fn serving_nodes(options: &RunOptions) -> usize {
+    options.nodes + options.gateways
+}
+
 /// The RLS workload's shape for a run.
 pub fn rls_options(options: &RunOptions) -> RlsOptions {
-    RlsOptions::new(options.nodes, options.rate_per_second, options.time_limit_ms)
+    RlsOptions::new(serving_nodes(options), options.rate_per_second, options.time_limit_ms)
+}
+
+/// The lease workload's shape for a run.
+pub fn lease_options(options: &RunOptions) -> LeaseOptions {
+    LeaseOptions::new(serving_nodes(options), options.rate_per_second, options.time_limit_ms)
 }
 
 /// The operations and faults `options` (its seed included) plan. Pure.
@@ -171,6 +196,7 @@ pub fn schedule(options: &RunOptions) -> Schedule {
         }
         WorkloadKind::Holds => holds::plan(options.seed, &bank_options(options)),
         WorkloadKind::Rls => rls::plan(options.seed, &rls_options(options)),
+        WorkloadKind::Leases => leases::plan(options.seed, &lease_options(options)),
     };
     Schedule { faults, operations }
 }
@@ -227,6 +253,8 @@ struct Shared {
     next_process: AtomicU64,
     /// The RLS workload's rule keys, by position.
     rule_keys: Vec<String>,
+    /// Every lease grant's TTL.
+    lease_ttl_ms: u64,
 }
 
 /// When the workload (and the nemesis schedule) started, and for how long it runs.
@@ -400,6 +428,15 @@ async fn worker(
                 let value = OpValue { descriptor: Some(key), ..OpValue::default() };
                 shared.operation(&mut process, planned.node, Function::Check, value).await;
             }
+            PlannedOp::Lease { key, tokens } => {
+                let value = OpValue {
+                    descriptor: Some(LeaseOptions::key_value(key)),
+                    amount: Some(tokens),
+                    ttl_ms: Some(shared.lease_ttl_ms),
+                    ..OpValue::default()
+                };
+                shared.operation(&mut process, planned.node, Function::Acquire, value).await;
+            }
             PlannedOp::Read { account } => {
                 let value = OpValue { account: bank::account_name(account), ..OpValue::default() };
                 shared.operation(&mut process, planned.node, Function::Read, value).await;
@@ -464,12 +501,13 @@ async fn nemesis_task(
     for (number, fault) in faults.into_iter().enumerate() {
         tokio::time::sleep_until(clock.start + Duration::from_millis(fault.start_ms)).await;
         let mut guard = cluster.lock().await;
-        let count = guard.nodes.len();
+        let count = guard.voters;
         let positions: Vec<usize> = match &fault.target {
             Target::One(position) => vec![*position],
             Target::Minority(positions) => positions.clone(),
             Target::All => (0..count).collect(),
             Target::Bridge(position) => vec![*position],
+            Target::Ring(ring) => ring.clone(),
             Target::Leader => leader_position(&shared, &guard).await.into_iter().collect(),
         };
         let nodes: Vec<NodeId> =
@@ -554,7 +592,7 @@ async fn install(
     positions: &[usize],
     on: bool,
 ) -> anyhow::Result<()> {
-    let count = cluster.nodes.len();
+    let count = cluster.voters;
     let mut problems = Vec::new();
     match fault.kind {
         FaultKind::Partition | FaultKind::PartitionFlap if on => {
@@ -565,6 +603,12 @@ async fn install(
             cluster.partition_one_way(&links).await?;
         }
         FaultKind::Partition | FaultKind::PartitionFlap => cluster.heal_partitions().await?,
+        FaultKind::MajoritiesRing => {
+            let Target::Ring(ring) = &fault.target else {
+                anyhow::bail!("a majorities ring without its ring order");
+            };
+            cluster.partition_one_way(&nemesis::majorities_ring_links(ring)).await?;
+        }
         FaultKind::Kill
         | FaultKind::Pause
         | FaultKind::Clock
@@ -609,7 +653,7 @@ fn joined(problems: &[String]) -> Option<String> {
 
 /// The position of the billing leader, as the first running, unpaused node that answers names it.
 async fn leader_position(shared: &Shared, cluster: &Cluster) -> Option<usize> {
-    for (position, node) in cluster.nodes.iter().enumerate() {
+    for (position, node) in cluster.nodes[..cluster.voters].iter().enumerate() {
         if !node.running() || node.paused() {
             continue;
         }
@@ -696,31 +740,36 @@ pub async fn run(options: RunOptions, out: &Path) -> anyhow::Result<(PathBuf, Ve
         .with_context(|| format!("create {}", directory.display()))?;
     let bank = bank_options(&options);
     let rls = rls_options(&options);
+    let lease_shape = lease_options(&options);
     let plan = schedule(&options);
     let record = RunRecord {
         options: options.clone(),
         bank: bank.clone(),
         rls: rls.clone(),
+        leases: Some(lease_shape.clone()),
         started_unix_ms,
     };
     std::fs::write(directory.join("run.json"), serde_json::to_vec_pretty(&record)?)?;
     std::fs::write(directory.join("schedule.json"), serde_json::to_vec_pretty(&plan)?)?;
 
     // The bank needs no policy, but a policy fault needs a file to rewrite.
-    let policy = (options.workload == WorkloadKind::Rls
-        || options.nemeses.contains(&FaultKind::Policy))
-    .then(|| rls.policy_yaml());
+    let policy = match options.workload {
+        WorkloadKind::Leases => Some(lease_shape.policy_yaml()),
+        WorkloadKind::Rls => Some(rls.policy_yaml()),
+        _ => options.nemeses.contains(&FaultKind::Policy).then(|| rls.policy_yaml()),
+    };
     let cluster = Cluster::start(
         &options.binary,
         &directory,
-        options.nodes,
+        Shape { voters: options.nodes, gateways: options.gateways },
         options.topology,
         policy.as_deref(),
         options.nemeses.iter().any(|kind| kind.is_clock()),
         options.nemeses.contains(&FaultKind::Disk),
     )
     .await?;
-    let billing: Vec<String> = cluster.nodes.iter().map(|node| node.billing_addr.clone()).collect();
+    let voters = &cluster.nodes[..cluster.voters];
+    let billing: Vec<String> = voters.iter().map(|node| node.billing_addr.clone()).collect();
     let rls_addrs: Vec<String> = cluster.nodes.iter().map(|node| node.rls_addr.clone()).collect();
     let admin_addrs: Vec<String> =
         cluster.nodes.iter().map(|node| node.admin_addr.clone()).collect();
@@ -733,7 +782,16 @@ pub async fn run(options: RunOptions, out: &Path) -> anyhow::Result<(PathBuf, Ve
     )?;
     let cluster = std::sync::Arc::new(tokio::sync::Mutex::new(cluster));
     let rule_keys = rls.rules.iter().map(|rule| rule.key.clone()).collect();
-    let outcome = drive(&options, &bank, rule_keys, plan, &directory, clients, &cluster).await;
+    let outcome = drive(
+        &options,
+        &bank,
+        (rule_keys, lease_shape.lease_ttl_ms),
+        plan,
+        &directory,
+        clients,
+        &cluster,
+    )
+    .await;
     let mut cluster = cluster.lock().await;
     snapshot_metrics(&cluster, &directory, "final").await;
     cluster.shutdown().await;
@@ -754,7 +812,7 @@ pub async fn run(options: RunOptions, out: &Path) -> anyhow::Result<(PathBuf, Ve
 async fn drive(
     options: &RunOptions,
     bank: &BankOptions,
-    rule_keys: Vec<String>,
+    (rule_keys, lease_ttl_ms): (Vec<String>, u64),
     plan: Schedule,
     directory: &Path,
     clients: Clients,
@@ -770,6 +828,7 @@ async fn drive(
         clients,
         next_process: AtomicU64::new(0),
         rule_keys,
+        lease_ttl_ms,
     });
     if options.workload.is_billing() {
         open_accounts(&shared, bank).await?;
@@ -920,6 +979,17 @@ pub fn check_directory(directory: &Path) -> anyhow::Result<Verdict> {
             checks.push(checker::fail_closed::check(&events, &faults, record.options.nodes));
         }
         WorkloadKind::Rls => checks.extend(check_rls(directory, &record, &events)),
+        WorkloadKind::Leases => {
+            let shape = record.leases.clone().unwrap_or_else(|| {
+                LeaseOptions::new(record.options.nodes, 0, record.options.time_limit_ms)
+            });
+            let model = checker::leases::LeaseModel {
+                capacity_tokens: shape.burst_tokens,
+                rate_per_second: shape.limit_per_second,
+            };
+            checks.extend(checker::leases::check(&events, model));
+            checks.push(checker::fail_closed::check(&events, &faults, record.options.nodes));
+        }
     }
     Ok(Verdict::of(checks))
 }
@@ -1003,6 +1073,7 @@ mod tests {
         RunOptions {
             topology: Topology::Local,
             nodes: 3,
+            gateways: 0,
             workload: WorkloadKind::Bank,
             nemeses: vec![FaultKind::Kill, FaultKind::Pause],
             time_limit_ms: 60_000,

@@ -5,7 +5,10 @@
 //! excepted) nor to a linearizable read whose whole call lies inside the partition. Sound:
 //! such an answer needs a majority's acknowledgement within the call. A one-way partition
 //! counts the same (its targets hear no acknowledgement); a flapping one is not judged (the
-//! records do not say when its cut was in place).
+//! records do not say when its cut was in place). In a majorities ring each node drops what
+//! some nodes send; a link works only both ways (the nodes speak TCP), so a node whose
+//! working links reach fewer than a quorum, even through others, is judged (every node of
+//! a ring of three; none of five, each linked to its two neighbours).
 
 use super::CheckResult;
 use crate::history::{Event, EventType, Function, NodeId, operations};
@@ -25,8 +28,10 @@ pub fn check(events: &[Event], faults: &[NemesisRecord], node_count: usize) -> C
     let quorum = node_count / 2 + 1;
     let mut cuts = Vec::new();
     for start in faults.iter().filter(|record| {
-        matches!(record.kind, FaultKind::Partition | FaultKind::PartitionOneWay)
-            && record.phase == Phase::Start
+        matches!(
+            record.kind,
+            FaultKind::Partition | FaultKind::PartitionOneWay | FaultKind::MajoritiesRing
+        ) && record.phase == Phase::Start
             && record.outcome == FaultOutcome::Installed
     }) {
         let Some(end) =
@@ -36,9 +41,22 @@ pub fn check(events: &[Event], faults: &[NemesisRecord], node_count: usize) -> C
         };
         // Each side's component: the cut-off nodes together, or each alone for `All`. A
         // bridge leaves every node a path to a quorum (through the bridge): nothing to check.
-        let component = match start.target {
+        let component = match &start.target {
             Target::All => 1,
             Target::Bridge(_) => continue,
+            Target::Ring(ring) => {
+                for nodes in ring_components(ring, &start.nodes) {
+                    if nodes.len() < quorum {
+                        cuts.push(Cut {
+                            start_ns: start.time_ns,
+                            end_ns: end.time_ns,
+                            nodes,
+                            fault: start.fault,
+                        });
+                    }
+                }
+                continue;
+            }
             _ => start.nodes.len(),
         };
         if component < quorum {
@@ -69,6 +87,8 @@ pub fn check(events: &[Event], faults: &[NemesisRecord], node_count: usize) -> C
             | Function::Reserve
             | Function::Capture
             | Function::Void => !operation.result().duplicate,
+            // A grant commits through the quota group.
+            Function::Acquire => true,
             // RLS decisions come from the node's own leases by design.
             Function::Check => false,
         };
@@ -80,6 +100,42 @@ pub fn check(events: &[Event], faults: &[NemesisRecord], node_count: usize) -> C
         }
     }
     result
+}
+
+/// The groups of nodes a majorities ring leaves linked both ways, directly or through
+/// others; `ids` are the ring's nodes in ring order.
+fn ring_components(ring: &[usize], ids: &[NodeId]) -> Vec<Vec<NodeId>> {
+    let cut = crate::nemesis::majorities_ring_links(ring);
+    let linked = |first: usize, second: usize| {
+        !cut.contains(&(first, second)) && !cut.contains(&(second, first))
+    };
+    let id_of = |position: usize| {
+        ring.iter()
+            .position(|candidate| *candidate == position)
+            .and_then(|slot| ids.get(slot).copied())
+            .unwrap_or(NodeId(position as u64 + 1))
+    };
+    let mut seen = Vec::new();
+    let mut components = Vec::new();
+    for start in ring {
+        if seen.contains(start) {
+            continue;
+        }
+        let mut component = vec![*start];
+        seen.push(*start);
+        let mut next = 0;
+        while let Some(node) = component.get(next).copied() {
+            next += 1;
+            for other in ring {
+                if !seen.contains(other) && linked(node, *other) {
+                    seen.push(*other);
+                    component.push(*other);
+                }
+            }
+        }
+        components.push(component.into_iter().map(id_of).collect());
+    }
+    components
 }
 
 #[cfg(test)]
@@ -137,6 +193,28 @@ mod tests {
             record.kind = FaultKind::PartitionOneWay;
         }
         assert_eq!(validity(&history(Function::Read, 2, 12, false), &one_way), Validity::Invalid);
+    }
+
+    /// A majorities ring of three leaves every node alone (each link is cut one way): an
+    /// answer inside it is flagged; one of five leaves every node a quorum: nothing is.
+    #[test]
+    fn majorities_rings_are_judged_by_their_links() {
+        let mut three = partition(Target::Ring(vec![0, 2, 1]), vec![1, 3, 2]);
+        for record in &mut three {
+            record.kind = FaultKind::MajoritiesRing;
+        }
+        for node in 1..=3 {
+            let debit = history(Function::Debit, node, 12, false);
+            assert_eq!(validity(&debit, &three), Validity::Invalid, "node {node}");
+        }
+        assert_eq!(validity(&history(Function::Debit, 1, 21, false), &three), Validity::Valid);
+        let mut five = partition(Target::Ring(vec![0, 1, 2, 3, 4]), vec![1, 2, 3, 4, 5]);
+        for record in &mut five {
+            record.kind = FaultKind::MajoritiesRing;
+        }
+        let debit = history(Function::Debit, 1, 12, false);
+        assert_eq!(check(&debit, &five, 5).validity, Validity::Valid);
+        assert_eq!(ring_components(&[0, 1, 2, 3, 4], &[]).len(), 1);
     }
 
     /// The majority side, calls straddling the cut, replays of earlier commits, and the

@@ -6,6 +6,7 @@ pub mod availability;
 pub mod bank;
 pub mod fail_closed;
 pub mod holds;
+pub mod leases;
 pub mod linearizable;
 pub mod replicas;
 pub mod rls;

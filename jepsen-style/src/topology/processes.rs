@@ -9,6 +9,8 @@
 //! its own), policy files rewritten (each node has its own), a voter removed and added back
 //! through the CLI, full data disks (each data directory then a small tmpfs), and on `netns`
 //! partitions (both ways or one way).
+//! Gateways (`role = "gateway"`: RLS and leases through the voters, no replica, no vote)
+//! follow the voters in `Cluster::nodes`, with the next ids; no fault aims at them.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -37,6 +39,11 @@ const PORTS: std::ops::Range<u16> = 20_000..32_000;
 /// With disk faults, each node's data directory is a tmpfs of this size: room for a short
 /// run's logs and snapshots, little to fill.
 const DATA_DISK_BYTES: u64 = 128 << 20;
+/// How long the heal keeps trying to add a removed voter back (the region may be electing
+/// a leader after the removal of its last one).
+const ADD_BACK_WAIT: Duration = Duration::from_secs(15);
+/// Between two tries.
+const ADD_BACK_PAUSE: Duration = Duration::from_millis(250);
 /// The file a disk fault fills a data directory with.
 const FILLER: &str = "jepsen-filler";
 /// The cluster and region the nodes' configs and certificates name.
@@ -96,10 +103,28 @@ impl LocalNode {
     }
 }
 
+/// How many nodes of each role a region has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    /// Members of both Raft groups.
+    pub voters: usize,
+    /// Nodes that serve RLS and lease through the voters.
+    pub gateways: usize,
+}
+
+impl Shape {
+    pub fn nodes(self) -> usize {
+        self.voters + self.gateways
+    }
+}
+
 /// A region of node processes.
 pub struct Cluster {
     binary: PathBuf,
+    /// The voters, then the gateways.
     pub nodes: Vec<LocalNode>,
+    /// How many of `nodes` are voters (the first ones).
+    pub voters: usize,
     pub tokens: Tokens,
     /// On `netns`: the nodes' namespaces.
     namespaces: Option<Namespaces>,
@@ -112,23 +137,24 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    /// Writes the region's certificates and configs under `directory`, starts `count`
-    /// nodes with `binary` on `topology` serving `policy` (a YAML policy; `None`: the node's
-    /// embedded example) and forms the region.
+    /// Writes the region's certificates and configs under `directory`, starts the nodes of
+    /// `shape` with `binary` on `topology` serving `policy` (a YAML policy; `None`: the
+    /// node's embedded example) and forms the region.
     ///
     /// # Errors
     /// A CLI command fails, a node does not become ready, or the region forms no leader.
     pub async fn start(
         binary: &Path,
         directory: &Path,
-        count: usize,
+        shape: Shape,
         topology: Topology,
         policy: Option<&str>,
         clock_faults: bool,
         disk_faults: bool,
     ) -> anyhow::Result<Self> {
         let faketime = if clock_faults { Some(libfaketime()?) } else { None };
-        anyhow::ensure!(count >= 1, "a region needs a node");
+        let count = shape.nodes();
+        anyhow::ensure!(shape.voters >= 1, "a region needs a voter");
         anyhow::ensure!(
             binary.is_file(),
             "no quotamesh binary at {} (build it with `cargo build --release --bin quotamesh`, \
@@ -174,24 +200,24 @@ impl Cluster {
                 }
                 None => ("127.0.0.1".to_owned(), Box::new(|| ports.next()) as PortSource),
             };
-            run_cli(
-                binary,
-                &[
-                    "cluster",
-                    "certs",
-                    "issue",
-                    "--ca",
-                    &certs_arg,
-                    "--node-id",
-                    &id_arg,
-                    "--region",
-                    CLUSTER_ID,
-                    "--san",
-                    &host,
-                ],
-                None,
-            )
-            .await?;
+            let mut issue = vec![
+                "cluster",
+                "certs",
+                "issue",
+                "--ca",
+                &certs_arg,
+                "--node-id",
+                &id_arg,
+                "--region",
+                CLUSTER_ID,
+                "--san",
+                &host,
+            ];
+            // A gateway's certificate names its role, so no voter takes it for a member.
+            if position >= shape.voters {
+                issue.push("--gateway");
+            }
+            run_cli(binary, &issue, None).await?;
             raft_addrs.push(format!("{host}:{}", port()?));
             nodes.push(LocalNode {
                 id: NodeId(id),
@@ -222,15 +248,23 @@ impl Cluster {
                 std::fs::write(path, text).with_context(|| format!("write {}", path.display()))?;
             }
         }
-        let peers: String = raft_addrs
+        // The voters; a gateway reaches the groups through them.
+        let peers: String = raft_addrs[..shape.voters]
             .iter()
             .enumerate()
             .map(|(position, address)| {
                 format!("[[peers]]\nid = {}\nraft_addr = \"{address}\"\n\n", position + 1)
             })
             .collect();
+        // Every node that leases counts in each one's share of the fallback allowance.
+        let leasing = if shape.gateways > 0 {
+            format!("[leasing]\nnodes_in_region = {count}\n\n")
+        } else {
+            String::new()
+        };
         for (position, node) in nodes.iter().enumerate() {
             let id = node.id.0;
+            let gateway = position >= shape.voters;
             let policy_line = node
                 .policy_path
                 .as_ref()
@@ -238,24 +272,35 @@ impl Cluster {
             let config = format!(
                 "# Written by quotamesh-jepsen for one run.\n\
                  node_id = \"jepsen-{id}\"\nregion = \"{CLUSTER_ID}\"\ncluster_id = \"{CLUSTER_ID}\"\n\
-                 raft_node_id = {id}\ndata_dir = \"{data}\"\n{policy_line}\
+                 {role}raft_node_id = {id}\ndata_dir = \"{data}\"\n{policy_line}\
                  rls_addr = \"{rls}\"\nmetrics_addr = \"{metrics}\"\n\
-                 admin_addr = \"{admin}\"\nbilling_addr = \"{billing}\"\nraft_addr = \"{raft}\"\n\n\
+                 admin_addr = \"{admin}\"\n{billing_line}raft_addr = \"{raft}\"\n\n\
                  {peers}\
                  [tls]\ncert = \"{certs}/node-{id}.pem\"\nkey = \"{certs}/node-{id}.key\"\n\
                  ca = \"{certs}/ca.pem\"\n\n\
                  [[admin.tokens]]\nname = \"jepsen-operator\"\nsha256 = \"{admin_sha256}\"\n\n\
-                 [billing]\nbootstrap = {bootstrap}\n\n\
-                 [[billing.tokens]]\nname = \"jepsen\"\nsha256 = \"{billing_sha256}\"\n\
-                 tenants = [\"*\"]\n",
+                 {leasing}{billing}",
                 data = node.data_dir.display(),
                 rls = node.rls_addr,
                 metrics = node.metrics_addr,
                 admin = node.admin_addr,
-                billing = node.billing_addr,
                 raft = raft_addrs[position],
                 certs = certs.display(),
-                bootstrap = position == 0,
+                role = if gateway { "role = \"gateway\"\n" } else { "" },
+                billing_line = if gateway {
+                    String::new()
+                } else {
+                    format!("billing_addr = \"{}\"\n", node.billing_addr)
+                },
+                billing = if gateway {
+                    String::new()
+                } else {
+                    format!(
+                        "[billing]\nbootstrap = {}\n\n[[billing.tokens]]\nname = \"jepsen\"\n\
+                         sha256 = \"{billing_sha256}\"\ntenants = [\"*\"]\n",
+                        position == 0
+                    )
+                },
             );
             std::fs::write(&node.config_path, config)
                 .with_context(|| format!("write {}", node.config_path.display()))?;
@@ -270,6 +315,7 @@ impl Cluster {
             binary: binary.to_owned(),
             nodes,
             tokens,
+            voters: shape.voters,
             namespaces,
             partitioned: false,
             faketime,
@@ -283,9 +329,7 @@ impl Cluster {
         for position in 0..count {
             cluster.spawn(position).await?;
         }
-        let admin_addrs: Vec<&str> =
-            cluster.nodes.iter().map(|node| node.admin_addr.as_str()).collect();
-        let admin_addrs = admin_addrs.join(",");
+        let admin_addrs = cluster.admin_addrs();
         run_cli(
             &cluster.binary,
             &["cluster", "init", "--admin-addr", &admin_addrs],
@@ -569,9 +613,10 @@ impl Cluster {
         }
     }
 
-    /// Every node's admin address, comma-separated (as the CLI takes them).
+    /// Every voter's admin address, comma-separated (as the CLI takes them).
     fn admin_addrs(&self) -> String {
-        self.nodes.iter().map(|node| node.admin_addr.as_str()).collect::<Vec<_>>().join(",")
+        let voters = self.nodes[..self.voters].iter();
+        voters.map(|node| node.admin_addr.as_str()).collect::<Vec<_>>().join(",")
     }
 
     /// Sets node `position`'s wall clock `offset_s` seconds off (0: true time again); it
@@ -638,12 +683,22 @@ impl Cluster {
                 problems.push(format!("{error:#}"));
             }
         }
-        // Added back once every node runs again, so the change finds its leaders.
+        // Added back once every node runs again, so the change finds its leaders. A removed
+        // leader leaves the rest to elect a new one, which may still be under way: retried.
         for position in 0..self.nodes.len() {
-            if self.nodes[position].removed
-                && let Err(error) = self.add_voter(position).await
-            {
-                problems.push(format!("{error:#}"));
+            if !self.nodes[position].removed {
+                continue;
+            }
+            let deadline = Instant::now() + ADD_BACK_WAIT;
+            loop {
+                match self.add_voter(position).await {
+                    Ok(()) => break,
+                    Err(_) if Instant::now() < deadline => tokio::time::sleep(ADD_BACK_PAUSE).await,
+                    Err(error) => {
+                        problems.push(format!("{error:#}"));
+                        break;
+                    }
+                }
             }
         }
         problems

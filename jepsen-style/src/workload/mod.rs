@@ -4,6 +4,7 @@
 
 pub mod bank;
 pub mod holds;
+pub mod leases;
 pub mod rls;
 
 use serde::{Deserialize, Serialize};
@@ -19,6 +20,8 @@ pub enum PlannedOp {
     Read { account: usize },
     /// RLS: one hit on a rule's key.
     Check { rule: usize },
+    /// Leases: a grant of `tokens` on a key through the admin API.
+    Lease { key: usize, tokens: u64 },
     /// Holds: a reserve on an account and, `wait_ms` after it is approved, its end.
     Hold { hold: u64, account: usize, amount: u64, ttl_ms: u64, wait_ms: u64, end: holds::HoldEnd },
 }

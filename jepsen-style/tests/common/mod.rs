@@ -47,7 +47,7 @@ impl Drop for CpuHog {
     }
 }
 
-/// `quotamesh-jepsen run` of `workload` on three nodes of `topology` under the faults
+/// `quotamesh-jepsen run` of `workload` on three voters of `topology` under the faults
 /// `nemeses` for 20 s at the default rate with `seed`, with both cores busy; asserts a valid
 /// verdict and that every planned fault was carried out, and returns the run's directory
 /// (inside `out`).
@@ -57,6 +57,18 @@ pub fn valid_run(
     nemeses: &[&str],
     seed: u64,
     out: &Path,
+) -> PathBuf {
+    valid_run_with(workload, topology, nemeses, seed, out, &[])
+}
+
+/// [`valid_run`] with more options for `run` (`--gateways 1`, say).
+pub fn valid_run_with(
+    workload: &str,
+    topology: &str,
+    nemeses: &[&str],
+    seed: u64,
+    out: &Path,
+    options: &[&str],
 ) -> PathBuf {
     let binary = quotamesh_binary();
     assert!(
@@ -70,7 +82,9 @@ pub fn valid_run(
         Command::new(env!("CARGO_BIN_EXE_quotamesh-jepsen"))
             .args(["run", "--topology", topology, "--nodes", "3", "--workload", workload])
             .args(["--nemesis", &nemeses.join(","), "--time-limit", "20s", "--rate", "200"])
-            .args(["--seed", &seed.to_string(), "--out"])
+            .args(["--seed", &seed.to_string()])
+            .args(options)
+            .arg("--out")
             .arg(out)
             .arg("--binary")
             .arg(&binary)
