@@ -13,16 +13,18 @@
 //! [`MESSAGE_BYTES_MAX`](super::wire::MESSAGE_BYTES_MAX) per message, at most
 //! [`STREAMS_PER_CONNECTION_MAX`] calls at once per connection and
 //! [`CONNECTIONS_MAX`] connections. Connections send keepalives every [`KEEPALIVE`] and
-//! die after [`IDLE_TIMEOUT`] of silence; a link reconnects on its next call, and after a
-//! failure waits an exponential backoff (from [`RECONNECT_BACKOFF_MIN`] to
-//! [`RECONNECT_BACKOFF_MAX`]) during which calls fail at once: a region that is down never
-//! holds up a caller.
+//! die after [`IDLE_TIMEOUT`] of silence; a link reconnects on its next call. After a
+//! failed connect or a failed call (a peer stopped with its connection open answers no
+//! call, and each would cost a [`CALL_TIMEOUT`]) it waits an exponential backoff (from
+//! [`RECONNECT_BACKOFF_MIN`] to [`RECONNECT_BACKOFF_MAX`]) during which calls fail at once,
+//! until a call succeeds again: a region that is down never holds up a caller for long.
 
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
@@ -131,6 +133,21 @@ pub struct RegionEndpoint {
     endpoint: quinn::Endpoint,
     region: String,
     links: BTreeMap<String, Arc<PeerLink>>,
+    /// Connections the server closed or failed: a certificate of another CA or cluster
+    /// (the handshake fails), of a gateway, of an unknown region or of this one.
+    refused: Arc<AtomicU64>,
+}
+
+/// What one link carried since it was made: its calls, and the bytes of their requests and
+/// replies (message bytes; QUIC, TLS and UDP headers and keepalives are not counted).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LinkTraffic {
+    /// Calls that got a reply (each is one request and one reply message).
+    pub calls: u64,
+    /// Request bytes sent.
+    pub sent_bytes: u64,
+    /// Reply bytes received.
+    pub received_bytes: u64,
 }
 
 fn transport_config() -> Arc<quinn::TransportConfig> {
@@ -200,7 +217,13 @@ impl RegionEndpoint {
                 return Err(EndpointError::Peers(format!("region {} is listed twice", peer.name)));
             }
         }
-        Ok(Self { endpoint, region: region.to_owned(), links })
+        Ok(Self { endpoint, region: region.to_owned(), links, refused: Arc::default() })
+    }
+
+    /// Connections the server refused since it started (see the field's doc).
+    #[must_use]
+    pub fn refused_connections(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
     }
 
     /// The bound address.
@@ -236,6 +259,7 @@ impl RegionEndpoint {
         let own = self.region.clone();
         let peers: Arc<Vec<String>> = Arc::new(self.links.keys().cloned().collect());
         let connections = Arc::new(Semaphore::new(CONNECTIONS_MAX));
+        let refused = Arc::clone(&self.refused);
         tokio::spawn(async move {
             while let Some(incoming) = endpoint.accept().await {
                 let Ok(permit) = Arc::clone(&connections).try_acquire_owned() else {
@@ -243,12 +267,15 @@ impl RegionEndpoint {
                     continue;
                 };
                 let (own, peers, handler) = (own.clone(), Arc::clone(&peers), Arc::clone(&handler));
+                let refused = Arc::clone(&refused);
                 tokio::spawn(async move {
                     let _permit = permit;
                     let connection = match tokio::time::timeout(HANDSHAKE_TIMEOUT, incoming).await {
                         Ok(Ok(connection)) => connection,
                         Ok(Err(error)) => {
-                            tracing::debug!(%error, "region handshake failed");
+                            // A certificate this cluster's CA did not sign ends here.
+                            refused.fetch_add(1, Ordering::Relaxed);
+                            tracing::warn!(%error, "refused QUIC connection: handshake failed");
                             return;
                         }
                         Err(_) => return,
@@ -256,11 +283,13 @@ impl RegionEndpoint {
                     let region = match peer_region(&connection) {
                         Ok(region) if region != own && peers.contains(&region) => region,
                         Ok(region) => {
+                            refused.fetch_add(1, Ordering::Relaxed);
                             tracing::warn!(%region, "refused QUIC connection: not a peer region");
                             connection.close(CLOSE_REFUSED.into(), b"not a peer region");
                             return;
                         }
                         Err(reason) => {
+                            refused.fetch_add(1, Ordering::Relaxed);
                             tracing::warn!(%reason, "refused QUIC connection");
                             connection.close(CLOSE_REFUSED.into(), b"not a region voter");
                             return;
@@ -321,11 +350,31 @@ pub struct PeerLink {
     endpoint: quinn::Endpoint,
     peer: RegionPeer,
     state: tokio::sync::Mutex<LinkState>,
+    calls: AtomicU64,
+    sent_bytes: AtomicU64,
+    received_bytes: AtomicU64,
 }
 
 impl PeerLink {
     fn new(endpoint: quinn::Endpoint, peer: RegionPeer) -> Self {
-        Self { endpoint, peer, state: tokio::sync::Mutex::new(LinkState::default()) }
+        Self {
+            endpoint,
+            peer,
+            state: tokio::sync::Mutex::new(LinkState::default()),
+            calls: AtomicU64::new(0),
+            sent_bytes: AtomicU64::new(0),
+            received_bytes: AtomicU64::new(0),
+        }
+    }
+
+    /// What the link carried so far.
+    #[must_use]
+    pub fn traffic(&self) -> LinkTraffic {
+        LinkTraffic {
+            calls: self.calls.load(Ordering::Relaxed),
+            sent_bytes: self.sent_bytes.load(Ordering::Relaxed),
+            received_bytes: self.received_bytes.load(Ordering::Relaxed),
+        }
     }
 
     /// The peer region's name.
@@ -373,8 +422,15 @@ impl PeerLink {
                     .await);
             }
         };
-        wire::decode(&reply)
-            .map_err(|source| CallError::Wire { region: self.peer.name.clone(), source })
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.sent_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        self.received_bytes.fetch_add(reply.len() as u64, Ordering::Relaxed);
+        let reply = wire::decode(&reply)
+            .map_err(|source| CallError::Wire { region: self.peer.name.clone(), source })?;
+        let mut state = self.state.lock().await;
+        state.failures = 0;
+        state.retry_at = None;
+        Ok(reply)
     }
 
     /// The open connection, or a new one (unless backing off).
@@ -395,7 +451,8 @@ impl PeerLink {
         }
         match tokio::time::timeout(CONNECT_TIMEOUT, self.connect()).await {
             Ok(Ok(connection)) => {
-                state.failures = 0;
+                // The failures are forgotten only when a call succeeds: a peer that accepts
+                // connections but answers no call keeps backing off.
                 state.retry_at = None;
                 state.connection = Some(connection.clone());
                 Ok(connection)
@@ -429,19 +486,26 @@ impl PeerLink {
     }
 
     fn back_off(state: &mut LinkState, region: &str, reason: String) -> CallError {
+        Self::delay_retry(state);
+        CallError::Connect { region: region.to_owned(), reason }
+    }
+
+    /// Counts a failure and sets when the link may try again.
+    fn delay_retry(state: &mut LinkState) {
         state.failures = state.failures.saturating_add(1);
         let exponent = state.failures.saturating_sub(1).min(16);
         let wait = RECONNECT_BACKOFF_MIN.saturating_mul(1 << exponent).min(RECONNECT_BACKOFF_MAX);
         state.retry_at = Some(Instant::now() + wait);
-        CallError::Connect { region: region.to_owned(), reason }
     }
 
-    /// Drops the connection after a failed exchange, so the next call reconnects.
+    /// Drops the connection after a failed exchange, so the next call reconnects, and
+    /// backs off as after a failed connect.
     async fn failed(&self, error: CallError) -> CallError {
         let mut state = self.state.lock().await;
         if let Some(connection) = state.connection.take() {
             connection.close(0_u32.into(), b"call failed");
         }
+        Self::delay_retry(&mut state);
         error
     }
 }

@@ -1,6 +1,7 @@
 //! The region link over real QUIC on loopback: mutual TLS under one cluster CA, a credit
 //! applied once however often it is sent, a region that speaks for another refused,
-//! strangers refused, and a peer that is down failing calls at once after its first timeout.
+//! strangers refused, and a peer that is down failing calls at once after its first timeout
+//! or its first failed call.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -161,6 +162,18 @@ async fn regions_credit_over_mutual_tls_and_refuse_strangers() -> anyhow::Result
     assert!(matches!(lonely.call("z", &request).await, Err(CallError::BackingOff { .. })));
     assert!(started.elapsed() < Duration::from_millis(100), "no wait while backing off");
     assert!(matches!(lonely.call("y", &request).await, Err(CallError::UnknownRegion(_))));
+
+    // A peer gone while its connection was open: the failed call backs off too, so the
+    // next call fails at once instead of waiting out a connect (or a call) timeout.
+    b.close();
+    // (The close may reach a's link before the call, which then fails to reconnect.)
+    assert!(matches!(
+        a.call("b", &credit).await,
+        Err(CallError::Exchange { .. } | CallError::Connect { .. })
+    ));
+    let started = Instant::now();
+    assert!(matches!(a.call("b", &credit).await, Err(CallError::BackingOff { .. })));
+    assert!(started.elapsed() < Duration::from_millis(100), "no wait after a failed call");
 
     for endpoint in [&a, &b, &stranger, &forger, &lonely] {
         endpoint.close();
