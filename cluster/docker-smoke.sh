@@ -14,6 +14,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
 
+fail() {
+  echo "FAILED: $*" >&2
+  exit 1
+}
+
+section() {
+  echo "== $* (at $((SECONDS - started)) s)"
+}
+
+section "images"
 cluster/build-image.sh
 
 # The global limit of cluster/compose/policies/mesh.yaml and each region's policy slice.
@@ -21,8 +31,11 @@ GLOBAL_TOKENS=20
 POLICY_SLICE_TOKENS=10
 ENVOY_A=http://127.0.0.1:10000
 ENVOY_B=http://127.0.0.1:10001
+# Node 1 of each region; the voters' metrics ports are 6070 to 6072 and 6073 to 6075.
 METRICS_A=http://127.0.0.1:6070
-METRICS_B=http://127.0.0.1:6071
+METRICS_B=http://127.0.0.1:6073
+# Its own project name: the checks find containers and networks by its labels.
+export COMPOSE_PROJECT_NAME=quotamesh-smoke
 
 finish() {
   local status=$?
@@ -40,22 +53,22 @@ finish() {
 }
 timeout 120 docker-compose down -v --remove-orphans >/dev/null 2>&1 || true
 trap finish EXIT
+section "up"
 # `up` waits for each service's dependencies (the setup steps, the nodes' health): bounded.
 timeout 150 docker-compose up -d
 
-fail() {
-  echo "FAILED: $*" >&2
-  exit 1
-}
+# The containers by service, asked once (each `docker-compose` call takes a second or more).
+declare -A containers
+while read -r id service; do
+  containers[$service]=$id
+done < <(docker ps -a --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME" \
+  --format '{{.ID}} {{.Label "com.docker.compose.service"}}')
 
 # Containers not (yet) as they should be: running and healthy, or a one-shot exited 0.
 not_ready() {
-  local container
-  for container in $(docker-compose ps -q); do
-    docker inspect --format \
-      '{{.Name}} {{.State.Status}} {{if .State.Health}}{{.State.Health.Status}}{{else}}-{{end}} {{.State.ExitCode}}' \
-      "$container"
-  done | grep -vE ' running healthy 0$| exited - 0$' || true
+  docker inspect --format \
+    '{{.Name}} {{.State.Status}} {{if .State.Health}}{{.State.Health.Status}}{{else}}-{{end}} {{.State.ExitCode}}' \
+    "${containers[@]}" | grep -vE ' running healthy 0$| exited - 0$' || true
 }
 
 wait_ready() {
@@ -78,18 +91,19 @@ metric() {
   curl -sf -m 5 "$1/metrics" | awk -v series="$2" '$1 == series { print $2 }' || true
 }
 
-# The containers by service (`docker-compose ps -q` is slow to ask each time).
-declare -A containers
-for service in $(docker-compose ps --services); do
-  containers[$service]=$(docker-compose ps -q "$service")
-done
+# metrics_url SERVICE: where a voter's metrics port is published on the host.
+metrics_url() {
+  local node=${1##*-}
+  case $1 in
+    region-a-node-*) echo "http://127.0.0.1:$((6069 + node))" ;;
+    region-b-node-*) echo "http://127.0.0.1:$((6072 + node))" ;;
+  esac
+}
 
-# metric_of SERVICE SERIES: as metric, asked inside the container (only node 1 of each
-# region publishes its metrics port on the host).
+# metric_of SERVICE SERIES: as metric, for a voter by its service name ("" for none).
 metric_of() {
   [ -n "$1" ] || return 0
-  docker exec "${containers[$1]}" /quotamesh health --url http://127.0.0.1:6070/metrics 2>/dev/null \
-    | awk -v series="$2" '$1 == series { print $2 }' || true
+  metric "$(metrics_url "$1")" "$2"
 }
 
 # leader REGION: the service of the voter leading the region's quota group.
@@ -120,7 +134,7 @@ answers() {
   grep -q ' 429 ' <<<" $counts" || fail "$name never answered 429"
 }
 
-echo "== health"
+section "health"
 wait_ready
 for metrics in "$METRICS_A" "$METRICS_B"; do
   curl -sf -m 5 "$metrics/healthz" >/dev/null || fail "$metrics/healthz"
@@ -136,11 +150,11 @@ for url in "$ENVOY_A" "$ENVOY_B"; do
   done
 done
 
-echo "== both regions answer through their Envoy"
+section "both regions answer through their Envoy"
 answers region-a "$ENVOY_A" smoke-a
 answers region-b "$ENVOY_B" smoke-b
 
-echo "== the regions cut apart"
+section "the regions cut apart"
 # The rule's label, and each region's own slice (node 1 of each is published on the host).
 rule=$(curl -sf -m 5 "$METRICS_A/metrics" \
   | grep -oE 'quotamesh_region_slice_tokens\{region="region-a",rule="[^"]*global[^"]*"' \
@@ -158,10 +172,9 @@ done
 # node 1, whichever voter leads.
 hot=region-a hot_envoy=$ENVOY_A hot_metrics=$METRICS_A cold=region-b cold_metrics=$METRICS_B
 hot_node=${containers[$hot-node-1]}
-project=$(docker inspect --format '{{index .Config.Labels "com.docker.compose.project"}}' "$hot_node")
 mesh=$(docker network ls --format '{{.Name}}' --filter label=com.docker.compose.network=mesh \
-  --filter "label=com.docker.compose.project=$project")
-[ -n "$mesh" ] || fail "no mesh network for project $project"
+  --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
+[ -n "$mesh" ] || fail "no mesh network for project $COMPOSE_PROJECT_NAME"
 declare -A mesh_ips
 for service in region-{a,b}-node-{1,2,3}; do  # the voters: the gateways are not on it
   container=${containers[$service]}
@@ -195,7 +208,7 @@ until [ "$(links)" = "1 1" ]; do
 done
 echo "mesh network reconnected, both links up"
 
-echo "== skewed traffic moves slice to the busy region"
+section "skewed traffic moves slice to the busy region"
 # All traffic on the busy region, until the checks below stop it (or 90 s pass).
 load_log=$(mktemp)
 (
@@ -245,7 +258,7 @@ echo "traffic on $hot for $((SECONDS - shift_at)) s: $(tr -s ' \n' ' ' <"$load_l
 rm -f "$load_log"
 wait_ready
 
-echo "== logs"
+section "logs"
 nodes=(region-{a,b}-{node-1,node-2,node-3,gateway})
 logs=$(docker-compose logs --no-color)
 if grep -q $'\e\[' <<<"$logs"; then fail "colour codes in the containers' logs"; fi
