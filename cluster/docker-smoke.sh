@@ -249,8 +249,8 @@ node = json.loads(sys.argv[1])["nodes"][0]
 slice = next(s for s in node["slices"] if s["rule"] == sys.argv[2])
 print("cluster regions:", json.dumps(slice))
 assert slice["global_tokens"] == int(sys.argv[3]), slice
-assert slice["slice_tokens"] > slice["policy_tokens"], slice
-' "$regions" "$rule" "$GLOBAL_TOKENS" || fail "cluster regions on $hot: $regions"
+assert slice["slice_tokens"] > int(sys.argv[4]), slice
+' "$regions" "$rule" "$GLOBAL_TOKENS" "$POLICY_SLICE_TOKENS" || fail "cluster regions on $hot: $regions"
 kill "$load_pid" 2>/dev/null || true
 wait "$load_pid" 2>/dev/null || true
 echo "traffic on $hot for $((SECONDS - shift_at)) s: $(tr -s ' \n' ' ' <"$load_log" \
