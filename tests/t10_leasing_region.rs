@@ -53,7 +53,8 @@ const FAIR_SHARE_TARGET: f64 = 0.10;
 /// The issue's target: ledger writes per node per second for a key at its limit.
 const WRITES_PER_SECOND_AT_LIMIT_TARGET: f64 = 4.0;
 
-/// Fallback admissions allowed on the hot key, as a share of its admissions.
+/// Fallback admissions allowed on the hot key once settled, as a share of its admissions
+/// then.
 const FALLBACK_SHARE_PERCENT_MAX: u64 = 5;
 
 /// Steady load per node on its own key of the `tenant` rule (100,000/s: never rejected).
@@ -125,6 +126,8 @@ struct Hammered {
     measured: Duration,
     /// Admissions the fallback paid, over all senders.
     bypassed: u64,
+    /// Of those, the ones paid once the settling was over.
+    bypassed_settled: u64,
 }
 
 /// Sends `per_second` requests on `entry` through each of `senders` (with `tasks` tasks
@@ -157,19 +160,23 @@ async fn hammer(
     // Ledger writes per node once the burst is drained and the key sits at its limit.
     tokio::time::sleep(settle).await;
     let calls_from = ledger_calls_by_node(cluster, senders).await?;
+    let bypassed_at_settle =
+        family_sum(cluster, senders, "quotamesh_rate_limit_bypassed_total").await?;
     let measured_from = Instant::now();
     tokio::time::sleep(measured).await;
     let calls_to = ledger_calls_by_node(cluster, senders).await?;
     let measured = measured_from.elapsed();
     stop.send(true)?;
     let answers = collect(handles).await?;
-    let bypassed = (family_sum(cluster, senders, "quotamesh_rate_limit_bypassed_total").await?
-        - bypassed_before) as u64;
+    let bypassed_at_end =
+        family_sum(cluster, senders, "quotamesh_rate_limit_bypassed_total").await?;
+    let bypassed = (bypassed_at_end - bypassed_before) as u64;
+    let bypassed_settled = (bypassed_at_end - bypassed_at_settle) as u64;
     let errors: Vec<&Answer> =
         answers.iter().filter(|answer| matches!(answer.outcome, Outcome::Error(_))).collect();
     assert!(errors.is_empty(), "{} errors, first {:?}", errors.len(), errors.first());
     let calls = calls_from.iter().zip(&calls_to).map(|(from, to)| to - from).collect();
-    Ok(Hammered { answers, calls, settle, measured, bypassed })
+    Ok(Hammered { answers, calls, settle, measured, bypassed, bypassed_settled })
 }
 
 /// Fair shares and cheap writes at the limit: every sender offers the same, so each gets a
@@ -207,6 +214,7 @@ fn assert_fair_and_cheap(case: &str, senders: &[u64], hammered: &Hammered) {
     figure(case, "largest share off the fair share", format!("{:.1} %", off_fair * 100.0));
     figure(case, "most ledger writes/s of a node", format!("{most_writes:.2}"));
     figure(case, "bypasses", hammered.bypassed);
+    figure(case, "bypasses once settled", hammered.bypassed_settled);
     for (id, share, writes_per_second) in shares {
         assert!(
             (share - fair).abs() <= fair * FAIR_SHARE_TARGET,
@@ -268,7 +276,8 @@ fn window_bound_tokens(span: Duration, drift_bound_tokens: u64, bypassed: u64) -
 // (requests bucketed by when the client sent them) the admitted count is within capacity +
 // rate * W + the drift bound, W running from the window's start to its last answer. Once the
 // burst is gone, each node's share of the admissions is within 10 % of a fifth, whichever node
-// leads the ledger, for at most 4 ledger writes per second per node.
+// leads the ledger, for at most 4 ledger writes per second per node, and the fallback paid at
+// most 5 % of the admissions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_key_on_five_nodes_stays_within_the_drift_bound() -> Result<()> {
     let _serial = SERIAL.lock().await;
@@ -294,8 +303,8 @@ async fn a_hot_key_on_five_nodes_stays_within_the_drift_bound() -> Result<()> {
         (SETTLE, HOT_RUN - SETTLE),
     )
     .await?;
-    let Hammered { answers, bypassed, .. } = &hammered;
-    let bypassed = *bypassed;
+    let Hammered { answers, bypassed, bypassed_settled, .. } = &hammered;
+    let (bypassed, bypassed_settled) = (*bypassed, *bypassed_settled);
     let first = answers.first().context("no answer")?.sent_at;
     let last = answers.last().context("no answer")?.sent_at;
     let elapsed = last - first;
@@ -307,7 +316,8 @@ async fn a_hot_key_on_five_nodes_stays_within_the_drift_bound() -> Result<()> {
     eprintln!(
         "hot key: {} requests in {:.2} s ({:.0}/s offered), {admitted} admitted ({:.0}/s), \
          bounds [{lower:.0}, {upper}] (drift bound {drift_bound_tokens} for {} nodes, {bypassed} \
-         fallback admissions); latency p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+         fallback admissions, {bypassed_settled} once settled); latency p50 {:.2} ms, p99 \
+         {:.2} ms, max {:.2} ms",
         answers.len(),
         elapsed.as_secs_f64(),
         answers.len() as f64 / elapsed.as_secs_f64(),
@@ -317,11 +327,19 @@ async fn a_hot_key_on_five_nodes_stays_within_the_drift_bound() -> Result<()> {
         ms(percentile(answers.iter(), 99)),
         ms(percentile(answers.iter(), 100)),
     );
-    // The bounds add what the fallback paid; were that a large share, they would measure the
-    // fallback buckets, not the leases.
+    // The bounds add what the fallback paid; were that a large share once the key is warm,
+    // they would measure the fallback buckets, not the leases. A cold key's first leases take
+    // two ledger round trips (the first asks a minimum lease, before the key's rate is
+    // known), and the fallback pays what waits longer than `wait_budget_ms`: a slow ledger
+    // (a slow disk's first commits) makes that a fallback bucket's worth per node, counted
+    // in the bounds, but not a measure of the leases.
+    let settled: Vec<&Answer> =
+        answers.iter().filter(|answer| answer.sent_at >= first + hammered.settle).collect();
+    let (admitted_settled, _) = admitted_and_end(&settled);
     assert!(
-        bypassed * 100 <= admitted * FALLBACK_SHARE_PERCENT_MAX,
-        "{bypassed} of {admitted} admissions were paid by the fallback"
+        bypassed_settled * 100 <= admitted_settled * FALLBACK_SHARE_PERCENT_MAX,
+        "{bypassed_settled} of {admitted_settled} admissions once settled were paid by the \
+         fallback"
     );
     assert!(admitted as f64 >= lower, "admitted {admitted} < {lower:.0}");
     assert!(admitted <= upper, "admitted {admitted} > {upper}");
