@@ -230,25 +230,7 @@ impl World {
     /// The invariant: slices plus tokens in flight (debited, not settled, not credited)
     /// equal the global limit.
     fn check_conservation(&self) {
-        let slices: u64 = self
-            .regions
-            .iter()
-            .map(|region| region.slice(&self.key).expect("adopted").tokens)
-            .sum();
-        let in_flight: u64 = self
-            .regions
-            .iter()
-            .enumerate()
-            .flat_map(|(donor, ledger)| {
-                ledger.outgoing().map(move |(serial, transfer)| (donor, serial, transfer))
-            })
-            .filter(|(donor, serial, transfer)| {
-                let id = TransferId { donor: Self::name(*donor), serial: *serial };
-                self.regions[Self::index_of(&transfer.recipient)].received(&id)
-                    != Some(Received::Credited)
-            })
-            .map(|(_, _, transfer)| transfer.tokens)
-            .sum();
+        let (slices, in_flight) = tokens_of(self);
         assert_eq!(
             slices + in_flight,
             self.global_tokens,
@@ -564,4 +546,106 @@ fn transfer(world: &mut World, from: usize, to: usize, tokens: u64) {
     let answer = world.network.pop().expect("the credit was answered");
     world.apply_message(answer);
     world.check_conservation();
+}
+
+/// The slices, and the tokens in flight (debited, not settled, not credited), of the world.
+fn tokens_of(world: &World) -> (u64, u64) {
+    let slices: u64 =
+        world.regions.iter().map(|region| region.slice(&world.key).expect("adopted").tokens).sum();
+    let in_flight: u64 = world
+        .regions
+        .iter()
+        .enumerate()
+        .flat_map(|(donor, ledger)| {
+            ledger.outgoing().map(move |(serial, transfer)| (donor, serial, transfer))
+        })
+        .filter(|(donor, serial, transfer)| {
+            let id = TransferId { donor: World::name(*donor), serial: *serial };
+            world.regions[World::index_of(&transfer.recipient)].received(&id)
+                != Some(Received::Credited)
+        })
+        .map(|(_, _, transfer)| transfer.tokens)
+        .sum();
+    (slices, in_flight)
+}
+
+/// Slices plus tokens in flight.
+fn total_tokens(world: &World) -> u64 {
+    let (slices, in_flight) = tokens_of(world);
+    slices + in_flight
+}
+
+proptest! {
+    /// A changed global limit, with transfers done and others in flight, each region
+    /// relimiting once in any order (and replaying it): while regions move, the total is
+    /// the old limit plus the moved regions' policy changes; once all moved it is the new
+    /// limit, and stays so when the transfers in flight are then cancelled and returned.
+    /// Where a region had given away more than the limit lost, it holds 0 and the total
+    /// is below the model's: tokens dropped, never created.
+    #[test]
+    fn a_changed_limit_moves_slices_by_the_policy_change(
+        global in 0..1_000_000u64,
+        new_global in 0..1_000_000u64,
+        weights in proptest::collection::vec(1..100u32, 3..=3),
+        moves in proptest::collection::vec((0..3usize, 0..3usize, 1..=100u64, any::<bool>()), 0..6),
+        order in Just(vec![0_usize, 1, 2]).prop_shuffle(),
+    ) {
+        let shares = shares_of(&weights);
+        let mut world = World::new(global, &weights);
+        for (from, to, percent, deliver) in moves {
+            world.run(Step::Debit { from, to, percent });
+            if deliver && let Some(credit) = world.network.pop() {
+                world.apply_message(credit);
+                let answer = world.network.pop().expect("a credit is answered");
+                world.apply_message(answer);
+            }
+        }
+        let mut expected = global;
+        let mut dropped = false;
+        for region in order {
+            let name = World::name(region);
+            let before = world.regions[region].slice(&world.key).expect("adopted").tokens;
+            let (from_policy, to_policy) = (shares.slice_of(&name, global), shares.slice_of(&name, new_global));
+            let command = RegionCommand::Relimit {
+                key: world.key.clone(),
+                from_global_tokens: global,
+                to_global_tokens: new_global,
+                from_policy_tokens: from_policy,
+                to_policy_tokens: to_policy,
+            };
+            let RegionResponse::Relimited(slice) = world.regions[region].apply(&command, 0) else {
+                panic!("a relimit of a known slice is applied")
+            };
+            prop_assert_eq!(world.regions[region].apply(&command, 0), RegionResponse::Relimited(slice), "a replay changes nothing");
+            let unclamped = i128::from(before) + i128::from(to_policy) - i128::from(from_policy);
+            dropped |= i128::from(slice.tokens) != unclamped;
+            prop_assert!(slice.tokens <= new_global && slice.global_tokens == new_global);
+            expected = (i128::from(expected) + i128::from(to_policy) - i128::from(from_policy)).try_into().expect("never below 0: the policy slices add up");
+            let total = total_tokens(&world);
+            if dropped {
+                prop_assert!(total <= expected);
+            } else {
+                prop_assert_eq!(total, expected);
+            }
+        }
+        prop_assert_eq!(expected, new_global);
+        // The transfers still in flight are cancelled and return to their donors.
+        world.network.clear();
+        for donor in 0..world.regions.len() {
+            let outgoing: Vec<_> = world.regions[donor].outgoing().map(|(serial, transfer)| (serial, transfer.recipient.clone())).collect();
+            for (serial, recipient) in outgoing {
+                let id = TransferId { donor: World::name(donor), serial };
+                let settled_below = world.regions[donor].settled_below(&recipient);
+                world.apply_message(Message::Cancel { to: World::index_of(&recipient), id, settled_below });
+                let answer = world.network.pop().expect("a cancel is answered");
+                world.apply_message(answer);
+            }
+        }
+        let total = total_tokens(&world);
+        if dropped {
+            prop_assert!(total <= new_global);
+        } else {
+            prop_assert_eq!(total, new_global);
+        }
+    }
 }

@@ -39,19 +39,33 @@
 //! flight (counted, never lost, never doubled) until it answers. Duplicated, reordered or
 //! replayed messages meet the recorded outcome of their id.
 //!
+//! **A changed limit.** When a policy changes a sliced rule's global limit from `G` to
+//! `G'`, each region moves its slice by its own change of policy slice,
+//! `share(G') - share(G)` ([`RegionCommand::Relimit`], once per change). The policy slices
+//! add up to each limit exactly, so the changes add up to `G' - G` and the invariant holds
+//! for `G'` once every region moved (in between, the sum is between `G` and `G'`); tokens
+//! in flight stay valid, and what was transferred before stays where it went. A region
+//! whose slice would fall below 0 (it gave away more than the limit lost) holds 0: a token
+//! may be dropped, never created. A change of shares alone moves no slice: the shares are
+//! where slices drift back to (`plan.rs`).
+//!
 //! **Bounded state.** A donor keeps at most [`TRANSFERS_IN_FLIGHT_MAX`] unsettled transfers.
 //! A recipient keeps the outcome of each id until the donor says it settled it: every
 //! message carries the donor's lowest unsettled serial toward that recipient
 //! (`settled_below`), and the recipient forgets the donor's records below it; a message for
 //! an id below it changes nothing. A recipient holding [`RECEIVED_PER_DONOR_MAX`] outcomes
 //! of one donor (an old transfer unanswered while later ones settled) refuses new ones as
-//! busy until the old one settles.
+//! busy until the old one settles. The region's count of offered hits
+//! ([`RegionCommand::Demand`], `demand.rs`) is kept for sliced limits only, and per limit for
+//! at most `REPORTING_NODES_MAX` nodes.
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
 use super::check_region_name;
+use super::demand::OfferedHits;
+use crate::core::ledger::NodeId;
 use crate::core::rate::LIMIT_TOKENS_MAX;
 
 /// Most transfers a donor keeps in flight at once (all rules and recipients together).
@@ -135,7 +149,7 @@ pub enum Received {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum RegionCommand {
     /// Sets a rule's slice from the policy when the ledger has none yet (a later policy
-    /// for a known rule changes nothing: slices then move only by transfers).
+    /// for a known rule moves it by [`RegionCommand::Relimit`] only, and by transfers).
     Adopt {
         /// The rule.
         key: SliceKey,
@@ -161,6 +175,35 @@ pub enum RegionCommand {
         serial: u64,
         /// What the recipient did.
         outcome: Received,
+    },
+    /// A rule's global limit changed in the policy: the slice moves by this region's change
+    /// of policy slice (`to_policy_tokens - from_policy_tokens`), held within 0 and the new
+    /// limit. Every region's policy slices add up to each limit exactly (`split_tokens`), so
+    /// the regions' changes add up to the change of the limit, and slices plus tokens in
+    /// flight add up to the new limit once every region moved, whatever was transferred
+    /// before; a region that gave away more than it loses ends at 0, which only drops
+    /// tokens. Applied once: a slice not under `from_global_tokens` is left alone.
+    Relimit {
+        /// The rule.
+        key: SliceKey,
+        /// The global limit the slice is under now.
+        from_global_tokens: u64,
+        /// The new global limit.
+        to_global_tokens: u64,
+        /// This region's policy slice of the old limit.
+        from_policy_tokens: u64,
+        /// This region's policy slice of the new limit.
+        to_policy_tokens: u64,
+    },
+    /// Any node of the region: its own counts of offered hits on sliced limits
+    /// (`demand.rs`, [`OfferedHits`]); answered with the slices of those limits, which is
+    /// how a gateway, holding no replica, learns what to enforce.
+    Demand {
+        /// The reporting node.
+        node_id: NodeId,
+        /// `(limit, the node's count of hits offered on it)`, at most [`SLICED_RULES_MAX`];
+        /// a limit with no slice here is skipped.
+        hits: Vec<(SliceKey, u64)>,
     },
 }
 
@@ -240,6 +283,9 @@ pub enum RegionCommandError {
     /// only ever frees room.)
     #[error("too many transfers awaiting settlement")]
     Busy,
+    /// A demand report naming more than [`SLICED_RULES_MAX`] limits.
+    #[error("a demand report of {0} limits, over the maximum of {SLICED_RULES_MAX}")]
+    ReportTooLarge(usize),
 }
 
 /// The answer to a [`RegionCommand`].
@@ -258,6 +304,11 @@ pub enum RegionResponse {
     Settled,
     /// Refused; nothing changed.
     Refused(RegionCommandError),
+    /// The answer to a [`RegionCommand::Demand`]: the slice of each reported limit that has
+    /// one, in tokens.
+    Slices(Vec<(SliceKey, u64)>),
+    /// The slice after a [`RegionCommand::Relimit`] (or as it was, for a replay).
+    Relimited(Slice),
 }
 
 /// The outcomes a recipient keeps for one donor.
@@ -280,6 +331,9 @@ pub struct RegionLedger {
     next_serial: u64,
     outgoing: BTreeMap<u64, Outgoing>,
     received: BTreeMap<String, DonorRecords>,
+    /// The region's offered hits per sliced limit (only limits with a slice, so bounded by
+    /// [`SLICED_RULES_MAX`]).
+    offered: BTreeMap<SliceKey, OfferedHits>,
 }
 
 impl Default for RegionLedger {
@@ -289,6 +343,7 @@ impl Default for RegionLedger {
             next_serial: 1,
             outgoing: BTreeMap::new(),
             received: BTreeMap::new(),
+            offered: BTreeMap::new(),
         }
     }
 }
@@ -333,6 +388,24 @@ impl RegionLedger {
             .map_or(self.next_serial, |(serial, _)| *serial)
     }
 
+    /// The transfers of other regions this region credited and whose donors have not said
+    /// they settled them, as `(donor, serial)`.
+    pub fn credited(&self) -> impl Iterator<Item = (&str, u64)> {
+        self.received.iter().flat_map(|(donor, records)| {
+            records
+                .outcomes
+                .iter()
+                .filter(|(_, outcome)| **outcome == Received::Credited)
+                .map(move |(serial, _)| (donor.as_str(), *serial))
+        })
+    }
+
+    /// The region-wide count of hits offered on a sliced limit (0 before any report).
+    #[must_use]
+    pub fn offered_hits(&self, key: &SliceKey) -> u64 {
+        self.offered.get(key).map_or(0, OfferedHits::hits_total)
+    }
+
     /// What this region did with a transfer id, when it still knows; `AlreadySettled`-like
     /// ids (below the donor's watermark) answer `None`.
     #[must_use]
@@ -356,6 +429,18 @@ impl RegionLedger {
                 self.receive(id, *settled_below, None)
             }
             RegionCommand::Settle { serial, outcome } => Ok(self.settle(*serial, *outcome)),
+            RegionCommand::Demand { node_id, hits } => self.demand(now_ms, *node_id, hits),
+            RegionCommand::Relimit {
+                key,
+                from_global_tokens,
+                to_global_tokens,
+                from_policy_tokens,
+                to_policy_tokens,
+            } => self.relimit(
+                key,
+                (*from_global_tokens, *to_global_tokens),
+                (*from_policy_tokens, *to_policy_tokens),
+            ),
         };
         outcome.unwrap_or_else(RegionResponse::Refused)
     }
@@ -483,6 +568,49 @@ impl RegionLedger {
         };
         self.received.entry(id.donor.clone()).or_default().outcomes.insert(id.serial, outcome);
         Ok(RegionResponse::Received(outcome))
+    }
+
+    /// `globals` and `policies` are `(from, to)` pairs.
+    fn relimit(
+        &mut self,
+        key: &SliceKey,
+        (from_global, to_global): (u64, u64),
+        (from_policy, to_policy): (u64, u64),
+    ) -> Result<RegionResponse, RegionCommandError> {
+        if to_global > LIMIT_TOKENS_MAX || to_policy > to_global || from_policy > from_global {
+            return Err(RegionCommandError::SliceTooLarge {
+                tokens: to_policy.max(from_policy),
+                global_tokens: to_global,
+            });
+        }
+        let slice = self
+            .slices
+            .get_mut(key)
+            .ok_or_else(|| RegionCommandError::UnknownSlice(key.clone()))?;
+        if slice.global_tokens == from_global {
+            // Raised first, then lowered: the order keeps a raise from saturating at 0.
+            let tokens = slice.tokens.saturating_add(to_policy).saturating_sub(from_policy);
+            *slice = Slice { global_tokens: to_global, tokens: tokens.min(to_global) };
+        }
+        Ok(RegionResponse::Relimited(*slice))
+    }
+
+    fn demand(
+        &mut self,
+        now_ms: u64,
+        node_id: NodeId,
+        hits: &[(SliceKey, u64)],
+    ) -> Result<RegionResponse, RegionCommandError> {
+        if hits.len() > SLICED_RULES_MAX {
+            return Err(RegionCommandError::ReportTooLarge(hits.len()));
+        }
+        let mut slices = Vec::with_capacity(hits.len());
+        for (key, hits_total) in hits {
+            let Some(slice) = self.slices.get(key) else { continue };
+            slices.push((key.clone(), slice.tokens));
+            self.offered.entry(key.clone()).or_default().record(node_id, *hits_total, now_ms);
+        }
+        Ok(RegionResponse::Slices(slices))
     }
 
     fn settle(&mut self, serial: u64, outcome: Received) -> RegionResponse {
