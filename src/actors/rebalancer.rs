@@ -47,8 +47,8 @@ use crate::core::policy::PolicySet;
 use crate::core::region::demand::DemandWindow;
 use crate::core::region::plan::{PlanSettings, RegionView};
 use crate::core::region::transfer::{
-    Outgoing, Received, RegionCommand, RegionCommandError, RegionResponse, SLICED_RULES_MAX, Slice,
-    SliceKey, TransferId, TransferRequest,
+    Received, RegionCommand, RegionCommandError, RegionResponse, SLICED_RULES_MAX, Slice, SliceKey,
+    TransferId, TransferRequest,
 };
 use crate::ledger::{QuotaGroup, RaftGroup};
 use crate::metrics::Metrics;
@@ -206,9 +206,14 @@ impl Shared {
             Ok(RegionResponse::Received(outcome)) => RegionReply::Received(outcome),
             Ok(RegionResponse::AlreadySettled) => RegionReply::AlreadySettled,
             Ok(RegionResponse::Refused(error)) => {
-                // Busy frees up as the donor settles; a slice not adopted yet will be.
-                let retry =
-                    matches!(error, RegionCommandError::Busy | RegionCommandError::UnknownSlice(_));
+                // Busy frees up as the donor settles; a slice not adopted yet will be; a
+                // changed limit is taken by both regions in time.
+                let retry = matches!(
+                    error,
+                    RegionCommandError::Busy
+                        | RegionCommandError::UnknownSlice(_)
+                        | RegionCommandError::LimitChanged { .. }
+                );
                 RegionReply::refused(error.to_string(), retry)
             }
             Ok(other) => RegionReply::refused(format!("unexpected answer {other:?}"), false),
@@ -454,7 +459,11 @@ impl State {
                 let key = SliceKey::of(&rule.domain, &rule.path, index);
                 let global_tokens = limit.spec.requests_per_window;
                 let known = self.shared.group.read(|ledger| ledger.regions().slice(&key));
-                if known.is_some_and(|slice| slice.global_tokens == global_tokens) {
+                // A limit of 0 is the policy's to enforce; the slice keeps its share of the
+                // last limit for when it is raised again (`transfer.rs`, a changed limit).
+                if known
+                    .is_some_and(|slice| slice.global_tokens == global_tokens || global_tokens == 0)
+                {
                     continue;
                 }
                 if adopted >= ADOPTS_PER_TICK_MAX {
@@ -473,7 +482,6 @@ impl State {
                         key: key.clone(),
                         from_global_tokens: slice.global_tokens,
                         to_global_tokens: global_tokens,
-                        from_policy_tokens: shares.slice_of(region, slice.global_tokens),
                         to_policy_tokens: shares.slice_of(region, global_tokens),
                     },
                 };
@@ -520,30 +528,31 @@ impl State {
     /// Sends every unsettled transfer's credit (its cancellation once timed out) and
     /// settles what the recipients answer.
     async fn settle(&self) {
-        let outgoing: Vec<(u64, SliceKey, String, u64, u64)> = self.shared.group.read(|ledger| {
-            ledger
-                .regions()
+        let region = self.shared.region.as_str();
+        let now_ms = crate::clock::now_ms();
+        let timeout_ms = self.transfer_timeout_ms;
+        // Read at once with the slices, so each credit's tokens and limit agree.
+        let requests: Vec<(u64, String, TransferRequest)> = self.shared.group.read(|ledger| {
+            let regions = ledger.regions();
+            regions
                 .outgoing()
-                .map(|(serial, transfer)| {
-                    let Outgoing { key, recipient, tokens, debited_at_ms } = transfer.clone();
-                    (serial, key, recipient, tokens, debited_at_ms)
+                .filter_map(|(serial, transfer)| {
+                    if now_ms.saturating_sub(transfer.debited_at_ms) >= timeout_ms {
+                        let id = TransferId { donor: region.to_owned(), serial };
+                        let settled_below = regions.settled_below(&transfer.recipient);
+                        let cancel = TransferRequest::Cancel { id, settled_below };
+                        return Some((serial, transfer.recipient.clone(), cancel));
+                    }
+                    let (recipient, credit) = regions.credit_request(region, serial)?;
+                    Some((serial, recipient, credit))
                 })
                 .collect()
         });
-        let now_ms = crate::clock::now_ms();
         let mut unreachable: Vec<String> = Vec::new();
-        for (serial, key, recipient, tokens, debited_at_ms) in outgoing {
+        for (serial, recipient, request) in requests {
             if unreachable.contains(&recipient) {
                 continue;
             }
-            let settled_below =
-                self.shared.group.read(|ledger| ledger.regions().settled_below(&recipient));
-            let id = TransferId { donor: self.shared.region.clone(), serial };
-            let request = if now_ms.saturating_sub(debited_at_ms) >= self.transfer_timeout_ms {
-                TransferRequest::Cancel { id, settled_below }
-            } else {
-                TransferRequest::Credit { id, key, tokens, settled_below }
-            };
             if !self.deliver(serial, &recipient, request).await {
                 unreachable.push(recipient);
             }
@@ -700,9 +709,7 @@ impl State {
 
     /// Debits `tokens` of `key` toward `recipient`, then sends the credit.
     async fn transfer(&self, key: &SliceKey, recipient: &str, tokens: u64) {
-        let (serial, settled_below) = self.shared.group.read(|ledger| {
-            (ledger.regions().next_serial(), ledger.regions().settled_below(recipient))
-        });
+        let serial = self.shared.group.read(|ledger| ledger.regions().next_serial());
         let command = RegionCommand::Debit {
             serial,
             key: key.clone(),
@@ -714,14 +721,16 @@ impl State {
             Ok(RegionResponse::Debited(serial)) => {
                 result("debited");
                 tracing::info!(%key, %recipient, tokens, serial, "debited a transfer");
-                let id = TransferId { donor: self.shared.region.clone(), serial };
-                let request = TransferRequest::Credit {
-                    id,
-                    key: key.clone(),
-                    tokens,
-                    settled_below: settled_below.min(serial),
-                };
-                self.deliver(serial, recipient, request).await;
+                let region = self.shared.region.as_str();
+                // From the ledger, not from what was asked: a changed limit may have scaled
+                // the transfer since.
+                let credit = self
+                    .shared
+                    .group
+                    .read(|ledger| ledger.regions().credit_request(region, serial));
+                if let Some((recipient, request)) = credit {
+                    self.deliver(serial, &recipient, request).await;
+                }
             }
             Ok(response) => {
                 result("refused");
