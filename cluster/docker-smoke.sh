@@ -204,8 +204,7 @@ echo "mesh network reconnected, both links up"
 section "the slices add up to the global limit"
 # Read one region after the other, a sample is exact only while nothing moves: nothing in
 # flight, and the same numbers as the sample before. (A rebalance under skewed traffic is
-# tests/t10_regions.rs's: through Envoy, traffic spreads over a region's nodes, and a region's
-# demand is still what its leader's own RLS sees.)
+# tests/t10_regions.rs's, on regions of three voters and a gateway as here.)
 deadline=$((SECONDS + 30))
 previous= sample=
 while :; do

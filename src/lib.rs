@@ -36,4 +36,5 @@ pub mod policy_store;
 pub mod raft_health;
 pub mod raft_host;
 pub mod region;
+pub mod slice_follow;
 pub mod tls;

@@ -173,6 +173,18 @@ pub struct Metrics {
     pub region_link_up: IntGaugeVec,
     /// `quotamesh_region_link_rtt_seconds{region}`: the QUIC round-trip time to the peer.
     pub region_link_rtt: GaugeVec,
+    /// `quotamesh_region_calls_total{region}`: calls to a peer region that got a reply
+    /// (each one request and one reply message).
+    pub region_calls: IntCounterVec,
+    /// `quotamesh_region_sent_bytes_total{region}`: request bytes of those calls (messages
+    /// only: no QUIC, TLS or UDP overhead, no keepalives).
+    pub region_sent_bytes: IntCounterVec,
+    /// `quotamesh_region_received_bytes_total{region}`: reply bytes of those calls.
+    pub region_received_bytes: IntCounterVec,
+    /// `quotamesh_region_connections_refused_total`: QUIC connections this node's region
+    /// endpoint refused (a certificate of another CA, a gateway's, or one naming a region
+    /// that is not a peer).
+    pub region_connections_refused: IntCounter,
     /// `quotamesh_region_leading`: 1 while this node's rebalancer runs (it leads the quota
     /// group of a region with `[[regions]]`).
     pub region_leading: IntGauge,
@@ -525,6 +537,25 @@ impl Metrics {
                 &["region"],
             ),
             region_link_rtt,
+            region_calls: counter_vec(
+                "quotamesh_region_calls_total",
+                "Calls to a peer region that got a reply (one request and one reply message                  each).",
+                &["region"],
+            ),
+            region_sent_bytes: counter_vec(
+                "quotamesh_region_sent_bytes_total",
+                "Request bytes of calls to a peer region (messages only, without QUIC, TLS                  and UDP overhead).",
+                &["region"],
+            ),
+            region_received_bytes: counter_vec(
+                "quotamesh_region_received_bytes_total",
+                "Reply bytes of calls to a peer region (messages only).",
+                &["region"],
+            ),
+            region_connections_refused: counter(
+                "quotamesh_region_connections_refused_total",
+                "QUIC connections the region endpoint refused: a certificate of another CA, a                  gateway's, or one naming a region that is not a peer.",
+            ),
             region_leading: gauge(
                 "quotamesh_region_leading",
                 "1 while this node's rebalancer runs: it leads a quota group with [[regions]].",

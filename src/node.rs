@@ -5,7 +5,8 @@
 //!           (identity, quota and billing groups, Raft peer listener) ─▶ lease broker ─▶ shard
 //!           actors ─▶ servers (RLS, admin, billing API in node/billing.rs) ─▶ group watches
 //!           (raft_health.rs) ─▶ the region's policy version installed, then followed
-//!           (policy_follow.rs) ─▶ QUIC endpoint and rebalancer (with [[regions]]) ─▶ ready
+//!           (policy_follow.rs) ─▶ demand reports and, on a gateway, the ledger's slices
+//!           (slice_follow.rs) ─▶ QUIC endpoint and rebalancer (with [[regions]]) ─▶ ready
 //! shutdown: not ready ─▶ stop accepting, drain calls (RLS, HTTP, admin, billing) ─▶ stop
 //!           the rebalancer and close QUIC ─▶ stop watchers ─▶ stop shard actors ─▶ stop
 //!           lease broker ─▶ stop Raft groups, then the
@@ -311,6 +312,19 @@ impl Node {
             )
             .await,
         );
+        // A voter without `[[regions]]` runs no rebalancer to read the reports; a gateway
+        // follows the slices through them whatever it is told of the other regions.
+        if !config.regions.is_empty() || config.is_gateway() {
+            let follower = crate::slice_follow::SliceFollower {
+                node_id: raft.node_id(),
+                role: raft.role(),
+                group: raft.quota().clone(),
+                policy: Arc::clone(&policy),
+                metrics: metrics.clone(),
+                interval: Duration::from_millis(config.rebalance.interval_ms),
+            };
+            group_watches.push(follower.start(until_stopped(stopped.clone())));
+        }
         let watcher = match Arc::clone(&policy).watch(until_stopped(stopped)) {
             Ok(watcher) => watcher,
             Err(error) => {

@@ -1,16 +1,21 @@
-//! Two regions of one cluster, one voter each, linked by QUIC under the cluster's CA
-//! (`[[regions]]`): a global limit shared 50/50, all traffic on one region, and the
-//! rebalancer moves the other region's idle tokens to it; the sum of both slices plus the
-//! tokens in flight stays the global limit, and the hot region's admitted rate rises past
-//! its policy slice. With the peer region's process stopped, the hot region answers at once
-//! from the slice it has, and the transfer happens once the peer runs again.
+//! Two regions of one cluster linked by QUIC under the cluster's CA (`[[regions]]`): a
+//! global limit shared 50/50, all traffic on one region, and the rebalancer moves the other
+//! region's idle tokens to it; the sum of both slices plus the tokens in flight stays the
+//! global limit, and the hot region's admitted rate rises past its policy slice. With the
+//! peer region's process stopped, the hot region answers at once from the slice it has,
+//! and the transfer happens once the peer runs again. Those two run one voter per region;
+//! a third runs three voters per region and a gateway in the hot one, with traffic spread
+//! over its four nodes so that no node alone makes the region hot: the region's demand is
+//! counted region-wide (the gateway's reports included), and the gateway enforces the
+//! ledger's slice.
 //!
-//! One voter per region: three each would be six processes on a 2-core machine that also
-//! runs the CPU hog; the rebalancer runs on each quota group's leader alike. The rebalancer
-//! runs its shipped defaults (80 % of a slice within a 20 s window, a look each second).
+//! The rebalancer runs its shipped defaults (80 % of a slice within a 20 s window, a look
+//! each second), with both cores kept busy by the CPU hog.
 
 mod common;
 
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -18,6 +23,8 @@ use std::time::{Duration, Instant};
 use common::cluster::{Cluster, ClusterOptions};
 use common::{CpuHog, descriptor, free_port_on, metric_value, request};
 use quotamesh::api::proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use quotamesh::api::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use tonic::transport::Channel;
 
 const DOMAIN: &str = "regions-test";
 /// A global limit of 100 a second, half in each region.
@@ -37,36 +44,72 @@ const RULE: &str = "regions-test/global#0";
 const REBALANCED_WITHIN: Duration = Duration::from_secs(60);
 /// Concurrent RLS callers on the hot region.
 const CALLERS: usize = 2;
+/// The gateway of the three-voter region east.
+const GATEWAY: u64 = 4;
+/// Requests a second offered through east's gateway, and through each of its voters, in
+/// the three-voter test. East's policy slice is 50 and a region is hot at 80 % of it (40):
+/// each voter's own traffic (10) is far under it and the voters' together (30) still are,
+/// so east is found hot only by adding every node's offered hits, the gateway's included
+/// (90; 45 with half the offered rate lost to the CPU hog).
+const GATEWAY_RATE: u32 = 60;
+const VOTER_RATE: u32 = 10;
 /// Slowest answer allowed while the peer region is stopped: far under the QUIC call timeout
 /// (5 s), so an answer that waited on the other region shows; room for the CPU hog.
 const NO_WAIT_BOUND: Duration = Duration::from_secs(1);
 
-/// The options of region `region`, whose peer `peer` answers QUIC at `peer_quic`.
+/// A QUIC address for each of `voters` voters (node N on 127.0.0.N, as the harness puts it).
+fn quic_addrs(voters: u64) -> anyhow::Result<BTreeMap<u64, SocketAddr>> {
+    (1..=voters)
+        .map(|id| {
+            let ip = format!("127.0.0.{id}");
+            Ok((id, format!("{ip}:{}", free_port_on(&ip)?).parse()?))
+        })
+        .collect()
+}
+
+/// The options of region `region`, whose voters answer QUIC at `quic`, and whose peer `peer`
+/// is dialled at `peer_quic` (one of its voters: any answers a peer).
 fn region_options(
     region: &str,
-    quic: std::net::SocketAddr,
+    quic: &BTreeMap<u64, SocketAddr>,
     peer: &str,
-    peer_quic: std::net::SocketAddr,
+    peer_quic: SocketAddr,
 ) -> ClusterOptions {
     ClusterOptions {
         policy: Some(POLICY.to_owned()),
         region: Some(region.to_owned()),
         config_extra: format!("[[regions]]\nname = \"{peer}\"\nquic_addr = \"{peer_quic}\"\n"),
-        node_environment: [(1, vec![("QUOTAMESH_QUIC_ADDR", quic.to_string())])].into(),
+        node_environment: quic
+            .iter()
+            .map(|(id, addr)| (*id, vec![("QUOTAMESH_QUIC_ADDR", addr.to_string())]))
+            .collect(),
         ..ClusterOptions::default()
     }
 }
 
-/// What one region's node reports of the rule: its slice, its tokens in flight, and the
-/// peer's slice as it last read it.
+/// What one region's node reports of the rule: its slice and its tokens in flight.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Sample {
     slice: f64,
     in_flight: f64,
 }
 
-fn sample(cluster: &Cluster, region: &str) -> anyhow::Result<Sample> {
-    let node = &cluster.nodes[&1];
+/// One region and the voter whose gauges are read: its leader's, which follow every region
+/// command it commits at once (a follower's follow on its next tick).
+struct Region {
+    cluster: Cluster,
+    name: &'static str,
+    leader: u64,
+}
+
+impl Region {
+    fn sample(&self) -> anyhow::Result<Sample> {
+        sample(&self.cluster, self.leader, self.name)
+    }
+}
+
+fn sample(cluster: &Cluster, node_id: u64, region: &str) -> anyhow::Result<Sample> {
+    let node = &cluster.nodes[&node_id];
     let metrics = node.process.as_ref().expect("running").metrics()?;
     Ok(Sample {
         slice: metric_value(
@@ -80,54 +123,99 @@ fn sample(cluster: &Cluster, region: &str) -> anyhow::Result<Sample> {
     })
 }
 
-/// What one run of traffic saw: admitted requests, and the slowest answer.
+/// What one run of traffic saw: requests sent and admitted, and the slowest answer.
+#[derive(Debug, Default)]
 struct Load {
+    sent: u64,
     admitted: u64,
     slowest: Duration,
 }
 
-/// Sends requests to `cluster`'s node until `until` or until `stop` is raised.
-async fn traffic(cluster: &Cluster, until: Instant, stop: Arc<AtomicBool>) -> anyhow::Result<Load> {
-    let node = cluster.nodes[&1].process.as_ref().expect("running");
+impl Load {
+    fn add(&mut self, other: &Load) {
+        self.sent += other.sent;
+        self.admitted += other.admitted;
+        self.slowest = self.slowest.max(other.slowest);
+    }
+}
+
+/// Sends one request through `client` and counts it in `load`.
+async fn send(client: &mut RateLimitServiceClient<Channel>, load: &mut Load) -> anyhow::Result<()> {
+    let call = request(DOMAIN, vec![descriptor(&[("global", "all")])]);
+    let sent = Instant::now();
+    let response = client.should_rate_limit(call).await?.into_inner();
+    load.sent += 1;
+    load.slowest = load.slowest.max(sent.elapsed());
+    if response.overall_code() == Code::Ok {
+        load.admitted += 1;
+    }
+    Ok(())
+}
+
+/// Sends requests as fast as they are answered to `cluster`'s node `node_id`, from
+/// [`CALLERS`] callers, until `until` or until `stop` is raised.
+async fn traffic(
+    cluster: &Cluster,
+    node_id: u64,
+    until: Instant,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<Load> {
+    let node = cluster.nodes[&node_id].process.as_ref().expect("running");
     let mut callers = Vec::new();
     for _ in 0..CALLERS {
         let mut client = node.client().await?;
         let stop = Arc::clone(&stop);
         callers.push(tokio::spawn(async move {
-            let mut load = Load { admitted: 0, slowest: Duration::ZERO };
+            let mut load = Load::default();
             while Instant::now() < until && !stop.load(Ordering::Relaxed) {
-                let call = request(DOMAIN, vec![descriptor(&[("global", "all")])]);
-                let sent = Instant::now();
-                let response = client.should_rate_limit(call).await?.into_inner();
-                load.slowest = load.slowest.max(sent.elapsed());
-                if response.overall_code() == Code::Ok {
-                    load.admitted += 1;
-                }
+                send(&mut client, &mut load).await?;
             }
             anyhow::Ok(load)
         }));
     }
-    let mut total = Load { admitted: 0, slowest: Duration::ZERO };
+    let mut total = Load::default();
     for caller in callers {
-        let load = caller.await??;
-        total.admitted += load.admitted;
-        total.slowest = total.slowest.max(load.slowest);
+        total.add(&caller.await??);
     }
     Ok(total)
 }
 
-/// Starts regions east and west, each naming the other, and waits until both adopted their
-/// policy slice.
-async fn start_regions() -> anyhow::Result<(Cluster, Cluster)> {
-    let east_quic = format!("127.0.0.1:{}", free_port_on("127.0.0.1")?).parse()?;
-    let west_quic = format!("127.0.0.1:{}", free_port_on("127.0.0.1")?).parse()?;
-    let east = Cluster::start(1, region_options("east", east_quic, "west", west_quic)).await?;
-    let west =
-        Cluster::start_sharing_ca(1, region_options("west", west_quic, "east", east_quic), &east)
-            .await?;
+/// Sends `per_second` requests a second to `cluster`'s node `node_id` (late ones catch up)
+/// until `until` or until `stop` is raised.
+async fn paced(
+    cluster: &Cluster,
+    node_id: u64,
+    per_second: u32,
+    until: Instant,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<Load> {
+    let mut client = cluster.nodes[&node_id].process.as_ref().expect("running").client().await?;
+    let mut ticks = tokio::time::interval(Duration::from_secs(1) / per_second);
+    let mut load = Load::default();
+    while Instant::now() < until && !stop.load(Ordering::Relaxed) {
+        ticks.tick().await;
+        send(&mut client, &mut load).await?;
+    }
+    Ok(load)
+}
+
+/// Starts regions east and west of `voters` voters each, each naming the other, and waits
+/// until both adopted their policy slice.
+async fn start_regions(voters: u64) -> anyhow::Result<(Region, Region)> {
+    let (east_quic, west_quic) = (quic_addrs(voters)?, quic_addrs(voters)?);
+    let east =
+        Cluster::start(voters, region_options("east", &east_quic, "west", west_quic[&1])).await?;
+    let west = Cluster::start_sharing_ca(
+        voters,
+        region_options("west", &west_quic, "east", east_quic[&1]),
+        &east,
+    )
+    .await?;
+    let east = Region { leader: east.leader().await?, cluster: east, name: "east" };
+    let west = Region { leader: west.leader().await?, cluster: west, name: "west" };
     let started = Instant::now();
     loop {
-        let (e, w) = (sample(&east, "east")?, sample(&west, "west")?);
+        let (e, w) = (east.sample()?, west.sample()?);
         if e.slice == POLICY_SLICE_TOKENS && w.slice == POLICY_SLICE_TOKENS {
             return Ok((east, west));
         }
@@ -136,19 +224,23 @@ async fn start_regions() -> anyhow::Result<(Cluster, Cluster)> {
     }
 }
 
-/// Sends all traffic to east until it holds at least 90 % of the global limit, checking
-/// conservation at every quiet sample; returns how long it took.
-async fn rebalance(east: &Cluster, west: &Cluster) -> anyhow::Result<Duration> {
+/// Runs `load` (all traffic on east, ending at `until` or when `stop` is raised) until east
+/// holds at least 90 % of the global limit, checking conservation at every quiet sample;
+/// returns how long it took.
+async fn rebalance(
+    east: &Region,
+    west: &Region,
+    load: impl Future<Output = anyhow::Result<Load>>,
+    until: Instant,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<Duration> {
     let shift = Instant::now();
-    let until = shift + REBALANCED_WITHIN;
-    let stop = Arc::new(AtomicBool::new(false));
-    let load = traffic(east, until, Arc::clone(&stop));
     let watch = async {
         let mut previous: Option<(Sample, Sample)> = None;
         let mut quiet_samples = 0;
         let mut rebalanced_after = None;
         while Instant::now() < until {
-            let (e, w) = (sample(east, "east")?, sample(west, "west")?);
+            let (e, w) = (east.sample()?, west.sample()?);
             anyhow::ensure!(e.slice <= GLOBAL_TOKENS && w.slice <= GLOBAL_TOKENS, "{e:?} {w:?}");
             // Read one region after the other, a sample is exact only while nothing moves:
             // no tokens in flight, and the same numbers as the sample before (the gauges
@@ -179,7 +271,8 @@ async fn rebalance(east: &Cluster, west: &Cluster) -> anyhow::Result<Duration> {
     let load = load?;
     eprintln!(
         "rebalanced after {rebalanced_after:?}; last samples {last:?}; {quiet_samples} quiet \
-         samples after it; admitted {} in {:?}, slowest answer {:?}",
+         samples after it; sent {}, admitted {} in {:?}, slowest answer {:?}",
+        load.sent,
         load.admitted,
         shift.elapsed(),
         load.slowest
@@ -187,8 +280,8 @@ async fn rebalance(east: &Cluster, west: &Cluster) -> anyhow::Result<Duration> {
     let rebalanced_after = rebalanced_after.ok_or_else(|| {
         anyhow::anyhow!(
             "east never got more than its policy slice: {last:?}\neast log:\n{}\nwest log:\n{}",
-            east.nodes[&1].process.as_ref().expect("running").log_tail(40),
-            west.nodes[&1].process.as_ref().expect("running").log_tail(40)
+            east.cluster.nodes[&east.leader].process.as_ref().expect("running").log_tail(40),
+            west.cluster.nodes[&west.leader].process.as_ref().expect("running").log_tail(40)
         )
     })?;
     anyhow::ensure!(
@@ -202,9 +295,10 @@ async fn rebalance(east: &Cluster, west: &Cluster) -> anyhow::Result<Duration> {
 async fn skewed_traffic_moves_tokens_to_the_hot_region() -> anyhow::Result<()> {
     // The hot region gets at least 90 % of the global limit, tokens are conserved at every
     // quiet sample, and it admits more than its policy slice allowed: with both cores busy.
-    let (east, west) = start_regions().await?;
+    let (east, west) = start_regions(1).await?;
     let _hog = CpuHog::start(2);
-    rebalance(&east, &west).await?;
+    all_traffic_on_east(&east, &west).await?;
+    let (east, west) = (east.cluster, west.cluster);
 
     // `cluster regions` reads each region's ledger: east holds what west gave, nothing is
     // in flight, and east's leader shows its demand and west's slice as last read.
@@ -250,7 +344,7 @@ async fn skewed_traffic_moves_tokens_to_the_hot_region() -> anyhow::Result<()> {
 
     // With the slice moved, east admits past what its policy slice allowed.
     let window = Duration::from_secs(5);
-    let load = traffic(&east, Instant::now() + window, Arc::new(AtomicBool::new(false))).await?;
+    let load = traffic(&east, 1, Instant::now() + window, Arc::new(AtomicBool::new(false))).await?;
     let policy_bound = POLICY_SLICE_TOKENS * (window.as_secs_f64() + 1.0);
     eprintln!(
         "east admitted {} in {window:?} (its policy slice allows {policy_bound})",
@@ -269,14 +363,15 @@ async fn a_stopped_peer_region_holds_nobody_up_and_transfers_resume() -> anyhow:
     // With the peer region's process stopped (its QUIC socket silent), the hot region
     // answers every request at once from the slice it has and keeps that slice; once the
     // peer runs again, the tokens move.
-    let (east, west) = start_regions().await?;
+    let (east, west) = start_regions(1).await?;
     let _hog = CpuHog::start(2);
-    let west_process = west.nodes[&1].process.as_ref().expect("running");
+    let west_process = west.cluster.nodes[&1].process.as_ref().expect("running");
     west_process.signal("STOP")?;
     // Longer than a QUIC call's timeout, so the rebalancer's calls time out meanwhile.
     let window = Duration::from_secs(8);
-    let stopped = traffic(&east, Instant::now() + window, Arc::new(AtomicBool::new(false))).await;
-    let during = sample(&east, "east");
+    let stopped =
+        traffic(&east.cluster, 1, Instant::now() + window, Arc::new(AtomicBool::new(false))).await;
+    let during = east.sample();
     west_process.signal("CONT")?;
     let (stopped, during) = (stopped?, during?);
     eprintln!(
@@ -293,7 +388,72 @@ async fn a_stopped_peer_region_holds_nobody_up_and_transfers_resume() -> anyhow:
         during.slice == POLICY_SLICE_TOKENS && during.in_flight == 0.0,
         "east's slice changed without its peer: {during:?}"
     );
-    let after = rebalance(&east, &west).await?;
+    let after = all_traffic_on_east(&east, &west).await?;
     eprintln!("after the peer resumed, rebalanced within {after:?}");
+    Ok(())
+}
+
+/// Sends all traffic to east's node 1, from [`CALLERS`] callers as fast as they are
+/// answered, until east holds at least 90 % of the global limit ([`rebalance`]).
+async fn all_traffic_on_east(east: &Region, west: &Region) -> anyhow::Result<Duration> {
+    let until = Instant::now() + REBALANCED_WITHIN;
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = traffic(&east.cluster, 1, until, Arc::clone(&stop));
+    rebalance(east, west, load, until, stop).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_region_counts_its_demand_on_every_node_and_its_gateway_enforces_the_ledger_slice()
+-> anyhow::Result<()> {
+    // Two regions of three voters, and a gateway in east taking most of east's traffic, at
+    // rates under which no node alone (nor the voters together) makes east hot: east gets
+    // at least 90 % of the global limit only because the ledger adds up every node's
+    // offered hits, the gateway's included; then the gateway alone admits past east's
+    // policy slice, so it enforces the ledger's slice, not the policy's share.
+    let (mut east, west) = start_regions(3).await?;
+    east.cluster.start_gateway(GATEWAY)?;
+    let _hog = CpuHog::start(2);
+    let until = Instant::now() + REBALANCED_WITHIN;
+    let stop = Arc::new(AtomicBool::new(false));
+    let cluster = &east.cluster;
+    let load = async {
+        let voter = |id| paced(cluster, id, VOTER_RATE, until, Arc::clone(&stop));
+        let (gateway, one, two, three) = tokio::join!(
+            paced(cluster, GATEWAY, GATEWAY_RATE, until, Arc::clone(&stop)),
+            voter(1),
+            voter(2),
+            voter(3),
+        );
+        let gateway = gateway?;
+        eprintln!(
+            "through the gateway: sent {}, admitted {}, slowest answer {:?}",
+            gateway.sent, gateway.admitted, gateway.slowest
+        );
+        let mut total = gateway;
+        for (id, voter) in (1..=3).zip([one, two, three]) {
+            let voter = voter?;
+            eprintln!("through voter {id}: sent {}, admitted {}", voter.sent, voter.admitted);
+            total.add(&voter);
+        }
+        anyhow::Ok(total)
+    };
+    let after = rebalance(&east, &west, load, until, Arc::clone(&stop)).await?;
+    eprintln!("east (three voters and a gateway) rebalanced within {after:?}");
+
+    let window = Duration::from_secs(5);
+    let load = traffic(cluster, GATEWAY, Instant::now() + window, Arc::new(AtomicBool::new(false)))
+        .await?;
+    let policy_bound = POLICY_SLICE_TOKENS * (window.as_secs_f64() + 1.0);
+    let slice = east.sample()?;
+    eprintln!(
+        "the gateway alone admitted {} of {} in {window:?} (east's policy slice allows \
+         {policy_bound}; east's slice {slice:?})",
+        load.admitted, load.sent
+    );
+    anyhow::ensure!(
+        load.admitted as f64 > policy_bound,
+        "the gateway admitted {} in {window:?}, no more than east's policy slice allows",
+        load.admitted
+    );
     Ok(())
 }

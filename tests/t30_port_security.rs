@@ -1,7 +1,8 @@
-//! Forged calls on a region's Raft and admin ports, as an attacker on the network, a holder
-//! of another CA's certificate and a node speaking for another would send them: each is
-//! refused and nothing changes (equal digests, terms and leader before and after). Real
-//! node processes, real mTLS; the forged requests are built with openraft's own types.
+//! Forged calls on a region's Raft, admin and QUIC (region) ports, as an attacker on the
+//! network, a holder of another CA's certificate and a node speaking for another would send
+//! them: each is refused and nothing changes (equal digests, terms and leader before and
+//! after; the region's slice). Real node processes, real mTLS and QUIC; the forged requests
+//! are built with openraft's own types and the region link's own endpoint.
 
 mod common;
 
@@ -14,9 +15,13 @@ use common::cluster::{Cluster, ClusterOptions, call, ledger_key, wanted};
 use common::tls::TestCa;
 use quotamesh::api::proto::quotamesh::admin::v1 as admin;
 use quotamesh::core::ledger::{LeaseRequest, QuotaCommand};
+use quotamesh::core::region::transfer::{SliceKey, TransferId, TransferRequest};
 use quotamesh::ledger::proto::GroupRequest;
 use quotamesh::ledger::proto::raft_peer_client::RaftPeerClient;
 use quotamesh::ledger::{NodeId, QuotaGroup};
+use quotamesh::region::RegionPeer;
+use quotamesh::region::transport::RegionEndpoint;
+use quotamesh::region::wire::{RegionReply, RegionRequest};
 use quotamesh::tls::credentials::{Credentials, TlsFiles};
 use quotamesh::tls::transport::{PeerConnector, client_config};
 use tonic::transport::{Channel, Endpoint};
@@ -409,5 +414,130 @@ async fn operator_certificates_authenticate_on_a_tls_admin_port() -> Result<()> 
     assert!(served, "a token without a client certificate was refused: {text}");
     let (served, text) = status(&[], Some(common::tls::ADMIN_TOKEN))?;
     assert!(!served, "plaintext reached a TLS admin port: {text}");
+    Ok(())
+}
+
+/// A region of one voter, east, slicing a global limit 50/50 with west.
+const SLICED_POLICY: &str = "\
+domain: port-security
+descriptors:
+  - key: global
+    rate_limit: {unit: second, requests_per_unit: 100}
+    regions: {east: 50%, west: 50%}
+";
+/// The gauges of east's slice of [`SLICED_POLICY`]'s limit and of its tokens in flight.
+const EAST_SLICE: &str =
+    "quotamesh_region_slice_tokens{region=\"east\",rule=\"port-security/global#0\"}";
+const EAST_IN_FLIGHT: &str = "quotamesh_region_in_flight_tokens{rule=\"port-security/global#0\"}";
+const REFUSED: &str = "quotamesh_region_connections_refused_total";
+
+/// A QUIC endpoint of region `region` dialling east at `east`, with a certificate of node 7
+/// (a gateway's when `gateway`) issued by `issuer`, trusting the cluster's CA and `issuer`
+/// (so that a refusal is east's, not the endpoint's own).
+fn region_endpoint(
+    cluster: &Cluster,
+    issuer: &TestCa,
+    (region, gateway): (&str, bool),
+    east: std::net::SocketAddr,
+) -> Result<RegionEndpoint> {
+    let hosts = ["127.0.0.1".to_owned()];
+    let now_ms = quotamesh::clock::now_ms();
+    let issued = if gateway {
+        issuer.authority.issue_gateway(region, NodeId(7), &hosts, now_ms, 1)?
+    } else {
+        issuer.authority.issue_node(region, NodeId(7), &hosts, now_ms, 1)?
+    };
+    let name = format!("region-{region}-{gateway}");
+    let (cert, key) = issuer.write(&name, &issued)?;
+    let ca = issuer.directory.join(format!("{name}-bundle.pem"));
+    let bundle = [cluster.ca.authority.cert_pem(), issuer.authority.cert_pem()].concat();
+    std::fs::write(&ca, bundle)?;
+    let credentials = Arc::new(Credentials::load(
+        TlsFiles { cert, key, ca },
+        &cluster.options.cluster_id,
+        NodeId(7),
+        gateway,
+    )?);
+    let peers = [RegionPeer { name: "east".to_owned(), quic_addr: east }];
+    Ok(RegionEndpoint::bind("127.0.0.1:0".parse()?, &credentials, region, &peers)?)
+}
+
+// Proves that a region's QUIC port, where the other regions' rebalancers call, refuses a
+// peer presenting a certificate of another CA (naming the peer region), a certificate of
+// the cluster's CA naming a region that is not a peer, and a gateway's certificate of the
+// peer region: each call fails, the node counts each refused connection, and its slice is
+// unchanged by the credit they sent; a voter of the peer region is served on the same port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_region_port_refuses_other_cas_strangers_and_gateways() -> Result<()> {
+    let quic: std::net::SocketAddr =
+        format!("127.0.0.1:{}", common::free_port_on("127.0.0.1")?).parse()?;
+    // West is named but never runs: the node's own calls to it fail, so every connection
+    // east sees is one of this test's.
+    let west: std::net::SocketAddr =
+        format!("127.0.0.1:{}", common::free_port_on("127.0.0.1")?).parse()?;
+    let options = ClusterOptions {
+        policy: Some(SLICED_POLICY.to_owned()),
+        region: Some("east".to_owned()),
+        config_extra: format!("[[regions]]\nname = \"west\"\nquic_addr = \"{west}\"\n"),
+        node_environment: [(1, vec![("QUOTAMESH_QUIC_ADDR", quic.to_string())])].into(),
+        ..ClusterOptions::default()
+    };
+    let cluster = Cluster::start(1, options).await?;
+    let node = cluster.nodes[&1].process.as_ref().context("running")?;
+    let gauges = || -> Result<(f64, f64, f64)> {
+        let metrics = node.metrics()?;
+        Ok((
+            common::metric_value(&metrics, EAST_SLICE),
+            common::metric_value(&metrics, EAST_IN_FLIGHT),
+            common::metric_value(&metrics, REFUSED),
+        ))
+    };
+    let started = std::time::Instant::now();
+    while gauges()?.0 != 50.0 {
+        anyhow::ensure!(started.elapsed() < Duration::from_secs(30), "no slice: {:?}", gauges()?);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let other_ca = TestCa::new(&cluster.root.path().join("other"), &cluster.options.cluster_id)?;
+    let credit = RegionRequest::Transfer(TransferRequest::Credit {
+        id: TransferId { donor: "west".to_owned(), serial: 1 },
+        key: SliceKey::of("port-security", "global", 0),
+        tokens: 50,
+        global_tokens: 100,
+        settled_below: 1,
+    });
+    let refused_peers = [
+        ("another CA's certificate naming the peer region", &other_ca, ("west", false)),
+        ("a certificate naming a region that is not a peer", &cluster.ca, ("north", false)),
+        ("a gateway's certificate of the peer region", &cluster.ca, ("west", true)),
+    ];
+    for (who, issuer, holder) in refused_peers {
+        let endpoint = region_endpoint(&cluster, issuer, holder, quic)?;
+        let reply = endpoint.call("east", &credit).await;
+        assert!(reply.is_err(), "{who}: {reply:?}");
+        endpoint.close();
+    }
+    // The control: a voter of west, on the same port, reads east's views.
+    let endpoint = region_endpoint(&cluster, &cluster.ca, ("west", false), quic)?;
+    let reply = endpoint.call("east", &RegionRequest::Views { after: None }).await?;
+    assert!(
+        matches!(&reply, RegionReply::Views { views, .. } if views.len() == 1 && views[0].view.slice_tokens == 50),
+        "a peer region's voter was not served: {reply:?}"
+    );
+    endpoint.close();
+
+    // The counter is exported each rebalancer interval (1 s).
+    let started = std::time::Instant::now();
+    while gauges()?.2 < 3.0 {
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(10),
+            "refused connections not counted: {:?}",
+            gauges()?
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (slice, in_flight, refused) = gauges()?;
+    assert_eq!((slice, in_flight), (50.0, 0.0), "a refused peer's credit changed the slice");
+    eprintln!("east refused {refused} QUIC connections");
     Ok(())
 }

@@ -7,15 +7,16 @@
 //! ```text
 //!  every interval_ms, on the quota group's leader (the others only follow the ledger):
 //!   1 adopt:   a limit with `regions` and no slice in the ledger ── Adopt{policy slice} ──▶ ledger
-//!   2 measure: hits offered on this node (ratelimit_total_hits) ──▶ DemandWindow ──▶ demand
+//!   2 measure: hits offered in the region (the ledger's count of every node's reports,
+//!              `crate::slice_follow`) ──▶ DemandWindow ──▶ demand
 //!   3 settle:  each transfer debited and unsettled ── Credit{id} (Cancel{id} after
 //!              transfer_timeout_ms) ──QUIC──▶ recipient ── Receive{id} ──▶ its ledger
 //!              ◀── Credited | Cancelled ── Settle{serial, outcome} ──▶ ledger
 //!   4 views:   each peer ── Views{after} ──QUIC──▶ its slices (fresh) and demand (last tick)
 //!   5 give:    a peer the planner finds hot (or below its share while this region is above
 //!              its own) ── Debit{next serial} ──▶ ledger, then Credit{id} as in 3
-//!  on every voter, each interval: the ledger's slices ──▶ PolicyStore::follow_slices (what
-//!  RLS enforces) and the region gauges
+//!  on every voter, each interval: 2 (so any voter answers a peer's views), and the
+//!  ledger's slices ──▶ PolicyStore::follow_slices (what RLS enforces) and the region gauges
 //! ```
 //!
 //! A donor gives: a hot region does not send an ask, it shows its demand in the views its
@@ -25,14 +26,16 @@
 //! the recipient answers, and cancelled after its timeout; the tokens return only when the
 //! recipient answered `Cancelled`, so no crash, partition or duplicate creates a token.
 //!
-//! Demand is what this node's RLS saw: in a region of several voters behind one balancer,
-//! the leader sees its share only (a region-wide count is future work). Every call is
+//! Demand is region-wide: every node, voters and gateways, reports its offered hits to the
+//! ledger (`crate::core::region::demand`), so a leader behind one balancer of several nodes
+//! measures all of them; every voter measures alike from its replica, so a new leader has
+//! the window measured already. Every call is
 //! bounded: ledger writes by [`LEDGER_WRITE_TIMEOUT`], QUIC calls by the transport's
 //! timeouts, a tick by [`TRANSFERS_PER_TICK_MAX`] new transfers and the core's bound on
 //! transfers in flight; the actor schedules its next tick only when one is done, so its
 //! mailbox holds at most one tick.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -44,14 +47,14 @@ use crate::core::policy::PolicySet;
 use crate::core::region::demand::DemandWindow;
 use crate::core::region::plan::{PlanSettings, RegionView};
 use crate::core::region::transfer::{
-    Outgoing, Received, RegionCommand, RegionCommandError, RegionResponse, SLICED_RULES_MAX, Slice,
-    SliceKey, TransferId, TransferRequest,
+    Received, RegionCommand, RegionCommandError, RegionResponse, SLICED_RULES_MAX, Slice, SliceKey,
+    TransferId, TransferRequest,
 };
 use crate::ledger::{QuotaGroup, RaftGroup};
 use crate::metrics::Metrics;
 use crate::policy_store::PolicyStore;
 use crate::region::RegionPeer;
-use crate::region::transport::{EndpointError, Handler, RegionEndpoint};
+use crate::region::transport::{EndpointError, Handler, LinkTraffic, RegionEndpoint};
 use crate::region::wire::{RegionReply, RegionRequest, RuleView, VIEWS_PER_MESSAGE_MAX};
 
 /// Longest one ledger write of the rebalancer (or of a peer's request) may take; under the
@@ -109,9 +112,9 @@ pub struct Measured {
     pub demand_tokens: u64,
 }
 
-/// What the rebalancer last measured and read off its peers, while it leads: what peers and
-/// the admin API (`quotamesh cluster regions`) are shown. Empty on a node that does not
-/// lead. Bounded by the sliced limits ([`SLICED_RULES_MAX`]) and the configured peers.
+/// What the rebalancer last measured (on every voter) and read off its peers (while it
+/// leads; empty otherwise): what peers and the admin API (`quotamesh cluster regions`) are
+/// shown. Bounded by the sliced limits ([`SLICED_RULES_MAX`]) and the configured peers.
 #[derive(Debug, Default)]
 pub struct RegionBoard {
     measured: parking_lot::Mutex<BTreeMap<SliceKey, Measured>>,
@@ -141,9 +144,26 @@ struct Shared {
     region: String,
     group: RaftGroup<QuotaGroup>,
     metrics: Metrics,
-    /// Measured on the last tick while leading; empty otherwise (bounded by the sliced
+    /// Measured on the last tick, and peers read while leading (bounded by the sliced
     /// limits, [`SLICED_RULES_MAX`]).
     board: Arc<RegionBoard>,
+    /// The node's policy: which limits are sliced now.
+    policy: Arc<PolicyStore>,
+    /// The limits whose gauges this node exported last (at most [`SLICED_RULES_MAX`]): a
+    /// limit gone from the policy has its gauges deleted, not left at their last value.
+    exported: parking_lot::Mutex<BTreeSet<SliceKey>>,
+}
+
+/// The keys of every sliced limit of `policy`.
+fn sliced_keys(policy: &PolicySet) -> BTreeSet<SliceKey> {
+    policy
+        .rules()
+        .filter(|rule| rule.regions.is_some())
+        .flat_map(|rule| {
+            (0..rule.limits.len()).map(|index| SliceKey::of(&rule.domain, &rule.path, index))
+        })
+        .take(SLICED_RULES_MAX)
+        .collect()
 }
 
 impl Shared {
@@ -186,9 +206,14 @@ impl Shared {
             Ok(RegionResponse::Received(outcome)) => RegionReply::Received(outcome),
             Ok(RegionResponse::AlreadySettled) => RegionReply::AlreadySettled,
             Ok(RegionResponse::Refused(error)) => {
-                // Busy frees up as the donor settles; a slice not adopted yet will be.
-                let retry =
-                    matches!(error, RegionCommandError::Busy | RegionCommandError::UnknownSlice(_));
+                // Busy frees up as the donor settles; a slice not adopted yet will be; a
+                // changed limit is taken by both regions in time.
+                let retry = matches!(
+                    error,
+                    RegionCommandError::Busy
+                        | RegionCommandError::UnknownSlice(_)
+                        | RegionCommandError::LimitChanged { .. }
+                );
                 RegionReply::refused(error.to_string(), retry)
             }
             Ok(other) => RegionReply::refused(format!("unexpected answer {other:?}"), false),
@@ -213,12 +238,18 @@ impl Shared {
 }
 
 impl Shared {
-    /// Exports this region's slices and tokens in flight as applied here; returns the
+    /// Exports this region's slices and tokens in flight as applied here, for the limits
+    /// the policy slices, and deletes the gauges of limits it no longer slices; returns the
     /// slices, by key.
     fn export(&self) -> BTreeMap<SliceKey, u64> {
+        let sliced = sliced_keys(&self.policy.global());
         let (slices, in_flight) = self.group.read(|ledger| {
-            let slices: BTreeMap<SliceKey, u64> =
-                ledger.regions().slices().map(|(key, slice)| (key.clone(), slice.tokens)).collect();
+            let slices: BTreeMap<SliceKey, u64> = ledger
+                .regions()
+                .slices()
+                .filter(|(key, _)| sliced.contains(*key))
+                .map(|(key, slice)| (key.clone(), slice.tokens))
+                .collect();
             let mut in_flight: BTreeMap<SliceKey, u64> = BTreeMap::new();
             for (_, transfer) in ledger.regions().outgoing() {
                 let tokens = in_flight.entry(transfer.key.clone()).or_default();
@@ -233,6 +264,15 @@ impl Shared {
             let flying = in_flight.get(key).copied().unwrap_or(0);
             self.metrics.region_in_flight_tokens.with_label_values(&[rule]).set(gauge(flying));
         }
+        let mut exported = self.exported.lock();
+        for gone in exported.iter().filter(|key| !slices.contains_key(*key)) {
+            let rule = gone.0.as_str();
+            // An error only says the gauge was never set.
+            let _ = self.metrics.region_slice_tokens.remove_label_values(&[region, rule]);
+            let _ = self.metrics.region_in_flight_tokens.remove_label_values(&[rule]);
+            let _ = self.metrics.region_demand_tokens.remove_label_values(&[rule]);
+        }
+        *exported = slices.keys().cloned().collect();
         slices
     }
 }
@@ -267,6 +307,8 @@ impl Rebalancer {
             group: parts.group.clone(),
             metrics: parts.metrics.clone(),
             board: parts.board,
+            policy: Arc::clone(&parts.policy),
+            exported: parking_lot::Mutex::new(BTreeSet::new()),
         });
         let state = State {
             shared: Arc::clone(&shared),
@@ -279,6 +321,9 @@ impl Rebalancer {
             transfer_timeout_ms: parts.settings.transfer_timeout_ms,
             windows: BTreeMap::new(),
             peer_views: BTreeMap::new(),
+            peer_gauges: BTreeSet::new(),
+            exported_traffic: BTreeMap::new(),
+            exported_refused: 0,
         };
         let (actor, join) = match Actor::spawn(None, RebalancerActor, state).await {
             Ok(spawned) => spawned,
@@ -346,6 +391,13 @@ struct State {
     windows: BTreeMap<SliceKey, DemandWindow>,
     /// Each peer's views read this tick; a peer that did not answer has none.
     peer_views: BTreeMap<String, BTreeMap<SliceKey, RegionView>>,
+    /// The `(peer, limit)` slice gauges exported on the last tick, deleted once no view
+    /// shows them (bounded by the peers times [`SLICED_RULES_MAX`]).
+    peer_gauges: BTreeSet<(String, SliceKey)>,
+    /// Each link's traffic as last exported to the counters (one entry per peer).
+    exported_traffic: BTreeMap<String, LinkTraffic>,
+    /// The endpoint's refused connections as last exported.
+    exported_refused: u64,
 }
 
 impl Actor for RebalancerActor {
@@ -379,23 +431,25 @@ impl State {
         let group = &self.shared.group;
         let leading = group.leader() == Some(group.node_id());
         self.metrics.region_leading.set(i64::from(leading));
+        let global = self.policy.global();
+        // Every voter measures, from its replica of the region's count: a peer region may
+        // read this region's views from any voter (its `[[regions]]` address), and a new
+        // leader starts with a window already measured.
+        self.measure(&global);
         if leading {
-            let global = self.policy.global();
             self.adopt(&global).await;
-            self.measure(&global);
             self.settle().await;
             self.read_views().await;
             self.give().await;
         } else {
-            self.windows.clear();
             self.peer_views.clear();
-            self.shared.board.measured.lock().clear();
             self.shared.board.peers.lock().clear();
         }
         self.publish().await;
     }
 
-    /// Adopts the policy slice of every limit with `regions` the ledger has no slice for.
+    /// Adopts the policy slice of every limit with `regions` the ledger has no slice for,
+    /// and moves the slice of every limit whose global limit changed (`Relimit`).
     async fn adopt(&self, global: &PolicySet) {
         let region = &self.shared.region;
         let mut adopted = 0;
@@ -403,19 +457,40 @@ impl State {
             let Some(shares) = &rule.regions else { continue };
             for (index, limit) in rule.limits.iter().enumerate() {
                 let key = SliceKey::of(&rule.domain, &rule.path, index);
-                if self.shared.group.read(|ledger| ledger.regions().slice(&key).is_some()) {
+                let global_tokens = limit.spec.requests_per_window;
+                let known = self.shared.group.read(|ledger| ledger.regions().slice(&key));
+                // A limit of 0 is the policy's to enforce; the slice keeps its share of the
+                // last limit for when it is raised again (`transfer.rs`, a changed limit).
+                if known
+                    .is_some_and(|slice| slice.global_tokens == global_tokens || global_tokens == 0)
+                {
                     continue;
                 }
                 if adopted >= ADOPTS_PER_TICK_MAX {
                     return;
                 }
                 adopted += 1;
-                let global_tokens = limit.spec.requests_per_window;
-                let slice = Slice { global_tokens, tokens: shares.slice_of(region, global_tokens) };
-                let command = RegionCommand::Adopt { key: key.clone(), slice };
+                let command = match known {
+                    None => RegionCommand::Adopt {
+                        key: key.clone(),
+                        slice: Slice {
+                            global_tokens,
+                            tokens: shares.slice_of(region, global_tokens),
+                        },
+                    },
+                    Some(slice) => RegionCommand::Relimit {
+                        key: key.clone(),
+                        from_global_tokens: slice.global_tokens,
+                        to_global_tokens: global_tokens,
+                        to_policy_tokens: shares.slice_of(region, global_tokens),
+                    },
+                };
                 match self.shared.propose(command).await {
                     Ok(RegionResponse::Adopted) => {
-                        tracing::info!(%key, tokens = slice.tokens, global_tokens, "adopted a slice");
+                        tracing::info!(%key, global_tokens, "adopted a slice");
+                    }
+                    Ok(RegionResponse::Relimited(slice)) => {
+                        tracing::info!(%key, tokens = slice.tokens, global_tokens, "the global limit changed: moved the slice");
                     }
                     outcome => tracing::warn!(%key, ?outcome, "could not adopt a slice"),
                 }
@@ -423,7 +498,7 @@ impl State {
         }
     }
 
-    /// Samples the hits offered on each sliced limit and records this region's demand.
+    /// Samples the region's hits offered on each sliced limit and records its demand.
     fn measure(&mut self, global: &PolicySet) {
         let now_ms = crate::clock::now_ms();
         let mut measured = BTreeMap::new();
@@ -431,19 +506,13 @@ impl State {
         let region = &self.shared.region;
         for rule in global.rules() {
             let Some(shares) = &rule.regions else { continue };
-            // Upstream's total_hits under the rule's own path: every hit offered, admitted
-            // or not.
-            let hits_total = self
-                .metrics
-                .ratelimit_stats
-                .total_hits
-                .with_label_values(&[rule.domain.as_str(), rule.path.as_str()])
-                .get();
             for (index, limit) in rule.limits.iter().enumerate() {
                 let key = SliceKey::of(&rule.domain, &rule.path, index);
                 if measured.len() >= SLICED_RULES_MAX {
                     break;
                 }
+                let hits_total =
+                    self.shared.group.read(|ledger| ledger.regions().offered_hits(&key));
                 let mut window = self.windows.remove(&key).unwrap_or_default();
                 let demand_tokens =
                     window.sample(now_ms, hits_total, self.plan.observe_ms, limit.spec.window_ms);
@@ -459,30 +528,31 @@ impl State {
     /// Sends every unsettled transfer's credit (its cancellation once timed out) and
     /// settles what the recipients answer.
     async fn settle(&self) {
-        let outgoing: Vec<(u64, SliceKey, String, u64, u64)> = self.shared.group.read(|ledger| {
-            ledger
-                .regions()
+        let region = self.shared.region.as_str();
+        let now_ms = crate::clock::now_ms();
+        let timeout_ms = self.transfer_timeout_ms;
+        // Read at once with the slices, so each credit's tokens and limit agree.
+        let requests: Vec<(u64, String, TransferRequest)> = self.shared.group.read(|ledger| {
+            let regions = ledger.regions();
+            regions
                 .outgoing()
-                .map(|(serial, transfer)| {
-                    let Outgoing { key, recipient, tokens, debited_at_ms } = transfer.clone();
-                    (serial, key, recipient, tokens, debited_at_ms)
+                .filter_map(|(serial, transfer)| {
+                    if now_ms.saturating_sub(transfer.debited_at_ms) >= timeout_ms {
+                        let id = TransferId { donor: region.to_owned(), serial };
+                        let settled_below = regions.settled_below(&transfer.recipient);
+                        let cancel = TransferRequest::Cancel { id, settled_below };
+                        return Some((serial, transfer.recipient.clone(), cancel));
+                    }
+                    let (recipient, credit) = regions.credit_request(region, serial)?;
+                    Some((serial, recipient, credit))
                 })
                 .collect()
         });
-        let now_ms = crate::clock::now_ms();
         let mut unreachable: Vec<String> = Vec::new();
-        for (serial, key, recipient, tokens, debited_at_ms) in outgoing {
+        for (serial, recipient, request) in requests {
             if unreachable.contains(&recipient) {
                 continue;
             }
-            let settled_below =
-                self.shared.group.read(|ledger| ledger.regions().settled_below(&recipient));
-            let id = TransferId { donor: self.shared.region.clone(), serial };
-            let request = if now_ms.saturating_sub(debited_at_ms) >= self.transfer_timeout_ms {
-                TransferRequest::Cancel { id, settled_below }
-            } else {
-                TransferRequest::Credit { id, key, tokens, settled_below }
-            };
             if !self.deliver(serial, &recipient, request).await {
                 unreachable.push(recipient);
             }
@@ -576,10 +646,16 @@ impl State {
         let mut budget = TRANSFERS_PER_TICK_MAX;
         let region = self.shared.region.as_str();
         for key in self.windows.keys() {
+            let Some(global_tokens) = self.own_view(key).map(|own| own.global_tokens) else {
+                continue;
+            };
+            // A peer that has not moved to a changed limit yet is left until it has: its
+            // numbers are of the other limit.
             let peers: Vec<(String, RegionView)> = self
                 .peer_views
                 .iter()
                 .filter_map(|(peer, views)| Some((peer.clone(), *views.get(key)?)))
+                .filter(|(_, view)| view.global_tokens == global_tokens)
                 .collect();
             let mut gave = false;
             for (peer, view) in &peers {
@@ -633,9 +709,7 @@ impl State {
 
     /// Debits `tokens` of `key` toward `recipient`, then sends the credit.
     async fn transfer(&self, key: &SliceKey, recipient: &str, tokens: u64) {
-        let (serial, settled_below) = self.shared.group.read(|ledger| {
-            (ledger.regions().next_serial(), ledger.regions().settled_below(recipient))
-        });
+        let serial = self.shared.group.read(|ledger| ledger.regions().next_serial());
         let command = RegionCommand::Debit {
             serial,
             key: key.clone(),
@@ -647,14 +721,16 @@ impl State {
             Ok(RegionResponse::Debited(serial)) => {
                 result("debited");
                 tracing::info!(%key, %recipient, tokens, serial, "debited a transfer");
-                let id = TransferId { donor: self.shared.region.clone(), serial };
-                let request = TransferRequest::Credit {
-                    id,
-                    key: key.clone(),
-                    tokens,
-                    settled_below: settled_below.min(serial),
-                };
-                self.deliver(serial, recipient, request).await;
+                let region = self.shared.region.as_str();
+                // From the ledger, not from what was asked: a changed limit may have scaled
+                // the transfer since.
+                let credit = self
+                    .shared
+                    .group
+                    .read(|ledger| ledger.regions().credit_request(region, serial));
+                if let Some((recipient, request)) = credit {
+                    self.deliver(serial, &recipient, request).await;
+                }
             }
             Ok(response) => {
                 result("refused");
@@ -669,7 +745,7 @@ impl State {
     }
 
     /// Enforces the ledger's slices and exports the region's gauges (on every voter).
-    async fn publish(&self) {
+    async fn publish(&mut self) {
         let slices = self.shared.export();
         let measured = self.shared.board.measured.lock().clone();
         for key in slices.keys() {
@@ -679,16 +755,46 @@ impl State {
                 .with_label_values(&[key.0.as_str()])
                 .set(gauge(demand));
         }
+        let mut peer_gauges = BTreeSet::new();
         for (peer, views) in &self.peer_views {
             for (key, view) in views {
                 self.metrics
                     .region_slice_tokens
                     .with_label_values(&[peer.as_str(), key.0.as_str()])
                     .set(gauge(view.slice_tokens));
+                peer_gauges.insert((peer.clone(), key.clone()));
             }
         }
+        // A peer's slice read no more (a limit removed, leadership lost) is not left at its
+        // last value.
+        for (peer, key) in self.peer_gauges.difference(&peer_gauges) {
+            let labels = [peer.as_str(), key.0.as_str()];
+            let _ = self.metrics.region_slice_tokens.remove_label_values(&labels);
+        }
+        self.peer_gauges = peer_gauges;
+        let refused = self.endpoint.refused_connections();
+        self.metrics
+            .region_connections_refused
+            .inc_by(refused.saturating_sub(self.exported_refused));
+        self.exported_refused = refused;
         for peer in &self.peers {
             let Some(link) = self.endpoint.link(peer) else { continue };
+            // The link counts; the counters follow by what it counted since the last tick.
+            let traffic = link.traffic();
+            let last = self.exported_traffic.insert(peer.clone(), traffic).unwrap_or_default();
+            let labels = [peer.as_str()];
+            self.metrics
+                .region_calls
+                .with_label_values(&labels)
+                .inc_by(traffic.calls.saturating_sub(last.calls));
+            self.metrics
+                .region_sent_bytes
+                .with_label_values(&labels)
+                .inc_by(traffic.sent_bytes.saturating_sub(last.sent_bytes));
+            self.metrics
+                .region_received_bytes
+                .with_label_values(&labels)
+                .inc_by(traffic.received_bytes.saturating_sub(last.received_bytes));
             let up = link.is_connected().await;
             self.metrics.region_link_up.with_label_values(&[peer.as_str()]).set(i64::from(up));
             if let Some(rtt) = link.rtt().await {

@@ -903,7 +903,7 @@ impl Admin for AdminService {
         self.authorize(&request, Access::Read, "regions")?;
         self.refuse_on_gateway("read region slices")?;
         let (region, board) = &self.regions;
-        let ((slices, truncated, transfers), applied_index) =
+        let ((slices, truncated, transfers, credited), applied_index) =
             self.quota.read_at_applied(|ledger| {
                 let regions = ledger.regions();
                 let mut in_flight: BTreeMap<&SliceKey, u64> = BTreeMap::new();
@@ -938,7 +938,15 @@ impl Admin for AdminService {
                     })
                     .collect::<Vec<_>>();
                 let truncated = regions.slices().count() > REGION_SLICES_LISTED_MAX;
-                (slices, truncated, transfers)
+                // Bounded by the donors' transfers in flight (`RECEIVED_PER_DONOR_MAX` each).
+                let credited = regions
+                    .credited()
+                    .map(|(donor, serial)| proto::RegionCredited {
+                        donor: donor.to_owned(),
+                        serial,
+                    })
+                    .collect::<Vec<_>>();
+                (slices, truncated, transfers, credited)
             });
         Ok(Response::new(proto::RegionsReply {
             region: region.clone(),
@@ -946,6 +954,7 @@ impl Admin for AdminService {
             transfers,
             applied_index,
             truncated,
+            credited,
         }))
     }
 

@@ -662,12 +662,18 @@ fn regions_json(address: &str, reply: &proto::RegionsReply) -> serde_json::Value
             })
         })
         .collect();
+    let credited: Vec<serde_json::Value> = reply
+        .credited
+        .iter()
+        .map(|credited| serde_json::json!({"donor": credited.donor, "serial": credited.serial}))
+        .collect();
     serde_json::json!({
         "admin_addr": address,
         "region": reply.region,
         "applied_index": reply.applied_index,
         "slices": slices,
         "transfers": transfers,
+        "credited": credited,
         "truncated": reply.truncated,
     })
 }

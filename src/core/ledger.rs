@@ -215,7 +215,8 @@ pub enum QuotaCommand {
         author: PolicyAuthor,
     },
     /// A command about the region's slices of global limits and the transfers between
-    /// regions (`crate::core::region::transfer`), proposed by the region's rebalancer.
+    /// regions (`crate::core::region::transfer`), proposed by the region's rebalancer (and
+    /// demand reports, by every node of the region: `crate::slice_follow`).
     Region {
         /// Ledger time, stamped by the leader that proposed it (`ledger_time.rs`).
         now_ms: u64,

@@ -14,7 +14,7 @@ use crate::core::ledger::{
     QuotaResponse, StoredPolicyVersion,
 };
 use crate::core::policy_versions::{POLICY_MESSAGE_BYTES_MAX, POLICY_OPERATOR_BYTES_MAX};
-use crate::core::region::transfer::RegionLedger;
+use crate::core::region::transfer::{RegionCommand, RegionLedger};
 
 use super::{
     BasicNode, COMMAND_BYTES_MAX, GroupConfig, GroupMachine, NodeId, Record, RecordChange,
@@ -57,7 +57,9 @@ impl GroupConfig for QuotaGroup {
     type Machine = QuotaLedger;
 
     /// Lease commands (acquire, settle) only for the sender's own leases (a gateway's as a
-    /// voter's); a new policy set and region commands (slices, transfers) only from a voter.
+    /// voter's); a demand report only of the sender's own count (how a gateway, which holds
+    /// no replica, reports its offered hits: `crate::slice_follow`); a new policy set and
+    /// the other region commands (slices, transfers) only from a voter.
     fn check_forward(
         command: &QuotaCommand,
         sender: NodeId,
@@ -65,7 +67,10 @@ impl GroupConfig for QuotaGroup {
     ) -> Result<(), String> {
         let for_node = match command {
             QuotaCommand::AcquireLeases { node_id, .. }
-            | QuotaCommand::SettleLeases { node_id, .. } => *node_id,
+            | QuotaCommand::SettleLeases { node_id, .. }
+            | QuotaCommand::Region { command: RegionCommand::Demand { node_id, .. }, .. } => {
+                *node_id
+            }
             QuotaCommand::ApplyPolicySet { .. }
             | QuotaCommand::RollbackPolicySet { .. }
             | QuotaCommand::Region { .. }
@@ -83,7 +88,7 @@ impl GroupConfig for QuotaGroup {
         if for_node == sender {
             Ok(())
         } else {
-            Err(format!("node {sender} may not move node {for_node}'s leases"))
+            Err(format!("node {sender} may not speak for node {for_node}"))
         }
     }
 }
@@ -284,5 +289,59 @@ impl super::RaftGroup<QuotaGroup> {
                 call(source)
             })?;
         postcard::from_bytes(&reply).map_err(|e| call(super::network::PeerCallError::Decode(e)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::region::transfer::{Slice, SliceKey};
+
+    fn region(command: RegionCommand) -> QuotaCommand {
+        QuotaCommand::Region { now_ms: 0, command }
+    }
+
+    fn demand(node_id: u64) -> QuotaCommand {
+        region(RegionCommand::Demand {
+            node_id: NodeId(node_id),
+            hits: vec![(SliceKey::of("d", "k", 0), 7)],
+        })
+    }
+
+    /// A gateway's only region command is its own demand report: one naming another node,
+    /// or any command that moves a slice, is refused; a voter may forward any of them but
+    /// another node's report.
+    #[test]
+    fn a_gateway_forwards_its_own_demand_report_and_no_other_region_command() {
+        let gateway = NodeId(9);
+        assert_eq!(QuotaGroup::check_forward(&demand(9), gateway, false), Ok(()));
+        assert!(QuotaGroup::check_forward(&demand(1), gateway, false).is_err());
+        let key = SliceKey::of("d", "k", 0);
+        let moves = [
+            RegionCommand::Adopt {
+                key: key.clone(),
+                slice: Slice { global_tokens: 10, tokens: 10 },
+            },
+            RegionCommand::Debit {
+                serial: 1,
+                key: key.clone(),
+                recipient: "b".to_owned(),
+                tokens: 1,
+            },
+            RegionCommand::Relimit {
+                key,
+                from_global_tokens: 10,
+                to_global_tokens: 5,
+                to_policy_tokens: 5,
+            },
+        ];
+        for command in moves {
+            let command = region(command);
+            assert!(QuotaGroup::check_forward(&command, gateway, false).is_err(), "{command:?}");
+            assert_eq!(QuotaGroup::check_forward(&command, NodeId(1), true), Ok(()));
+        }
+        // Nobody reports on another node's behalf, a voter no more than a gateway.
+        assert_eq!(QuotaGroup::check_forward(&demand(1), NodeId(1), true), Ok(()));
+        assert!(QuotaGroup::check_forward(&demand(1), NodeId(2), true).is_err());
     }
 }

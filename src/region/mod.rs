@@ -30,6 +30,6 @@ pub const QUIC_ADDR_DEFAULT: &str = "127.0.0.1:8443";
 pub struct RegionPeer {
     /// The region's name, as its nodes' certificates name it.
     pub name: String,
-    /// Where its quota group's leader answers QUIC.
+    /// Where one of its voters answers QUIC (any voter serves a peer).
     pub quic_addr: SocketAddr,
 }

@@ -17,7 +17,7 @@
 //! - [`plan`]: the rebalance planner: when a region asks, how much a donor gives, how
 //!   slices drift back to the policy's shares.
 //! - [`demand`]: a region's demand on a limit over the observation window, from samples of
-//!   its count of offered hits.
+//!   its count of offered hits, which adds up the counts every node of the region reports.
 //!
 //! Nothing here does IO or reads a clock; the QUIC transport (`crate::region`) and the
 //! rebalancer actor (`crate::actors::rebalancer`) wrap it.

@@ -143,10 +143,8 @@ proptest! {
 /// A message between regions; `to` applies it.
 #[derive(Debug, Clone)]
 enum Message {
-    /// Donor to recipient: credit the transfer.
-    Credit { to: usize, id: TransferId, tokens: u64, settled_below: u64 },
-    /// Donor to recipient: cancel it.
-    Cancel { to: usize, id: TransferId, settled_below: u64 },
+    /// Donor to recipient: credit or cancel the transfer.
+    Transfer { to: usize, request: TransferRequest },
     /// Recipient to donor: what it did.
     Answer { to: usize, serial: u64, outcome: Received },
 }
@@ -230,25 +228,7 @@ impl World {
     /// The invariant: slices plus tokens in flight (debited, not settled, not credited)
     /// equal the global limit.
     fn check_conservation(&self) {
-        let slices: u64 = self
-            .regions
-            .iter()
-            .map(|region| region.slice(&self.key).expect("adopted").tokens)
-            .sum();
-        let in_flight: u64 = self
-            .regions
-            .iter()
-            .enumerate()
-            .flat_map(|(donor, ledger)| {
-                ledger.outgoing().map(move |(serial, transfer)| (donor, serial, transfer))
-            })
-            .filter(|(donor, serial, transfer)| {
-                let id = TransferId { donor: Self::name(*donor), serial: *serial };
-                self.regions[Self::index_of(&transfer.recipient)].received(&id)
-                    != Some(Received::Credited)
-            })
-            .map(|(_, _, transfer)| transfer.tokens)
-            .sum();
+        let (slices, in_flight) = tokens_of(self);
         assert_eq!(
             slices + in_flight,
             self.global_tokens,
@@ -265,24 +245,42 @@ impl World {
         *self.landed.entry(id).or_default() += 1;
     }
 
-    fn pick_outgoing(&self, region: usize, pick: usize) -> Option<(u64, String, u64)> {
+    fn pick_outgoing(&self, region: usize, pick: usize) -> Option<u64> {
         let outgoing: Vec<_> = self.regions[region].outgoing().collect();
-        let (serial, transfer) = outgoing.get(pick % outgoing.len().max(1))?;
-        Some((*serial, transfer.recipient.clone(), transfer.tokens))
+        let (serial, _) = outgoing.get(pick % outgoing.len().max(1))?;
+        Some(*serial)
+    }
+
+    /// The credit region `donor` sends for its transfer `serial`, from its ledger.
+    fn credit(&self, donor: usize, serial: u64) -> Message {
+        let (recipient, request) = self.regions[donor]
+            .credit_request(&Self::name(donor), serial)
+            .expect("a transfer in flight");
+        Message::Transfer { to: Self::index_of(&recipient), request }
+    }
+
+    /// The cancellation region `donor` sends for its transfer `serial`.
+    fn cancel(&self, donor: usize, serial: u64) -> Message {
+        let recipient = self.regions[donor]
+            .outgoing()
+            .find(|(known, _)| *known == serial)
+            .map(|(_, transfer)| transfer.recipient.clone())
+            .expect("a transfer in flight");
+        let settled_below = self.regions[donor].settled_below(&recipient);
+        let id = TransferId { donor: Self::name(donor), serial };
+        Message::Transfer {
+            to: Self::index_of(&recipient),
+            request: TransferRequest::Cancel { id, settled_below },
+        }
     }
 
     fn apply_message(&mut self, message: Message) {
         match message {
-            Message::Credit { to, id, tokens, settled_below } => {
+            Message::Transfer { to, request } => {
+                let id = request.id().clone();
                 let donor = Self::index_of(&id.donor);
                 let before = self.regions[to].received(&id);
-                let command = RegionCommand::Receive(TransferRequest::Credit {
-                    id: id.clone(),
-                    key: self.key.clone(),
-                    tokens,
-                    settled_below,
-                });
-                match self.regions[to].apply(&command, 0) {
+                match self.regions[to].apply(&RegionCommand::Receive(request), 0) {
                     RegionResponse::Received(outcome) => {
                         if before.is_none() && outcome == Received::Credited {
                             self.land(id.clone());
@@ -293,28 +291,11 @@ impl World {
                             outcome,
                         });
                     }
-                    RegionResponse::AlreadySettled => {}
-                    other => panic!("credit answered {other:?}"),
-                }
-            }
-            Message::Cancel { to, id, settled_below } => {
-                let donor = Self::index_of(&id.donor);
-                match self.regions[to].apply(
-                    &RegionCommand::Receive(TransferRequest::Cancel {
-                        id: id.clone(),
-                        settled_below,
-                    }),
-                    0,
-                ) {
-                    RegionResponse::Received(outcome) => {
-                        self.network.push(Message::Answer {
-                            to: donor,
-                            serial: id.serial,
-                            outcome,
-                        });
-                    }
-                    RegionResponse::AlreadySettled => {}
-                    other => panic!("cancel answered {other:?}"),
+                    // A credit counted under a limit the recipient's slice has left (or not
+                    // reached yet) waits for the donor's next one.
+                    RegionResponse::AlreadySettled
+                    | RegionResponse::Refused(RegionCommandError::LimitChanged { .. }) => {}
+                    other => panic!("a transfer request answered {other:?}"),
                 }
             }
             Message::Answer { to, serial, outcome } => {
@@ -346,9 +327,8 @@ impl World {
                 };
                 match region.apply(&command, 0) {
                     RegionResponse::Debited(serial) => {
-                        let id = TransferId { donor: Self::name(from), serial };
-                        let settled_below = region.settled_below(&Self::name(to));
-                        self.network.push(Message::Credit { to, id, tokens, settled_below });
+                        let credit = self.credit(from, serial);
+                        self.network.push(credit);
                     }
                     RegionResponse::Refused(
                         RegionCommandError::Insufficient { .. } | RegionCommandError::Busy,
@@ -374,27 +354,14 @@ impl World {
                 assert_eq!(*ledger, before, "a replayed debit changes nothing");
             }
             Step::Retry { region, pick } => {
-                let Some((serial, recipient, tokens)) = self.pick_outgoing(region, pick) else {
-                    return;
-                };
-                let id = TransferId { donor: Self::name(region), serial };
-                let settled_below = self.regions[region].settled_below(&recipient);
-                self.network.push(Message::Credit {
-                    to: Self::index_of(&recipient),
-                    id,
-                    tokens,
-                    settled_below,
-                });
+                let Some(serial) = self.pick_outgoing(region, pick) else { return };
+                let credit = self.credit(region, serial);
+                self.network.push(credit);
             }
             Step::Timeout { region, pick } => {
-                let Some((serial, recipient, _)) = self.pick_outgoing(region, pick) else { return };
-                let id = TransferId { donor: Self::name(region), serial };
-                let settled_below = self.regions[region].settled_below(&recipient);
-                self.network.push(Message::Cancel {
-                    to: Self::index_of(&recipient),
-                    id,
-                    settled_below,
-                });
+                let Some(serial) = self.pick_outgoing(region, pick) else { return };
+                let cancel = self.cancel(region, serial);
+                self.network.push(cancel);
             }
             Step::Deliver { pick, keep } => {
                 if self.network.is_empty() {
@@ -417,8 +384,8 @@ impl World {
             Step::Crash { region } => {
                 self.network.retain(|message| {
                     let (to, from) = match message {
-                        Message::Credit { to, id, .. } | Message::Cancel { to, id, .. } => {
-                            (*to, Self::index_of(&id.donor))
+                        Message::Transfer { to, request } => {
+                            (*to, Self::index_of(&request.id().donor))
                         }
                         Message::Answer { to, .. } => (*to, usize::MAX),
                     };
@@ -432,26 +399,37 @@ impl World {
     /// Heals the network: every donor resends each unsettled transfer (credit, or cancel
     /// when `cancel`) and every message is delivered once, until nothing is in flight.
     fn heal(&mut self, cancel: bool) {
+        self.settle_all(cancel, true);
+        let slices: u64 = self
+            .regions
+            .iter()
+            .map(|region| region.slice(&self.key).expect("adopted").tokens)
+            .sum();
+        assert_eq!(slices, self.global_tokens);
+    }
+
+    /// Every donor resends each unsettled transfer (credit, or cancel when `cancel`) and
+    /// every message is delivered once, until nothing is in flight; with `conserving`,
+    /// conservation is checked after each delivery.
+    fn settle_all(&mut self, cancel: bool, conserving: bool) {
         for _ in 0..8 {
             for region in 0..self.regions.len() {
-                let outgoing: Vec<_> = self.regions[region]
-                    .outgoing()
-                    .map(|(serial, transfer)| (serial, transfer.clone()))
-                    .collect();
-                for (serial, transfer) in outgoing {
-                    let id = TransferId { donor: Self::name(region), serial };
-                    let settled_below = self.regions[region].settled_below(&transfer.recipient);
-                    let to = Self::index_of(&transfer.recipient);
-                    self.network.push(if cancel {
-                        Message::Cancel { to, id, settled_below }
+                let serials: Vec<u64> =
+                    self.regions[region].outgoing().map(|(serial, _)| serial).collect();
+                for serial in serials {
+                    let message = if cancel {
+                        self.cancel(region, serial)
                     } else {
-                        Message::Credit { to, id, tokens: transfer.tokens, settled_below }
-                    });
+                        self.credit(region, serial)
+                    };
+                    self.network.push(message);
                 }
             }
             while let Some(message) = self.network.pop() {
                 self.apply_message(message);
-                self.check_conservation();
+                if conserving {
+                    self.check_conservation();
+                }
             }
         }
         for region in &self.regions {
@@ -461,12 +439,6 @@ impl World {
                 "every transfer settles once the network heals"
             );
         }
-        let slices: u64 = self
-            .regions
-            .iter()
-            .map(|region| region.slice(&self.key).expect("adopted").tokens)
-            .sum();
-        assert_eq!(slices, self.global_tokens);
     }
 }
 
@@ -558,10 +530,213 @@ fn transfer(world: &mut World, from: usize, to: usize, tokens: u64) {
     let RegionResponse::Debited(serial) = donor.apply(&command, 0) else {
         panic!("the planner gave what it holds")
     };
-    let id = TransferId { donor: World::name(from), serial };
-    let settled_below = donor.settled_below(&World::name(to));
-    world.apply_message(Message::Credit { to, id, tokens, settled_below });
+    let credit = world.credit(from, serial);
+    world.apply_message(credit);
     let answer = world.network.pop().expect("the credit was answered");
     world.apply_message(answer);
     world.check_conservation();
+}
+
+/// What the world holds of the rule, uncounted transfers aside: each slice, and each
+/// transfer in flight (debited, not settled, not credited), as `(tokens, the global limit
+/// they are counted under)`; a transfer is counted under its donor's slice's limit.
+fn holdings(world: &World) -> Vec<(u64, u64)> {
+    let slices = world.regions.iter().map(|region| {
+        let slice = region.slice(&world.key).expect("adopted");
+        (slice.tokens, slice.global_tokens)
+    });
+    let in_flight = world.regions.iter().enumerate().flat_map(|(donor, ledger)| {
+        let global_tokens = ledger.slice(&world.key).expect("adopted").global_tokens;
+        ledger
+            .outgoing()
+            .filter(move |(serial, transfer)| {
+                let id = TransferId { donor: World::name(donor), serial: *serial };
+                world.regions[World::index_of(&transfer.recipient)].received(&id)
+                    != Some(Received::Credited)
+            })
+            .map(move |(_, transfer)| (transfer.tokens, global_tokens))
+    });
+    slices.chain(in_flight).collect()
+}
+
+/// The slices, and the tokens in flight (debited, not settled, not credited), of the world.
+fn tokens_of(world: &World) -> (u64, u64) {
+    let slices: u64 =
+        world.regions.iter().map(|region| region.slice(&world.key).expect("adopted").tokens).sum();
+    let all: u64 = holdings(world).iter().map(|(tokens, _)| tokens).sum();
+    (slices, all - slices)
+}
+
+/// Slices plus tokens in flight.
+fn total_tokens(world: &World) -> u64 {
+    let (slices, in_flight) = tokens_of(world);
+    slices + in_flight
+}
+
+/// Whether the shares of their limits that `holdings` stand for add up to at most the
+/// whole: `sum of tokens / limit <= 1`, exactly, over a common denominator.
+fn shares_at_most_whole(holdings: &[(u64, u64)]) -> bool {
+    let mut limits: Vec<u64> = holdings.iter().map(|(_, limit)| *limit).collect();
+    limits.sort_unstable();
+    limits.dedup();
+    limits.retain(|limit| *limit > 0);
+    let denominator: u128 = limits.iter().map(|limit| u128::from(*limit)).product();
+    let numerator: u128 = holdings
+        .iter()
+        .map(|(tokens, limit)| {
+            assert!(*limit > 0 || *tokens == 0, "tokens under a limit of 0");
+            if *limit == 0 { 0 } else { u128::from(*tokens) * (denominator / u128::from(*limit)) }
+        })
+        .sum();
+    numerator <= denominator
+}
+
+/// Each region relimits `world` from `global` to `new_global` in `order`, replaying each
+/// command, and the shares held stay at most the whole after each.
+fn relimit_all(
+    world: &mut World,
+    shares: &RegionShares,
+    global: u64,
+    new_global: u64,
+    order: &[usize],
+) {
+    for region in order.iter().copied() {
+        let command = RegionCommand::Relimit {
+            key: world.key.clone(),
+            from_global_tokens: global,
+            to_global_tokens: new_global,
+            to_policy_tokens: shares.slice_of(&World::name(region), new_global),
+        };
+        let RegionResponse::Relimited(slice) = world.regions[region].apply(&command, 0) else {
+            panic!("a relimit of a known slice to a limit above 0 is applied")
+        };
+        assert!(slice.tokens <= new_global && slice.global_tokens == new_global);
+        let moved = world.regions[region].clone();
+        assert_eq!(world.regions[region].apply(&command, 0), RegionResponse::Relimited(slice));
+        assert_eq!(world.regions[region], moved, "a replayed relimit changes nothing");
+        assert!(
+            shares_at_most_whole(&holdings(world)),
+            "more than the whole: {:?}",
+            holdings(world)
+        );
+    }
+}
+
+proptest! {
+    /// A changed global limit, with transfers done and others in flight (their credits
+    /// lost, or late), each region relimiting once in any order (and replaying it): after
+    /// every step the shares of their limits that slices and transfers in flight stand for
+    /// add up to at most the whole; once all moved, slices plus tokens in flight are at
+    /// most the new limit and short of it by less than one token per slice and transfer
+    /// (rounding down), and exactly it from a limit of 0. They stay so while the transfers
+    /// in flight settle: late credits counted under the old limit are refused, and the
+    /// donors' credits, scaled with their slices, land; or the transfers are cancelled and
+    /// return to their donors, scaled.
+    #[test]
+    fn a_changed_limit_scales_slices_and_transfers_in_flight(
+        global in 0..1_000_000u64,
+        new_global in 1..1_000_000u64,
+        weights in proptest::collection::vec(1..100u32, 3..=3),
+        moves in proptest::collection::vec((0..3usize, 0..3usize, 1..=100u64, any::<bool>()), 0..6),
+        order in Just(vec![0_usize, 1, 2]).prop_shuffle(),
+        cancel in any::<bool>(),
+    ) {
+        let shares = shares_of(&weights);
+        let mut world = World::new(global, &weights);
+        for (from, to, percent, deliver) in moves {
+            world.run(Step::Debit { from, to, percent });
+            if deliver && let Some(credit) = world.network.pop() {
+                world.apply_message(credit);
+                let answer = world.network.pop().expect("a credit is answered");
+                world.apply_message(answer);
+            }
+        }
+        let late = std::mem::take(&mut world.network);
+        let rounded = holdings(&world).len();
+        relimit_all(&mut world, &shares, global, new_global, &order);
+        let total = total_tokens(&world);
+        prop_assert!(total <= new_global, "tokens created: {} of {}", total, new_global);
+        prop_assert!(total + u64::try_from(rounded).expect("a few") > new_global, "{} of {} after rounding {} holdings", total, new_global, rounded);
+        if global == 0 {
+            prop_assert_eq!(total, new_global);
+        }
+        if !cancel {
+            for message in late {
+                world.apply_message(message);
+            }
+        }
+        world.settle_all(cancel, false);
+        prop_assert!(shares_at_most_whole(&holdings(&world)));
+        prop_assert_eq!(total_tokens(&world), total, "settling moves tokens, never makes or drops them");
+    }
+}
+
+/// Found by the property above against the former rule (each slice moved by its change of
+/// policy slice, held at 0): a region that gave its whole slice away, credited, cannot pay
+/// its part of a cut, so holding it at 0 left the slices above the new limit (0 + 9 + 6
+/// of 9). Scaled, they are 0 + 6 + 3.
+#[test]
+fn a_cut_after_a_region_gave_its_slice_away_creates_no_token() {
+    let weights = [1, 1, 1];
+    let mut world = World::new(99, &weights);
+    transfer(&mut world, 0, 1, 33);
+    relimit_all(&mut world, &shares_of(&weights), 99, 9, &[0, 1, 2]);
+    let slices: Vec<u64> = (0..3)
+        .map(|region| world.regions[region].slice(&world.key).expect("adopted").tokens)
+        .collect();
+    assert_eq!(slices, [0, 6, 3]);
+}
+
+/// The case the property first failed on with a transfer in flight: a donor had debited its
+/// whole slice, uncredited, when the limit was cut tenfold. The tokens in flight are cut
+/// with the donor's slice; the late credit of the old limit is refused by the recipient,
+/// which moved first, and the donor's scaled credit lands: 5 + 5 of 10, not 55.
+#[test]
+fn a_cut_takes_its_share_of_the_tokens_in_flight() {
+    let weights = [1, 1];
+    let mut world = World::new(100, &weights);
+    world.run(Step::Debit { from: 0, to: 1, percent: 100 });
+    let late = world.network.pop().expect("the credit");
+    relimit_all(&mut world, &shares_of(&weights), 100, 10, &[1]);
+    world.apply_message(late);
+    assert!(world.network.is_empty(), "a credit under the old limit is refused");
+    relimit_all(&mut world, &shares_of(&weights), 100, 10, &[0]);
+    assert_eq!(tokens_of(&world), (5, 5));
+    world.settle_all(false, false);
+    assert_eq!(world.regions[1].slice(&world.key).expect("adopted").tokens, 10);
+    assert_eq!(world.regions[0].slice(&world.key).expect("adopted").tokens, 0);
+}
+
+/// A limit of 0 is not moved to (the policy enforces it) and the slice keeps its share for
+/// a later limit; a slice adopted under a limit of 0 takes its policy slice when raised.
+#[test]
+fn a_limit_of_zero_is_enforced_by_the_policy_not_moved_to() {
+    let key = SliceKey::of("d", "k", 0);
+    let mut ledger = RegionLedger::default();
+    let adopt = |global_tokens, tokens| RegionCommand::Adopt {
+        key: key.clone(),
+        slice: Slice { global_tokens, tokens },
+    };
+    let relimit = |from_global_tokens, to_global_tokens, to_policy_tokens| RegionCommand::Relimit {
+        key: key.clone(),
+        from_global_tokens,
+        to_global_tokens,
+        to_policy_tokens,
+    };
+    assert_eq!(ledger.apply(&adopt(100, 40), 0), RegionResponse::Adopted);
+    assert_eq!(
+        ledger.apply(&relimit(100, 0, 0), 0),
+        RegionResponse::Refused(RegionCommandError::ZeroLimit(key.clone()))
+    );
+    assert_eq!(ledger.slice(&key), Some(Slice { global_tokens: 100, tokens: 40 }));
+    assert_eq!(
+        ledger.apply(&relimit(100, 50, 25), 0),
+        RegionResponse::Relimited(Slice { global_tokens: 50, tokens: 20 })
+    );
+    let mut adopted_at_zero = RegionLedger::default();
+    assert_eq!(adopted_at_zero.apply(&adopt(0, 0), 0), RegionResponse::Adopted);
+    assert_eq!(
+        adopted_at_zero.apply(&relimit(0, 50, 25), 0),
+        RegionResponse::Relimited(Slice { global_tokens: 50, tokens: 25 })
+    );
 }

@@ -22,7 +22,8 @@
 //!  Settle{Cancelled}: slice += n (the return)     Settle{Credited}: forget the record
 //! ```
 //!
-//! **Conservation.** For every rule, at every instant:
+//! **Conservation.** For every rule, at every instant (at most, once a changed limit
+//! rounded some tokens away, below):
 //!
 //! ```text
 //!   sum over regions of slice  +  tokens in flight  ==  the rule's global limit
@@ -39,19 +40,48 @@
 //! flight (counted, never lost, never doubled) until it answers. Duplicated, reordered or
 //! replayed messages meet the recorded outcome of their id.
 //!
+//! **A changed limit.** When a policy changes a sliced rule's global limit from `G` to
+//! `G'`, each region scales what it holds by `G' / G`, rounding down
+//! ([`RegionCommand::Relimit`], once per change): its slice, and the tokens of every
+//! transfer it has in flight, which so count against a cut like tokens in a slice. Tokens
+//! are counted under the limit of the slice they are in or were debited from, so the
+//! invariant above is, while regions move one after another:
+//!
+//! ```text
+//!   sum over slices and transfers in flight of  tokens / the limit they are counted under  <= 1
+//! ```
+//!
+//! Scaling keeps each term's share and rounding only lowers it, so once every region moved,
+//! slices plus tokens in flight are at most `G'` and less than it by under one token per
+//! slice and transfer. A credit carries the limit its tokens are counted under, and a
+//! recipient whose slice is under another one refuses it for now
+//! ([`RegionCommandError::LimitChanged`]): the donor resends it scaled once both moved, or
+//! cancels it. What earlier transfers moved stays where it went, in proportion. (Moving each
+//! slice by its change of policy slice instead cannot work locally: a region that gave its
+//! slice away cannot pay its part of a cut, and holding it at 0 creates tokens.) A limit of
+//! 0 is not scaled to: the policy enforces it (a slice is served at most at the limit), and
+//! the slices keep their shares for when it is raised again; so a slice under a limit of 0
+//! was adopted at 0, holds nothing and never did, and takes its policy slice as an adopt
+//! would. A change of shares alone moves no slice: the shares are where slices drift back
+//! to (`plan.rs`).
+//!
 //! **Bounded state.** A donor keeps at most [`TRANSFERS_IN_FLIGHT_MAX`] unsettled transfers.
 //! A recipient keeps the outcome of each id until the donor says it settled it: every
 //! message carries the donor's lowest unsettled serial toward that recipient
 //! (`settled_below`), and the recipient forgets the donor's records below it; a message for
 //! an id below it changes nothing. A recipient holding [`RECEIVED_PER_DONOR_MAX`] outcomes
 //! of one donor (an old transfer unanswered while later ones settled) refuses new ones as
-//! busy until the old one settles.
+//! busy until the old one settles. The region's count of offered hits
+//! ([`RegionCommand::Demand`], `demand.rs`) is kept for sliced limits only, and per limit for
+//! at most `REPORTING_NODES_MAX` nodes.
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
 use super::check_region_name;
+use super::demand::OfferedHits;
+use crate::core::ledger::NodeId;
 use crate::core::rate::LIMIT_TOKENS_MAX;
 
 /// Most transfers a donor keeps in flight at once (all rules and recipients together).
@@ -116,7 +146,7 @@ pub struct Outgoing {
     pub key: SliceKey,
     /// The recipient region.
     pub recipient: String,
-    /// Tokens debited.
+    /// Tokens in flight: debited, under the slice's limit (a changed limit scales them).
     pub tokens: u64,
     /// Ledger time of the debit: the rebalancer asks to cancel after its timeout.
     pub debited_at_ms: u64,
@@ -135,7 +165,7 @@ pub enum Received {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum RegionCommand {
     /// Sets a rule's slice from the policy when the ledger has none yet (a later policy
-    /// for a known rule changes nothing: slices then move only by transfers).
+    /// for a known rule moves it by [`RegionCommand::Relimit`] only, and by transfers).
     Adopt {
         /// The rule.
         key: SliceKey,
@@ -162,6 +192,31 @@ pub enum RegionCommand {
         /// What the recipient did.
         outcome: Received,
     },
+    /// A rule's global limit changed in the policy: the slice and the tokens of this
+    /// region's transfers of the rule in flight are scaled by `to / from`, rounding down (a
+    /// slice under a limit of 0 takes `to_policy_tokens`). Applied once: a slice not under
+    /// `from_global_tokens` is left alone. A new limit of 0 is refused
+    /// ([`RegionCommandError::ZeroLimit`]).
+    Relimit {
+        /// The rule.
+        key: SliceKey,
+        /// The global limit the slice is under now.
+        from_global_tokens: u64,
+        /// The new global limit, at least 1.
+        to_global_tokens: u64,
+        /// This region's policy slice of the new limit.
+        to_policy_tokens: u64,
+    },
+    /// Any node of the region: its own counts of offered hits on sliced limits
+    /// (`demand.rs`, [`OfferedHits`]); answered with the slices of those limits, which is
+    /// how a gateway, holding no replica, learns what to enforce.
+    Demand {
+        /// The reporting node.
+        node_id: NodeId,
+        /// `(limit, the node's count of hits offered on it)`, at most [`SLICED_RULES_MAX`];
+        /// a limit with no slice here is skipped.
+        hits: Vec<(SliceKey, u64)>,
+    },
 }
 
 /// What a donor asks a recipient about one transfer: the messages regions exchange, and
@@ -176,6 +231,9 @@ pub enum TransferRequest {
         key: SliceKey,
         /// Tokens moved.
         tokens: u64,
+        /// The global limit the tokens are counted under: the donor's slice's when it sent
+        /// the credit (its transfers in flight scale with its slice).
+        global_tokens: u64,
         /// The donor's lowest unsettled serial toward the recipient.
         settled_below: u64,
     },
@@ -240,6 +298,25 @@ pub enum RegionCommandError {
     /// only ever frees room.)
     #[error("too many transfers awaiting settlement")]
     Busy,
+    /// A demand report naming more than [`SLICED_RULES_MAX`] limits.
+    #[error("a demand report of {0} limits, over the maximum of {SLICED_RULES_MAX}")]
+    ReportTooLarge(usize),
+    /// A credit counted under another global limit than the recipient's slice is: one of
+    /// the two regions has not moved to a changed limit yet. Retry once both have (the
+    /// donor's credit is then scaled), or cancel.
+    #[error(
+        "a credit counted under a global limit of {credit_global_tokens}, the slice is under {slice_global_tokens}"
+    )]
+    LimitChanged {
+        /// The credit's limit.
+        credit_global_tokens: u64,
+        /// The recipient's slice's limit.
+        slice_global_tokens: u64,
+    },
+    /// A relimit to a global limit of 0: the policy enforces it, and the slice keeps its
+    /// share for a later limit.
+    #[error("a sliced limit of 0 is enforced by the policy, not moved to: {0}")]
+    ZeroLimit(SliceKey),
 }
 
 /// The answer to a [`RegionCommand`].
@@ -258,6 +335,11 @@ pub enum RegionResponse {
     Settled,
     /// Refused; nothing changed.
     Refused(RegionCommandError),
+    /// The answer to a [`RegionCommand::Demand`]: the slice of each reported limit that has
+    /// one, in tokens.
+    Slices(Vec<(SliceKey, u64)>),
+    /// The slice after a [`RegionCommand::Relimit`] (or as it was, for a replay).
+    Relimited(Slice),
 }
 
 /// The outcomes a recipient keeps for one donor.
@@ -280,6 +362,9 @@ pub struct RegionLedger {
     next_serial: u64,
     outgoing: BTreeMap<u64, Outgoing>,
     received: BTreeMap<String, DonorRecords>,
+    /// The region's offered hits per sliced limit (only limits with a slice, so bounded by
+    /// [`SLICED_RULES_MAX`]).
+    offered: BTreeMap<SliceKey, OfferedHits>,
 }
 
 impl Default for RegionLedger {
@@ -289,6 +374,7 @@ impl Default for RegionLedger {
             next_serial: 1,
             outgoing: BTreeMap::new(),
             received: BTreeMap::new(),
+            offered: BTreeMap::new(),
         }
     }
 }
@@ -333,6 +419,44 @@ impl RegionLedger {
             .map_or(self.next_serial, |(serial, _)| *serial)
     }
 
+    /// The credit of this region's transfer `serial`, as region `donor` sends it: the
+    /// record's tokens under its slice's current limit, with the watermark toward its
+    /// recipient; `None` once settled. Read from one state, so tokens and limit agree.
+    #[must_use]
+    pub fn credit_request(&self, donor: &str, serial: u64) -> Option<(String, TransferRequest)> {
+        let transfer = self.outgoing.get(&serial)?;
+        let slice = self
+            .slices
+            .get(&transfer.key)
+            .expect("a debited slice is never forgotten while its transfer is in flight");
+        let request = TransferRequest::Credit {
+            id: TransferId { donor: donor.to_owned(), serial },
+            key: transfer.key.clone(),
+            tokens: transfer.tokens,
+            global_tokens: slice.global_tokens,
+            settled_below: self.settled_below(&transfer.recipient),
+        };
+        Some((transfer.recipient.clone(), request))
+    }
+
+    /// The transfers of other regions this region credited and whose donors have not said
+    /// they settled them, as `(donor, serial)`.
+    pub fn credited(&self) -> impl Iterator<Item = (&str, u64)> {
+        self.received.iter().flat_map(|(donor, records)| {
+            records
+                .outcomes
+                .iter()
+                .filter(|(_, outcome)| **outcome == Received::Credited)
+                .map(move |(serial, _)| (donor.as_str(), *serial))
+        })
+    }
+
+    /// The region-wide count of hits offered on a sliced limit (0 before any report).
+    #[must_use]
+    pub fn offered_hits(&self, key: &SliceKey) -> u64 {
+        self.offered.get(key).map_or(0, OfferedHits::hits_total)
+    }
+
     /// What this region did with a transfer id, when it still knows; `AlreadySettled`-like
     /// ids (below the donor's watermark) answer `None`.
     #[must_use]
@@ -349,13 +473,24 @@ impl RegionLedger {
             RegionCommand::Debit { serial, key, recipient, tokens } => {
                 self.debit(now_ms, *serial, key, recipient, *tokens)
             }
-            RegionCommand::Receive(TransferRequest::Credit { id, key, tokens, settled_below }) => {
-                self.receive(id, *settled_below, Some((key, *tokens)))
-            }
+            RegionCommand::Receive(TransferRequest::Credit {
+                id,
+                key,
+                tokens,
+                global_tokens,
+                settled_below,
+            }) => self.receive(id, *settled_below, Some((key, *tokens, *global_tokens))),
             RegionCommand::Receive(TransferRequest::Cancel { id, settled_below }) => {
                 self.receive(id, *settled_below, None)
             }
             RegionCommand::Settle { serial, outcome } => Ok(self.settle(*serial, *outcome)),
+            RegionCommand::Demand { node_id, hits } => self.demand(now_ms, *node_id, hits),
+            RegionCommand::Relimit {
+                key,
+                from_global_tokens,
+                to_global_tokens,
+                to_policy_tokens,
+            } => self.relimit(key, *from_global_tokens, *to_global_tokens, *to_policy_tokens),
         };
         outcome.unwrap_or_else(RegionResponse::Refused)
     }
@@ -433,17 +568,17 @@ impl RegionLedger {
         Ok(RegionResponse::Debited(serial))
     }
 
-    /// A credit (`Some((key, tokens))`) or a cancellation (`None`) of `id`.
+    /// A credit (`Some((key, tokens, global_tokens))`) or a cancellation (`None`) of `id`.
     fn receive(
         &mut self,
         id: &TransferId,
         settled_below: u64,
-        credit: Option<(&SliceKey, u64)>,
+        credit: Option<(&SliceKey, u64, u64)>,
     ) -> Result<RegionResponse, RegionCommandError> {
         if check_region_name(&id.donor).is_err() {
             return Err(RegionCommandError::RegionName(id.donor.clone()));
         }
-        if let Some((key, _)) = credit
+        if let Some((key, _, _)) = credit
             && !self.slices.contains_key(key)
         {
             return Err(RegionCommandError::UnknownSlice(key.clone()));
@@ -464,8 +599,14 @@ impl RegionLedger {
         if donor.outcomes.len() >= RECEIVED_PER_DONOR_MAX {
             return Err(RegionCommandError::Busy);
         }
-        if let Some((key, tokens)) = credit {
+        if let Some((key, tokens, global_tokens)) = credit {
             let slice = self.slices.get(key).expect("checked above");
+            if global_tokens != slice.global_tokens {
+                return Err(RegionCommandError::LimitChanged {
+                    credit_global_tokens: global_tokens,
+                    slice_global_tokens: slice.global_tokens,
+                });
+            }
             if slice.tokens.checked_add(tokens).is_none_or(|sum| sum > slice.global_tokens) {
                 return Err(RegionCommandError::SliceTooLarge {
                     tokens: slice.tokens.saturating_add(tokens),
@@ -474,7 +615,7 @@ impl RegionLedger {
             }
         }
         let outcome = match credit {
-            Some((key, tokens)) => {
+            Some((key, tokens, _)) => {
                 let slice = self.slices.get_mut(key).expect("checked above");
                 slice.tokens += tokens;
                 Received::Credited
@@ -483,6 +624,66 @@ impl RegionLedger {
         };
         self.received.entry(id.donor.clone()).or_default().outcomes.insert(id.serial, outcome);
         Ok(RegionResponse::Received(outcome))
+    }
+
+    fn relimit(
+        &mut self,
+        key: &SliceKey,
+        from_global: u64,
+        to_global: u64,
+        to_policy: u64,
+    ) -> Result<RegionResponse, RegionCommandError> {
+        if to_global > LIMIT_TOKENS_MAX || to_policy > to_global {
+            return Err(RegionCommandError::SliceTooLarge {
+                tokens: to_policy,
+                global_tokens: to_global,
+            });
+        }
+        if to_global == 0 {
+            return Err(RegionCommandError::ZeroLimit(key.clone()));
+        }
+        let slice = self
+            .slices
+            .get_mut(key)
+            .ok_or_else(|| RegionCommandError::UnknownSlice(key.clone()))?;
+        if slice.global_tokens != from_global {
+            return Ok(RegionResponse::Relimited(*slice));
+        }
+        if from_global == 0 {
+            // Adopted at 0 (a relimit never goes there): nothing was ever held or moved.
+            assert_eq!(slice.tokens, 0, "a slice is never above its limit");
+            *slice = Slice { global_tokens: to_global, tokens: to_policy };
+            return Ok(RegionResponse::Relimited(*slice));
+        }
+        let scale = |tokens: u64| -> u64 {
+            let scaled = u128::from(tokens) * u128::from(to_global) / u128::from(from_global);
+            u64::try_from(scaled).expect("tokens at most the old limit scale to at most the new")
+        };
+        *slice = Slice { global_tokens: to_global, tokens: scale(slice.tokens) };
+        // Tokens in flight are counted under the donor's slice's limit until they land:
+        // scaled alike, a cut takes its share of them whether they are credited or returned.
+        for transfer in self.outgoing.values_mut().filter(|transfer| transfer.key == *key) {
+            transfer.tokens = scale(transfer.tokens);
+        }
+        Ok(RegionResponse::Relimited(*slice))
+    }
+
+    fn demand(
+        &mut self,
+        now_ms: u64,
+        node_id: NodeId,
+        hits: &[(SliceKey, u64)],
+    ) -> Result<RegionResponse, RegionCommandError> {
+        if hits.len() > SLICED_RULES_MAX {
+            return Err(RegionCommandError::ReportTooLarge(hits.len()));
+        }
+        let mut slices = Vec::with_capacity(hits.len());
+        for (key, hits_total) in hits {
+            let Some(slice) = self.slices.get(key) else { continue };
+            slices.push((key.clone(), slice.tokens));
+            self.offered.entry(key.clone()).or_default().record(node_id, *hits_total, now_ms);
+        }
+        Ok(RegionResponse::Slices(slices))
     }
 
     fn settle(&mut self, serial: u64, outcome: Received) -> RegionResponse {

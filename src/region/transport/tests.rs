@@ -96,6 +96,7 @@ async fn regions_credit_over_mutual_tls_and_refuse_strangers() -> anyhow::Result
         id: id.clone(),
         key: key.clone(),
         tokens: 25,
+        global_tokens: 100,
         settled_below: 1,
     });
     for _ in 0..3 {
