@@ -1,8 +1,6 @@
 //! The billing API on a real node: operations with replies, replays, holds (expiry, void,
 //! capture racing void), the CLI (operations, audit, verify), and mTLS on the billing port.
 
-mod common;
-
 use std::process::Command;
 use std::time::Duration;
 

@@ -1,8 +1,6 @@
 //! The billing checkers fail on known-bad histories: a checker that always passes would
 //! prove nothing in the fault tests.
 
-mod common;
-
 use common::billing_checker::{Attempt, Completion, check_bank, check_exactly_once};
 use quotamesh::core::billing::{
     AccountId, AuditEntry, BillingCommand, BillingLedger, Decision, IdempotencyKey, Operation,

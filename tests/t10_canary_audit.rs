@@ -3,8 +3,6 @@
 //! named) when a fail-closed rule is made fail-open, shadowed or raised on the node; with
 //! `--every` it exports the failure counter and the last clean round for the alert.
 
-mod common;
-
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

@@ -2,8 +2,6 @@
 //! batch of lease grants committed through a follower, and identical replicas, seen through
 //! the admin API and the `quotamesh cluster` CLI.
 
-mod common;
-
 use anyhow::Result;
 use common::cluster::{Cluster, ClusterOptions, call, ledger_key, ledger_key_at, wanted};
 use quotamesh::api::proto::quotamesh::admin::v1 as admin;

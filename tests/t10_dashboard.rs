@@ -3,8 +3,6 @@
 //! that exist only once their event happened (a follower to lag, a peer's clock), registered
 //! in src/metrics.rs. A renamed metric fails here before it blanks a panel.
 
-mod common;
-
 use std::collections::BTreeSet;
 
 use common::{NodeProcess, descriptor, request, write_file};

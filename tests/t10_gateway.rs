@@ -2,8 +2,6 @@
 //! it is no member of the quota group, yet its lease grants commit in the voters' ledger,
 //! held by it; after kill -9 of the leader its next write finds the new leader by itself.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};

@@ -14,8 +14,6 @@
 //!
 //! The tests run one at a time: each starts five processes and loads them.
 
-mod common;
-
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};

@@ -4,8 +4,6 @@
 //! of the admin API, or to anyone where its reads are open, while `/metrics`, `/healthz`
 //! and `/readyz` stay open to Prometheus and probes.
 
-mod common;
-
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};

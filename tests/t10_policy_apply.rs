@@ -9,8 +9,6 @@
 //! applies nothing; a node whose own `[policy]` options refuse a version keeps serving the
 //! last one it accepted, says so once, and takes the next one it accepts.
 
-mod common;
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 

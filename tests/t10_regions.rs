@@ -12,8 +12,6 @@
 //! The rebalancer runs its shipped defaults (80 % of a slice within a 20 s window, a look
 //! each second), with both cores kept busy by the CPU hog.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;

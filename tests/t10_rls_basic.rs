@@ -1,7 +1,5 @@
 //! Basic Envoy RLS v3 behaviour of a real `quotamesh` process over a gRPC socket.
 
-mod common;
-
 use common::{NodeProcess, descriptor, metric_value, request, rls_header as header, write_file};
 use quotamesh::api::proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use quotamesh::api::proto::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;

@@ -3,8 +3,6 @@
 //! enforces on the nodes its hash picks and warns on the others; shadow and enforce keep
 //! their meaning. The same warning through a real Envoy is in `t10_envoy_end_to_end.rs`.
 
-mod common;
-
 use common::{NodeProcess, descriptor, metric_value, request, rls_header as header, write_file};
 use quotamesh::api::proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use quotamesh::core::policy::canary_point;

@@ -8,8 +8,6 @@
 //! repository (`../shared/reference/envoy-ratelimit-fixtures`, see its NOTICE); the
 //! sequences are written here from upstream's documented behaviour.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 

@@ -4,8 +4,6 @@
 //! The nodes pick the files up by themselves (the shipped reload interval), with no restart
 //! needed for the new files to apply.
 
-mod common;
-
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

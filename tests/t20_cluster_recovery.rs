@@ -1,8 +1,6 @@
 //! Life cycle of a 3-process region: every node stopped and restarted from its data
 //! directory, and a follower that was down while the leader compacted its log.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};

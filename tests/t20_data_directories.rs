@@ -1,8 +1,6 @@
 //! A voter whose data directory lost one of its Raft groups' directories refuses to start
 //! and names the group, rather than forming a fresh, empty group in its place.
 
-mod common;
-
 use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::Path;

@@ -1,8 +1,6 @@
 //! Life cycle of a real node: policy reload from disk without restart, refusal of a bad
 //! policy, SIGHUP, exclusive data directory, clean exit on SIGTERM.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
 use common::{NodeProcess, descriptor, metric_value, request, write_file};

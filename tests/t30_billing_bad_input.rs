@@ -3,8 +3,6 @@
 //! empty keys, missing fields, missing or wrong tokens, another tenant's account, a message
 //! or an authorization header past the port's limits.
 
-mod common;
-
 use common::billing::{
     ADMIN_TOKEN, BillingClient, BillingCluster, T1_TOKEN, account, balance, full_trail,
     open_account, with_token,

@@ -1,7 +1,5 @@
 //! Bad input to a 3-process region's admin API, and data directories a node must refuse.
 
-mod common;
-
 use anyhow::{Context, Result};
 use common::cluster::{Cluster, ClusterOptions, call, wanted};
 use quotamesh::api::proto::quotamesh::admin::v1 as admin;

@@ -4,8 +4,6 @@
 //! after; the region's slice). Real node processes, real mTLS and QUIC; the forged requests
 //! are built with openraft's own types and the region link's own endpoint.
 
-mod common;
-
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,8 +1,6 @@
 //! Malformed ShouldRateLimit requests get INVALID_ARGUMENT with a clear message, oversized
 //! ones RESOURCE_EXHAUSTED, and no per-key state is allocated for them.
 
-mod common;
-
 use common::{NodeProcess, descriptor, metric_sum, request, write_file};
 use quotamesh::api::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use quotamesh::api::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;

@@ -4,8 +4,6 @@
 //! info (unknown), and the bank and exactly-once checkers run over the whole trail of every
 //! node.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

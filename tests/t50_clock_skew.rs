@@ -3,8 +3,6 @@
 //! follows the leader's clock only, so no idempotency key applies twice, no 1-hour hold
 //! expires, no quota key grants more than its day bucket, and the skewed node is reported.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

@@ -6,8 +6,6 @@
 //!
 //! Runs as root (it mounts tmpfs).
 
-mod common;
-
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,8 +1,6 @@
 //! Fault: kill -9 of the quota group's leader process while lease grants stream in through
 //! the other nodes, then recovery of the killed node.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};

@@ -8,8 +8,6 @@
 //! 3 failures open the circuit, one probe a second, and the first healthy probe resumes
 //! leasing (half-open) with 5 healthy calls closing it.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};

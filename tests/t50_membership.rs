@@ -4,8 +4,6 @@
 //! `quotamesh cluster add-node` and `remove-node`, which change both of the region's groups.
 //! And `add-node` itself: it returns only once the newcomer has applied the leader's log.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

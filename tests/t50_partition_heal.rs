@@ -9,8 +9,6 @@
 //! ports. `PARTITION_ROUNDS` (default 2) and `PARTITION_MS` (default 8000) lengthen the first
 //! test; `benches/partition_heal.sh` runs 20 rounds and prints the figures.
 
-mod common;
-
 use std::io::Write;
 use std::process::{Command, Stdio};
 use std::sync::Arc;

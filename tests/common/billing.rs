@@ -29,7 +29,7 @@ pub const CALL_TIMEOUT: Duration = Duration::from_millis(DEADLINE_MS + 2000);
 
 /// The example policy shipped in the repository (the RLS side needs one).
 pub fn policy() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("cluster/policies/example.yaml")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../cluster/policies/example.yaml")
 }
 
 /// One node of a billing cluster, running or stopped.

@@ -501,7 +501,7 @@ impl Cluster {
 /// Runs the `quotamesh` binary (e.g. `cluster status`) with the test operator token and
 /// returns its stdout; fails with its stderr when it exits non-zero.
 pub fn cli(arguments: &[&str]) -> anyhow::Result<String> {
-    let output = Command::new(env!("CARGO_BIN_EXE_quotamesh"))
+    let output = Command::new(super::quotamesh_bin())
         .args(arguments)
         .env("RUST_BACKTRACE", "0")
         .env("QUOTAMESH_ADMIN_TOKEN", ADMIN_TOKEN)

@@ -1,8 +1,9 @@
 //! Test harness: starts real `quotamesh` processes on loopback ports with their own data
 //! directories, waits until they are ready, and stops them when dropped. [`cluster`] builds
 //! regions of several such processes on 127.0.0.x addresses.
-
-#![allow(dead_code)] // Each test binary uses a different part of the harness.
+//!
+//! A crate of its own (`quotamesh-test-support`, imported as `common`), compiled once for
+//! every integration test rather than as a module of each.
 
 pub mod billing;
 pub mod billing_checker;
@@ -23,6 +24,17 @@ use quotamesh::api::proto::envoy::extensions::common::ratelimit::v3::rate_limit_
 use quotamesh::api::proto::envoy::service::ratelimit::v3::RateLimitRequest;
 use quotamesh::api::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use tonic::transport::Channel;
+
+/// The `quotamesh` binary cargo built for the running integration test: cargo builds a
+/// package's binaries for its integration tests, into the directory above the tests' own
+/// `deps/` (this crate is compiled once for every test, so `CARGO_BIN_EXE_quotamesh`, which
+/// cargo sets only when compiling a test itself, is not available here).
+pub fn quotamesh_bin() -> PathBuf {
+    let test = std::env::current_exe().expect("the running test's executable");
+    let deps = test.parent().expect("a test executable lies in a directory");
+    let profile = if deps.ends_with("deps") { deps.parent().unwrap_or(deps) } else { deps };
+    profile.join(format!("quotamesh{}", std::env::consts::EXE_SUFFIX))
+}
 
 /// How long a node may take to become ready.
 pub const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -138,7 +150,7 @@ impl NodeProcess {
         log_path: Option<&Path>,
         uid: Option<u32>,
     ) -> anyhow::Result<Self> {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_quotamesh"));
+        let mut command = Command::new(quotamesh_bin());
         if let Some(uid) = uid {
             std::os::unix::process::CommandExt::uid(&mut command, uid);
         }
@@ -378,7 +390,7 @@ pub struct CliRun {
 /// Runs `quotamesh arguments`, with `QUOTAMESH_ADMIN_TOKEN` set to `token` or unset; the
 /// exit code is the caller's to judge.
 pub fn run_cli(arguments: &[&str], token: Option<&str>) -> anyhow::Result<CliRun> {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_quotamesh"));
+    let mut command = Command::new(quotamesh_bin());
     command.args(arguments).env("RUST_BACKTRACE", "0").env_remove("QUOTAMESH_ADMIN_TOKEN");
     if let Some(token) = token {
         command.env("QUOTAMESH_ADMIN_TOKEN", token);
