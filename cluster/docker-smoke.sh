@@ -6,7 +6,8 @@
 #   - both regions answer real HTTP requests through their Envoy: 200, and 429 over a limit;
 #   - with the mesh network cut (`docker network disconnect`), both regions still answer
 #     through their Envoy, promptly; after reconnecting, the regions' link is up again;
-#   - the regions' slices add up to the global limit once nothing is in flight;
+#   - skewed traffic (all of it on one region) moves slice from the other region to it,
+#     and the slices plus the tokens in flight still add up to the global limit;
 #   - no colour codes and no ERROR lines in the nodes' logs; the images' sizes.
 # Prints the last logs on failure, and its duration.
 set -euo pipefail
@@ -38,6 +39,8 @@ export COMPOSE_PROJECT_NAME=quotamesh-smoke
 
 finish() {
   local status=$?
+  if [ -n "${load_pid:-}" ]; then kill "$load_pid" 2>/dev/null || true; fi
+  rm -f "${load_log:-}"
   if ((status != 0)); then
     docker-compose ps || true
     docker-compose logs --no-color --tail 25 || true
@@ -165,6 +168,10 @@ until [ "$(slice "$METRICS_A" region-a)" = "$POLICY_SLICE_TOKENS" ] \
   ((SECONDS < deadline)) || fail "the regions did not adopt their policy slices of $rule"
   sleep 0.5
 done
+# Traffic goes to region-a through its Envoy, spread over its voters and gateway; each node
+# reports its demand to the region's ledger, which adds them up.
+hot=region-a hot_envoy=$ENVOY_A hot_metrics=$METRICS_A cold=region-b cold_metrics=$METRICS_B
+hot_node=${containers[$hot-node-1]}
 mesh=$(docker network ls --format '{{.Name}}' --filter label=com.docker.compose.network=mesh \
   --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
 [ -n "$mesh" ] || fail "no mesh network for project $COMPOSE_PROJECT_NAME"
@@ -201,25 +208,54 @@ until [ "$(links)" = "1 1" ]; do
 done
 echo "mesh network reconnected, both links up"
 
-section "the slices add up to the global limit"
-# Read one region after the other, a sample is exact only while nothing moves: nothing in
-# flight, and the same numbers as the sample before. (A rebalance under skewed traffic is
-# tests/t10_regions.rs's, on regions of three voters and a gateway as here.)
-deadline=$((SECONDS + 30))
-previous= sample=
+section "skewed traffic moves slice to the busy region"
+# All traffic on the busy region, until the checks below stop it (or 90 s pass).
+load_log=$(mktemp)
+(
+  end=$((SECONDS + 90))
+  while ((SECONDS < end)); do burst "$hot_envoy/" 200 >>"$load_log"; echo >>"$load_log"; done
+) &
+load_pid=$!
+shift_at=$SECONDS
+deadline=$((SECONDS + 60))
+previous= quiet=0 rebalanced=
 while :; do
-  sample="$(slice "$METRICS_A" region-a) $(slice "$METRICS_B" region-b) $(in_flight "$METRICS_A") $(in_flight "$METRICS_B")"
-  read -r slice_a slice_b flying_a flying_b <<<"$sample"
-  if [ "$flying_a $flying_b" = "0 0" ] && [ "$sample" = "$previous" ]; then
-    ((slice_a + slice_b == GLOBAL_TOKENS)) \
-      || fail "tokens not conserved: region-a $slice_a + region-b $slice_b != $GLOBAL_TOKENS"
-    break
+  sample="$(slice "$hot_metrics" "$hot") $(slice "$cold_metrics" "$cold") $(in_flight "$hot_metrics") $(in_flight "$cold_metrics")"
+  read -r hot_slice cold_slice hot_flying cold_flying <<<"$sample"
+  # Read one region after the other, a sample is exact only while nothing moves: nothing in
+  # flight, and the same numbers as the sample before.
+  if [ "$hot_flying $cold_flying" = "0 0" ] && [ "$sample" = "$previous" ]; then
+    ((hot_slice + cold_slice == GLOBAL_TOKENS)) \
+      || fail "tokens not conserved: $hot $hot_slice + $cold $cold_slice != $GLOBAL_TOKENS"
+    if [ -n "$rebalanced" ]; then quiet=$((quiet + 1)); fi
   fi
-  ((SECONDS < deadline)) || fail "the slices never held still: $sample"
+  if [ -z "$rebalanced" ] && ((hot_slice > POLICY_SLICE_TOKENS)); then
+    rebalanced=$((SECONDS - shift_at))
+  fi
+  [ -n "$rebalanced" ] && ((quiet >= 2)) && break
+  ((SECONDS < deadline)) || break
   previous=$sample
   sleep 1
 done
-echo "slices (region-a, region-b, in flight): $sample"
+echo "slices ($hot, $cold, in flight): $sample; rebalanced after ${rebalanced:-never} s"
+[ -n "$rebalanced" ] || fail "$hot never got more than its policy slice of $rule"
+((quiet >= 2)) || fail "the slices did not settle after the rebalance"
+# The same through the admin API, while the traffic lasts: the busy region's ledger holds more
+# than its policy share of the global limit.
+regions=$(docker exec "$hot_node" /quotamesh cluster regions --json)
+python3 -c '
+import json, sys
+node = json.loads(sys.argv[1])["nodes"][0]
+slice = next(s for s in node["slices"] if s["rule"] == sys.argv[2])
+print("cluster regions:", json.dumps(slice))
+assert slice["global_tokens"] == int(sys.argv[3]), slice
+assert slice["slice_tokens"] > int(sys.argv[4]), slice
+' "$regions" "$rule" "$GLOBAL_TOKENS" "$POLICY_SLICE_TOKENS" || fail "cluster regions on $hot: $regions"
+kill "$load_pid" 2>/dev/null || true
+wait "$load_pid" 2>/dev/null || true
+echo "traffic on $hot for $((SECONDS - shift_at)) s: $(tr -s ' \n' ' ' <"$load_log" \
+  | awk '{for (i = 1; i < NF; i += 2) total[$(i + 1)] += $i} END {for (s in total) printf "%s %s ", total[s], s}')(count status)"
+rm -f "$load_log"
 wait_ready
 
 section "logs"
