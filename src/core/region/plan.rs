@@ -9,13 +9,19 @@
 //! ```text
 //!   hot:     demand >= T x slice                  -> ask for target - slice, where
 //!                                                    target = demand / U + 1 (U = 50 %)
-//!   floor:   demand / T + 1 (0 without demand)    -> a donor keeps this much: after
-//!                                                    giving, it is not hot itself
+//!   floor:   demand / M + 1 (0 without demand),   -> a donor keeps this much: after
+//!            M = (T + U) / 2 (65 %)                  giving, its demand may grow by
+//!                                                    T / M - 1 (23 %) before it is hot
 //!   give:    min(asked, slice - floor)
-//!   drift:   slice > policy slice, not hot        -> give min(slice - max(floor, policy),
-//!                                                    deficit) to the region furthest below
+//!   drift:   slice > policy slice, and cold:      -> give min(slice - max(target, policy),
+//!            demand < U / 2 x slice (25 %)           deficit) to the region furthest below
 //!                                                    its policy slice
 //! ```
+//!
+//! The numbers are bands, so that a demand that wobbles does not move tokens back and
+//! forth: a region given its target uses half of it, and is hot again only if its demand
+//! grows by 60 %, cold only if it halves; a donor given down to its floor is hot again only
+//! if its demand grows by 23 % (`tests.rs`: a wobbling demand never reverses a transfer).
 //!
 //! The planner only proposes; every token moves through `transfer.rs`'s commands. It reads
 //! no clock: the caller measures demand over its window and calls it on a timer.
@@ -85,10 +91,19 @@ impl PlanSettings {
                 >= u128::from(view.slice_tokens) * u128::from(self.trigger_percent)
     }
 
-    /// What a region keeps when it gives: the smallest slice its demand does not make hot.
+    /// What a region keeps when it gives: the smallest slice its demand fills to less than
+    /// halfway between the target and the trigger, so it is not hot after giving, nor made
+    /// hot by a small rise of its demand.
     #[must_use]
     pub fn floor_tokens(&self, view: &RegionView) -> u64 {
-        above_percent(view.demand_tokens, self.trigger_percent)
+        above_percent(view.demand_tokens, (self.trigger_percent + self.target_percent) / 2)
+    }
+
+    /// The slice a region's demand fills to the target share: what a hot region asks to
+    /// reach, and what drift keeps.
+    #[must_use]
+    pub fn target_tokens(&self, view: &RegionView) -> u64 {
+        above_percent(view.demand_tokens, self.target_percent)
     }
 
     /// Tokens a hot region asks for (0 when it is not hot): enough to bring its demand to
@@ -98,7 +113,7 @@ impl PlanSettings {
         if !self.is_hot(view) {
             return 0;
         }
-        let target = above_percent(view.demand_tokens, self.target_percent);
+        let target = self.target_tokens(view);
         // At least one token: a hot region whose target rounds to its slice still asks.
         target
             .saturating_sub(view.slice_tokens)
@@ -114,19 +129,23 @@ impl PlanSettings {
     }
 
     /// The drift of a region whose demand fell: when its slice is above its policy slice
-    /// and it is not hot, it gives back what it holds above both its floor and its policy
-    /// slice to the peer furthest below its own policy slice (ties by name), at most that
-    /// peer's deficit. `None` when there is nothing to give or nobody below its share.
+    /// and its demand fills less than half the target share of it, it gives back what it
+    /// holds above both the slice it would ask for ([`PlanSettings::target_tokens`]) and its
+    /// policy slice to the peer furthest below its own policy slice (ties by name), at most
+    /// that peer's deficit. `None` when there is nothing to give or nobody below its share.
     #[must_use]
     pub fn drift<'p>(
         &self,
         own: &RegionView,
         peers: &'p [(String, RegionView)],
     ) -> Option<(&'p str, u64)> {
-        if self.is_hot(own) {
+        let cold_percent = (self.target_percent / 2).max(1);
+        if u128::from(own.demand_tokens) * 100
+            >= u128::from(own.slice_tokens) * u128::from(cold_percent)
+        {
             return None;
         }
-        let keep = self.floor_tokens(own).max(own.policy_tokens);
+        let keep = self.target_tokens(own).max(own.policy_tokens);
         let surplus = own.slice_tokens.saturating_sub(keep);
         if surplus == 0 {
             return None;

@@ -118,7 +118,9 @@ proptest! {
         }).collect();
         if let Some((to, tokens)) = settings.drift(&view, &peers) {
             prop_assert!(tokens > 0);
-            prop_assert!(view.slice_tokens - tokens >= settings.floor_tokens(&view).max(view.policy_tokens));
+            prop_assert!(view.slice_tokens - tokens >= settings.target_tokens(&view).max(view.policy_tokens));
+            prop_assert!(settings.target_tokens(&view) >= settings.floor_tokens(&view));
+            prop_assert!(view.demand_tokens * 100 < view.slice_tokens * (settings.target_percent / 2).max(1), "only a cold region drifts");
             let recipient = &peers.iter().find(|(name, _)| name == to).expect("a peer").1;
             prop_assert!(recipient.slice_tokens + tokens <= recipient.policy_tokens);
         }
@@ -514,6 +516,97 @@ proptest! {
         }
         for (index, region) in world.regions.iter().enumerate() {
             prop_assert_eq!(region.slice(&world.key).expect("adopted").tokens, policy[&World::name(index)]);
+        }
+    }
+}
+
+proptest! {
+    /// Demand that settles, then wobbles: each region's rebalancer in turn gives to its hot
+    /// peers, or else drifts toward the policy's shares, as `crate::actors::rebalancer` does
+    /// each tick (with fresh views). With steady demand the slices stop moving within a few
+    /// rounds; with each region's demand then wobbling by up to 8 % a round, tokens may still
+    /// move, but never back: no region hands back what it was given, nor asks again for what
+    /// it gave (the planner's bands, `plan.rs`).
+    #[test]
+    fn a_steady_demand_settles_and_a_wobbling_one_never_reverses_a_transfer(
+        global in 1_000..100_000u64,
+        weights in proptest::collection::vec(1..100u32, 2..=3),
+        demand_percents in proptest::collection::vec(0..150u64, 3),
+        wobbles in proptest::collection::vec(proptest::collection::vec(-80..=80i64, 3), 12),
+    ) {
+        let mut world = World::new(global, &weights);
+        let settings = PlanSettings::default();
+        let policy = split_tokens(global, &shares_of(&weights));
+        let regions = weights.len();
+        let base: Vec<u64> = demand_percents.iter().map(|percent| global * percent / 100).collect();
+        let view_of = |world: &World, demands: &[u64], index: usize| RegionView {
+            global_tokens: global,
+            slice_tokens: world.regions[index].slice(&world.key).expect("adopted").tokens,
+            policy_tokens: policy[&World::name(index)],
+            demand_tokens: demands[index],
+        };
+        let round = |world: &mut World, demands: &[u64]| -> Vec<(usize, usize, u64)> {
+            let mut moves = Vec::new();
+            for donor in 0..regions {
+                let mut gave = false;
+                for hot in (0..regions).filter(|hot| *hot != donor) {
+                    let hot_view = view_of(world, demands, hot);
+                    if !settings.is_hot(&hot_view) {
+                        continue;
+                    }
+                    let donors: Vec<(String, RegionView)> = (0..regions)
+                        .filter(|other| *other != hot)
+                        .map(|other| (World::name(other), view_of(world, demands, other)))
+                        .collect();
+                    let tokens = settings
+                        .asks(&hot_view, &donors)
+                        .into_iter()
+                        .find(|(name, _)| *name == World::name(donor))
+                        .map_or(0, |(_, tokens)| tokens);
+                    if tokens > 0 {
+                        transfer(world, donor, hot, tokens);
+                        moves.push((donor, hot, tokens));
+                        gave = true;
+                    }
+                }
+                if gave {
+                    continue;
+                }
+                let peers: Vec<(String, RegionView)> = (0..regions)
+                    .filter(|other| *other != donor)
+                    .map(|other| (World::name(other), view_of(world, demands, other)))
+                    .collect();
+                if let Some((to, tokens)) = settings.drift(&view_of(world, demands, donor), &peers) {
+                    let to = World::index_of(to);
+                    transfer(world, donor, to, tokens);
+                    moves.push((donor, to, tokens));
+                }
+            }
+            moves
+        };
+        for _ in 0..12 {
+            round(&mut world, &base);
+        }
+        let moves = round(&mut world, &base);
+        prop_assert!(moves.is_empty(), "still moving after 12 rounds of steady demand: {moves:?}");
+        let mut moved = Vec::new();
+        for wobble in &wobbles {
+            let demands: Vec<u64> = base
+                .iter()
+                .zip(wobble)
+                .map(|(demand, permille)| {
+                    let scaled = i128::from(*demand) * i128::from(1_000 + permille) / 1_000;
+                    u64::try_from(scaled).expect("a wobble of at most 8 % stays positive")
+                })
+                .collect();
+            moved.extend(round(&mut world, &demands));
+        }
+        for (from, to, _) in &moved {
+            prop_assert!(
+                !moved.iter().any(|(back_from, back_to, _)| back_from == to && back_to == from),
+                "tokens went both ways between regions {from} and {to} under a wobbling demand: \
+                 {moved:?}"
+            );
         }
     }
 }
