@@ -299,6 +299,7 @@ impl World {
                         }
                     }
                     ReportOutcome::Stale => {}
+                    ReportOutcome::Superseded => answer = ReportAnswer::Superseded,
                 }
             }
             let at_ms = match (lost, message.fate) {
@@ -333,6 +334,9 @@ impl World {
                     node.fallback = None;
                 }
                 ReportAnswer::NotApplied => node.failures_in_row += 1,
+                ReportAnswer::Superseded => {
+                    unreachable!("a node's current life is the newest the ledger knows")
+                }
             }
         }
     }

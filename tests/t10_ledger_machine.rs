@@ -95,6 +95,37 @@ fn grants_what_is_available_then_the_exact_retry_time() {
     assert_eq!(ledger.outstanding_tokens_on_key("rl:d:k"), 11);
 }
 
+// Proves a region's moved slice carries the key's count over: a key drained under a slice of
+// 50 is not full again under 100 (it refills at the new rate from the move on), and nodes
+// alternating between the two numbers (one has not seen the move yet) mint nothing; a limit
+// of another window starts over.
+#[test]
+fn changed_numbers_carry_the_count_and_another_shape_starts_over() {
+    let mut ledger = QuotaLedger::new();
+    let (slice, moved) = (bucket(50, 1_000, 50), bucket(100, 1_000, 100));
+    let drained = grants(ledger.apply(&acquire(5_000, 1, vec![request("rl:d:k", slice, 50)])));
+    assert_eq!(drained[0].as_ref().map(|g| g.granted_tokens), Ok(50));
+    let after_move = grants(ledger.apply(&acquire(5_000, 2, vec![request("rl:d:k", moved, 100)])));
+    assert_eq!(after_move[0].as_ref().map(|g| g.granted_tokens), Ok(0), "no fresh burst");
+    // Two nodes, one on each number, every 10 ms for a second: at most the refill at the
+    // larger rate (100 a second), never a burst per switch.
+    let mut granted = 0;
+    for step in 1..=100_u64 {
+        let (node, limit) = if step % 2 == 0 { (1, slice) } else { (2, moved) };
+        let answer = grants(ledger.apply(&acquire(
+            5_000 + step * 10,
+            node,
+            vec![request("rl:d:k", limit, 100)],
+        )));
+        granted += answer[0].as_ref().map_or(0, |g| g.granted_tokens);
+    }
+    assert!((50..=100).contains(&granted), "granted {granted} over a second of switching");
+    let other_window = bucket(100, 60_000, 100);
+    let reshaped =
+        grants(ledger.apply(&acquire(6_000, 1, vec![request("rl:d:k", other_window, 100)])));
+    assert_eq!(reshaped[0].as_ref().map(|g| g.granted_tokens), Ok(100), "a new limit starts over");
+}
+
 // Proves a clock that steps back never mints tokens: apply uses max(last_seen_ms, now_ms).
 #[test]
 fn a_proposer_clock_behind_ledger_time_uses_ledger_time() {
@@ -202,7 +233,7 @@ fn lost_grants_come_back_and_epochs_start_over() {
     assert_eq!(fresh.charged_tokens, 1, "the old life's 5 stay spent; the new one spent 1");
     assert_eq!(available(&ledger, "rl:d:k", 1_020), 94);
     let old = ledger.apply(&settle(1_030, 1, vec![report("rl:d:k", limit, 9, 3, 0, 0)]));
-    assert_eq!(old, QuotaResponse::Settled(vec![Ok(ReportOutcome::Stale)]), "an older life");
+    assert_eq!(old, QuotaResponse::Settled(vec![Ok(ReportOutcome::Superseded)]), "an older life");
 }
 
 // Proves a contended key follows fair shares: two nodes with equal demand get equal grants

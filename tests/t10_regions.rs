@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::cluster::{Cluster, ClusterOptions};
-use common::{CpuHog, descriptor, free_port_on, metric_value, request};
+use common::{CpuHog, descriptor, free_port_on, metric_sum, metric_value, request};
 use quotamesh::api::proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use quotamesh::api::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use tonic::transport::Channel;
@@ -98,6 +98,8 @@ struct Region {
     cluster: Cluster,
     name: &'static str,
     leader: u64,
+    /// Its voters: `nodes_in_region` by default.
+    voters: u64,
 }
 
 impl Region {
@@ -209,8 +211,8 @@ async fn start_regions(voters: u64) -> anyhow::Result<(Region, Region)> {
         &east,
     )
     .await?;
-    let east = Region { leader: east.leader().await?, cluster: east, name: "east" };
-    let west = Region { leader: west.leader().await?, cluster: west, name: "west" };
+    let east = Region { leader: east.leader().await?, cluster: east, name: "east", voters };
+    let west = Region { leader: west.leader().await?, cluster: west, name: "west", voters };
     let started = Instant::now();
     loop {
         let (e, w) = (east.sample()?, west.sample()?);
@@ -224,14 +226,14 @@ async fn start_regions(voters: u64) -> anyhow::Result<(Region, Region)> {
 
 /// Runs `load` (all traffic on east, ending at `until` or when `stop` is raised) until east
 /// holds at least 90 % of the global limit, checking conservation at every quiet sample;
-/// returns how long it took.
+/// returns how long it took, and what the load saw.
 async fn rebalance(
     east: &Region,
     west: &Region,
     load: impl Future<Output = anyhow::Result<Load>>,
     until: Instant,
     stop: Arc<AtomicBool>,
-) -> anyhow::Result<Duration> {
+) -> anyhow::Result<(Duration, Load)> {
     let shift = Instant::now();
     let watch = async {
         let mut previous: Option<(Sample, Sample)> = None;
@@ -286,17 +288,83 @@ async fn rebalance(
         quiet_samples >= 3 && last.is_some_and(|(e, _)| e.slice >= 90.0),
         "east did not reach 90 % of the global limit: {last:?}"
     );
-    Ok(rebalanced_after)
+    Ok((rebalanced_after, load))
+}
+
+/// What the regions' nodes count toward the documented bound, read at the start of a span.
+struct BoundStart {
+    at: Instant,
+    bypassed: f64,
+}
+
+impl BoundStart {
+    fn now(regions: &[&Region]) -> anyhow::Result<Self> {
+        Ok(Self { at: Instant::now(), bypassed: family_sum(regions, BYPASSED)? })
+    }
+
+    /// Checks that `admitted` over the span since `self` is within the documented bound
+    /// across regions (README, Regions): the global burst, plus the global rate over the
+    /// span, plus every region's drift bound for the nodes it runs, plus what the fallback
+    /// paid. A moved slice adds nothing to it; a bucket that started over at each move would.
+    fn check(&self, regions: &[&Region], admitted: u64) -> anyhow::Result<()> {
+        let span = self.at.elapsed().as_secs_f64();
+        let bypassed = family_sum(regions, BYPASSED)? - self.bypassed;
+        let mut drift = 0.0;
+        for region in regions {
+            // Each node exports the region's bound for `nodes_in_region` holders (the
+            // voters, by default); a gateway holds a lease too, so scale to every node.
+            let running = region.cluster.running();
+            let exported = running
+                .iter()
+                .map(|id| {
+                    let metrics =
+                        region.cluster.nodes[id].process.as_ref().expect("running").metrics()?;
+                    anyhow::Ok(metric_sum(&metrics, "quotamesh_lease_drift_bound_tokens"))
+                })
+                .collect::<anyhow::Result<Vec<f64>>>()?
+                .into_iter()
+                .fold(0.0, f64::max);
+            let voters = region.voters as f64;
+            drift += exported / voters * running.len() as f64;
+        }
+        let bound = GLOBAL_TOKENS + GLOBAL_TOKENS * span + drift + bypassed;
+        eprintln!(
+            "admitted {admitted} in {span:.2} s across regions; documented bound {bound:.0} \
+             (burst {GLOBAL_TOKENS}, rate {GLOBAL_TOKENS}/s, drift bounds {drift:.0}, fallback \
+             {bypassed})"
+        );
+        anyhow::ensure!(
+            admitted as f64 <= bound,
+            "admitted {admitted} in {span:.2} s, above the documented bound {bound:.0}"
+        );
+        Ok(())
+    }
+}
+
+/// The admissions the fallback paid, a family summed over its reasons.
+const BYPASSED: &str = "quotamesh_rate_limit_bypassed_total";
+
+/// `family` summed over every running node of `regions`.
+fn family_sum(regions: &[&Region], family: &str) -> anyhow::Result<f64> {
+    let mut sum = 0.0;
+    for region in regions {
+        for id in region.cluster.running() {
+            let metrics = region.cluster.nodes[&id].process.as_ref().expect("running").metrics()?;
+            sum += metric_sum(&metrics, family);
+        }
+    }
+    Ok(sum)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn skewed_traffic_moves_tokens_to_the_hot_region() -> anyhow::Result<()> {
     // The hot region gets at least 90 % of the global limit, tokens are conserved at every
     // quiet sample, and it admits more than its policy slice allowed: with both cores busy.
-    let (east, west) = start_regions(1).await?;
+    let (east_region, west_region) = start_regions(1).await?;
     let _hog = CpuHog::start(2);
-    all_traffic_on_east(&east, &west).await?;
-    let (east, west) = (east.cluster, west.cluster);
+    let bound = BoundStart::now(&[&east_region, &west_region])?;
+    let (_, rebalancing) = all_traffic_on_east(&east_region, &west_region).await?;
+    let (east, west) = (&east_region.cluster, &west_region.cluster);
 
     // `cluster regions` reads each region's ledger: east holds what west gave, nothing is
     // in flight, and east's leader shows its demand and west's slice as last read.
@@ -310,7 +378,7 @@ async fn skewed_traffic_moves_tokens_to_the_hot_region() -> anyhow::Result<()> {
     // East reads west's slice once a second: look again until it has read the last one.
     let started = Instant::now();
     let (east_reply, west_reply) = loop {
-        let (east_reply, west_reply) = (slices(&east)?, slices(&west)?);
+        let (east_reply, west_reply) = (slices(east)?, slices(west)?);
         let (east_slice, west_slice) = (&east_reply["slices"][0], &west_reply["slices"][0]);
         if east_slice["peer_slice_tokens"]["west"] == west_slice["slice_tokens"]
             || started.elapsed() > Duration::from_secs(10)
@@ -342,7 +410,7 @@ async fn skewed_traffic_moves_tokens_to_the_hot_region() -> anyhow::Result<()> {
 
     // With the slice moved, east admits past what its policy slice allowed.
     let window = Duration::from_secs(5);
-    let load = traffic(&east, 1, Instant::now() + window, Arc::new(AtomicBool::new(false))).await?;
+    let load = traffic(east, 1, Instant::now() + window, Arc::new(AtomicBool::new(false))).await?;
     let policy_bound = POLICY_SLICE_TOKENS * (window.as_secs_f64() + 1.0);
     eprintln!(
         "east admitted {} in {window:?} (its policy slice allows {policy_bound})",
@@ -353,7 +421,9 @@ async fn skewed_traffic_moves_tokens_to_the_hot_region() -> anyhow::Result<()> {
         "east admitted {} in {window:?}, no more than its policy slice allows",
         load.admitted
     );
-    Ok(())
+    // And over the whole run, the slice's moves included, no more than the regions'
+    // documented bounds allow together.
+    bound.check(&[&east_region, &west_region], rebalancing.admitted + load.admitted)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -386,14 +456,14 @@ async fn a_stopped_peer_region_holds_nobody_up_and_transfers_resume() -> anyhow:
         during.slice == POLICY_SLICE_TOKENS && during.in_flight == 0.0,
         "east's slice changed without its peer: {during:?}"
     );
-    let after = all_traffic_on_east(&east, &west).await?;
+    let (after, _) = all_traffic_on_east(&east, &west).await?;
     eprintln!("after the peer resumed, rebalanced within {after:?}");
     Ok(())
 }
 
 /// Sends all traffic to east's node 1, from [`CALLERS`] callers as fast as they are
 /// answered, until east holds at least 90 % of the global limit ([`rebalance`]).
-async fn all_traffic_on_east(east: &Region, west: &Region) -> anyhow::Result<Duration> {
+async fn all_traffic_on_east(east: &Region, west: &Region) -> anyhow::Result<(Duration, Load)> {
     let until = Instant::now() + REBALANCED_WITHIN;
     let stop = Arc::new(AtomicBool::new(false));
     let load = traffic(&east.cluster, 1, until, Arc::clone(&stop));
@@ -411,6 +481,7 @@ async fn a_region_counts_its_demand_on_every_node_and_its_gateway_enforces_the_l
     let (mut east, west) = start_regions(3).await?;
     east.cluster.start_gateway(GATEWAY)?;
     let _hog = CpuHog::start(2);
+    let bound = BoundStart::now(&[&east, &west])?;
     let until = Instant::now() + REBALANCED_WITHIN;
     let stop = Arc::new(AtomicBool::new(false));
     let cluster = &east.cluster;
@@ -435,7 +506,7 @@ async fn a_region_counts_its_demand_on_every_node_and_its_gateway_enforces_the_l
         }
         anyhow::Ok(total)
     };
-    let after = rebalance(&east, &west, load, until, Arc::clone(&stop)).await?;
+    let (after, rebalancing) = rebalance(&east, &west, load, until, Arc::clone(&stop)).await?;
     eprintln!("east (three voters and a gateway) rebalanced within {after:?}");
 
     let window = Duration::from_secs(5);
@@ -453,5 +524,5 @@ async fn a_region_counts_its_demand_on_every_node_and_its_gateway_enforces_the_l
         "the gateway admitted {} in {window:?}, no more than east's policy slice allows",
         load.admitted
     );
-    Ok(())
+    bound.check(&[&east, &west], rebalancing.admitted + load.admitted)
 }

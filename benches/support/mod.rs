@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use quotamesh::actors::lease_broker::{BrokerSettings, LeaseBroker};
-use quotamesh::actors::shard::{LedgerName, Probe, ShardSet, ShardSetOptions};
+use quotamesh::actors::shard::{LedgerName, Probe, ProbeCounter, ShardSet, ShardSetOptions};
 use quotamesh::config::{LeasingConfig, NodeConfig, PeerConfig};
 use quotamesh::core::circuit::BreakerSettings;
 use quotamesh::core::lease::LeaseTuning;
@@ -117,7 +117,11 @@ pub fn probe<'p>(
     let hash = shards.hash_descriptor(domain, [(key, value)].into_iter());
     [Probe {
         stripe: shards.stripe_of(&hash),
-        counters: smallvec::smallvec![(shards.counter_of(&hash, 0, spec), spec)],
+        counters: smallvec::smallvec![ProbeCounter {
+            key: shards.counter_of(&hash, 0, spec),
+            spec,
+            ledger_spec: spec,
+        }],
         hits,
         check_only: false,
         enforced: true,

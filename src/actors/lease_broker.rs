@@ -388,6 +388,7 @@ impl BrokerState {
                             }
                         }
                         Ok(ReportOutcome::Stale) => ReportAnswer::NotApplied,
+                        Ok(ReportOutcome::Superseded) => ReportAnswer::Superseded,
                         Err(refused) => {
                             tracing::warn!(%refused, "the ledger refused a lease report");
                             ReportAnswer::NotApplied

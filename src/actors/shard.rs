@@ -119,13 +119,26 @@ pub struct LedgerName<'p> {
     pub entries: SmallVec<[(&'p str, &'p str); 4]>,
 }
 
+/// One limit of a probe: its counter on this node and the limits it follows.
+#[derive(Debug, Clone, Copy)]
+pub struct ProbeCounter<'p> {
+    /// The counter on this node: named by `spec`, so a changed limit starts a new one.
+    pub key: CounterKey,
+    /// The limit the node enforces.
+    pub spec: &'p LimitSpec,
+    /// The limit that names the counter in the ledger: the policy's own, of which `spec`
+    /// may be the region's slice, so a moved slice keeps the region's count
+    /// (`crate::core::policy::RuleLimit::policy_spec`).
+    pub ledger_spec: &'p LimitSpec,
+}
+
 /// One descriptor's counters in a request, ready to be decided.
 #[derive(Debug)]
 pub struct Probe<'p> {
     /// Where the counters live.
     pub stripe: StripeId,
     /// Each limit of the matched rule with its counter.
-    pub counters: SmallVec<[(CounterKey, &'p LimitSpec); 2]>,
+    pub counters: SmallVec<[ProbeCounter<'p>; 2]>,
     /// Hits this descriptor adds.
     pub hits: u64,
     /// Decide `hits` but never consume them (a descriptor's `hits_addend` of 0: a check).
@@ -888,7 +901,9 @@ impl ShardSet {
             let stripe = &guards[guard_of(probe.stripe)];
             let mut verdicts = Vec::with_capacity(probe.counters.len());
             let mut staged_here: SmallVec<[(usize, Staged); 2]> = SmallVec::new();
-            for (counter_index, (key, spec)) in probe.counters.iter().enumerate() {
+            for (counter_index, ProbeCounter { key, spec, ledger_spec }) in
+                probe.counters.iter().enumerate()
+            {
                 let Some(slot) = stripe.get(key) else {
                     if missing.is_empty() {
                         missing = vec![Vec::new(); self.shards.len()];
@@ -900,7 +915,7 @@ impl ShardSet {
                             probe.name.domain,
                             probe.name.entries.iter().copied(),
                             counter_index,
-                            spec,
+                            ledger_spec,
                         ),
                         rule: probe.rule.map_or(NO_RULE, |rule| rule.0),
                         spec: LimitSpec::clone(spec),
@@ -908,7 +923,7 @@ impl ShardSet {
                     continue;
                 };
                 let earlier = pending.iter().rev().find(|(earlier_probe, earlier_counter, _)| {
-                    probes[*earlier_probe].counters[*earlier_counter].0 == *key
+                    probes[*earlier_probe].counters[*earlier_counter].key == *key
                 });
                 let current = earlier.map_or_else(
                     || Staged { lease: slot.lease, fallback: slot.fallback() },
@@ -968,12 +983,12 @@ impl ShardSet {
             }
             if probe.check_only {
                 // The check's hit was never taken: what is left includes it.
-                for (verdict, (_, spec)) in verdicts.iter_mut().zip(&probe.counters) {
+                for (verdict, counter) in verdicts.iter_mut().zip(&probe.counters) {
                     if verdict.admitted {
                         verdict.remaining = verdict
                             .remaining
                             .saturating_add(probe.hits)
-                            .min(spec.capacity_tokens());
+                            .min(counter.spec.capacity_tokens());
                     }
                 }
             } else if probe_admitted {
@@ -994,7 +1009,7 @@ impl ShardSet {
         if !short.is_empty() || short_keys == ShortKeys::Wait {
             for (probe_index, counter_index) in short.iter().chain(&refills).copied() {
                 let probe = &probes[probe_index];
-                let (key, _) = probe.counters[counter_index];
+                let key = probe.counters[counter_index].key;
                 let stripe = &mut guards[guard_of(probe.stripe)];
                 let slot = stripe.get_mut(&key).expect("a short key exists");
                 if let Some(draft) = slot.lease.poll_lease_for(probe.lease, now_ms, probe.hits) {
@@ -1010,7 +1025,7 @@ impl ShardSet {
         if admitted {
             for (probe_index, counter_index, staged) in pending {
                 let probe = &probes[probe_index];
-                let (key, _) = probe.counters[counter_index];
+                let key = probe.counters[counter_index].key;
                 let stripe = &mut guards[guard_of(probe.stripe)];
                 let slot = stripe.get_mut(&key).expect("a decided key exists");
                 slot.lease = staged.lease;
@@ -1029,7 +1044,7 @@ impl ShardSet {
         // as upstream counts them.
         for (probe_index, counter_index) in refused {
             let probe = &probes[probe_index];
-            let (key, spec) = probe.counters[counter_index];
+            let ProbeCounter { key, spec, .. } = probe.counters[counter_index];
             let stripe = &mut guards[guard_of(probe.stripe)];
             if let Some(slot) = stripe.get_mut(&key)
                 && let Some(until_ms) =
@@ -1051,7 +1066,7 @@ impl ShardSet {
             if admitted && outcomes[probe_index].admitted && !probe.check_only {
                 continue;
             }
-            let (key, spec) = probe.counters[counter_index];
+            let ProbeCounter { key, spec, .. } = probe.counters[counter_index];
             let stripe = &mut guards[guard_of(probe.stripe)];
             if let Some(slot) = stripe.get_mut(&key) {
                 admission::record_rejected(&mut slot.lease, &Self::counter(probe, spec), now_ms);

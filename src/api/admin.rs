@@ -347,8 +347,8 @@ impl AdminService {
                 // The key the RLS path leases under, so a grant by hand lands on the same bucket.
                 let pairs =
                     wanted.entries.iter().map(|entry| (entry.key.as_str(), entry.value.as_str()));
-                let key =
-                    LeaseKey::of(&wanted.domain, pairs, limit_index, &limit.spec).ledger_key();
+                let key = LeaseKey::of(&wanted.domain, pairs, limit_index, &limit.policy_spec)
+                    .ledger_key();
                 let lease = LeaseRequest {
                     key,
                     limit: limit.spec,

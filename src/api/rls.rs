@@ -27,7 +27,7 @@ use arc_swap::ArcSwap;
 use smallvec::{SmallVec, smallvec};
 use tonic::{Request, Response, Status};
 
-use crate::actors::shard::{Decision, LedgerName, Probe, ShardSet};
+use crate::actors::shard::{Decision, LedgerName, Probe, ProbeCounter, ShardSet};
 use crate::api::proto::envoy::config::core::v3::HeaderValue;
 use crate::api::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use crate::api::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
@@ -256,8 +256,10 @@ impl RlsService {
                 .iter()
                 .copied()
                 .enumerate()
-                .map(|(index, limit)| {
-                    (self.shards.counter_of(&hash, index, &limit.spec), &limit.spec)
+                .map(|(index, limit)| ProbeCounter {
+                    key: self.shards.counter_of(&hash, index, &limit.spec),
+                    spec: &limit.spec,
+                    ledger_spec: &limit.policy_spec,
                 })
                 .collect();
             let (lease, failure_mode, rule_id, quota_mode) = match (overridden, rule) {
@@ -734,7 +736,7 @@ fn override_limit(
         None,
     )
     .map_err(|error| bad(error.to_string()))?;
-    Ok(Some(RuleLimit { spec, unit: Some(unit), name: None }))
+    Ok(Some(RuleLimit { spec, policy_spec: spec, unit: Some(unit), name: None }))
 }
 
 /// When the request as a whole was not admitted nothing was consumed, so a limit that

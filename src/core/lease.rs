@@ -380,6 +380,10 @@ pub enum ReportAnswer {
     /// Not applied (the ledger had a newer report, or the call failed, or its outcome is
     /// unknown): the next report settles whatever happened, since its counts are totals.
     NotApplied,
+    /// A later life of the key on this node has reported (a new slot for the same ledger
+    /// key): the ledger counts this life's tokens as spent and leases it nothing more, so it
+    /// holds nothing and has nothing left to settle.
+    Superseded,
 }
 
 /// A node's lease on one key (DESIGN section 3), with its settlement counts.
@@ -629,10 +633,25 @@ impl KeyLease {
         self.in_flight = false;
         self.in_flight_want_tokens = 0;
         self.expire(now_ms);
-        let ReportAnswer::Settled { granted_tokens, retry_after_ms, remaining_tokens } = answer
-        else {
-            self.unconfirmed = true;
-            return;
+        let (granted_tokens, retry_after_ms, remaining_tokens) = match answer {
+            ReportAnswer::Settled { granted_tokens, retry_after_ms, remaining_tokens } => {
+                (granted_tokens, retry_after_ms, remaining_tokens)
+            }
+            ReportAnswer::NotApplied => {
+                self.unconfirmed = true;
+                return;
+            }
+            ReportAnswer::Superseded => {
+                // What it held and owed is the ledger's spent count already: nothing to
+                // report, nothing to spend, and no bucket to wait for before forgetting it.
+                self.balance_tokens = 0;
+                self.debt_tokens = 0;
+                self.settled_tokens = self.spent_tokens;
+                self.unconfirmed = false;
+                self.answered = false;
+                self.retry_at_ms = 0;
+                return;
+            }
         };
         self.answered = true;
         self.unconfirmed = false;

@@ -271,6 +271,28 @@ fn unanswered_reports_are_carried_by_the_next() {
     assert_eq!((second.seq, second.spent_tokens, second.debt_tokens), (2, 2, 2));
 }
 
+/// A slot whose ledger key a newer slot of the node has reported on (a region's moved slice
+/// makes one) is told it is superseded: it holds nothing, owes nothing, and is settled at
+/// once, so the sweep forgets it instead of reporting it again and again.
+#[test]
+fn a_superseded_life_holds_nothing_and_is_settled() {
+    let tuning = LeaseTuning::default();
+    let credit = Credit::fail_open(&tuning, 2_000, 1);
+    let spec = LimitSpec::new(Algorithm::TokenBucket, 1_000, 1_000, None).expect("a limit");
+    let mut lease = KeyLease::new(1_000, 1_000);
+    assert_eq!(lease.spend(&tuning, credit, 1_000, 1), Spend::AdmittedOnCredit);
+    let first = lease.poll_lease_for(&tuning, 1_000, 0).expect("the first report");
+    lease.apply_answer(&tuning, &first, settled(100, 0, 900), 1_005);
+    assert_eq!(lease.spend(&tuning, credit, 1_010, 3), Spend::Admitted);
+    lease.take_all(1_020);
+    let last = lease.poll_settle(&tuning, 1_020).expect("the return of the balance");
+    assert!(!lease.is_settled(&spec, 1_030), "in flight");
+    lease.apply_answer(&tuning, &last, ReportAnswer::Superseded, 1_030);
+    assert_eq!((lease.balance_tokens(1_030), lease.debt_tokens()), (0, 0));
+    assert!(lease.is_settled(&spec, 1_030), "nothing left to report");
+    assert_eq!(lease.poll_settle(&tuning, 1_030), None);
+}
+
 /// A small key (its cap below the minimum lease) leases only what a hit needs and never
 /// prefetches, so a key of 2 per hour hit once from each of two nodes admits both.
 #[test]

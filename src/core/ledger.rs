@@ -324,6 +324,10 @@ pub enum ReportOutcome {
     Settled(Settlement),
     /// Not newer than the last report applied for the node and key: changed nothing.
     Stale,
+    /// Of an earlier life of the key's slot on the node than one the ledger has heard from
+    /// (the node made a new slot for the key, say for a region's moved slice): that life's
+    /// tokens are counted spent, and it leases nothing more. Changed nothing.
+    Superseded,
 }
 
 /// A command refused as a whole before anything moved.
@@ -781,8 +785,10 @@ impl QuotaLedger {
         self.changed_keys.insert(key.to_owned());
     }
 
-    /// Takes `key`'s entry for a change, or a fresh one under `limit`; a changed limit starts
-    /// the bucket over (a new policy), keeping the leases drawn under the old one.
+    /// Takes `key`'s entry for a change, or a fresh one under `limit`. Changed numbers carry
+    /// the count over ([`LimitSpec::carried_from`]): a region's moved slice, or nodes that
+    /// see the slice at different moments, mint no tokens. A limit of another shape starts
+    /// the bucket over (a new policy). Either way the leases drawn under the old limit stay.
     fn entry_for(
         &mut self,
         key: &str,
@@ -803,9 +809,14 @@ impl QuotaLedger {
             },
         };
         if entry.limit != limit {
+            match limit.carried_from(&entry.limit, &entry.state, now_ms) {
+                Some(state) => entry.state = state,
+                None => {
+                    entry.state = limit.initial_state(now_ms);
+                    entry.debt_tokens = 0;
+                }
+            }
             entry.limit = limit;
-            entry.state = limit.initial_state(now_ms);
-            entry.debt_tokens = 0;
         }
         self.expire_leases(&mut entry, now_ms);
         entry.last_used_ms = now_ms;
@@ -873,9 +884,14 @@ impl QuotaLedger {
             return Err(error);
         }
         if stale {
+            let outcome = if report.epoch < lease.epoch {
+                ReportOutcome::Superseded
+            } else {
+                ReportOutcome::Stale
+            };
             entry.leases.insert(node_id, lease);
             self.put_entry(&report.key, entry, now_ms);
-            return Ok(ReportOutcome::Stale);
+            return Ok(outcome);
         }
         let limit = entry.limit;
         let before = lease.attributed_tokens();

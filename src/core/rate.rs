@@ -237,6 +237,36 @@ impl LimitSpec {
         LimitState { updated_ms: now_ms, level, carry: 0 }
     }
 
+    /// The state under this limit of a key counted under `old` until `now_ms`, when both
+    /// count alike (same algorithm and window) and only their numbers differ: a bucket keeps
+    /// what it held (up to the new capacity), a window keeps its hits, so a changed number
+    /// mints nothing however often it changes back and forth. `None` for a limit of another
+    /// shape, whose state cannot be read from the old one.
+    pub fn carried_from(
+        &self,
+        old: &LimitSpec,
+        state: &LimitState,
+        now_ms: u64,
+    ) -> Option<LimitState> {
+        if self.algorithm != old.algorithm || self.window_ms != old.window_ms {
+            return None;
+        }
+        // Refilled or rolled over under the old numbers up to now, so the time before the
+        // change is never refilled at the new rate.
+        let at = old.advance(state, now_ms);
+        Some(match self.algorithm {
+            Algorithm::TokenBucket => {
+                let capacity_micro_tokens = self.capacity_micro_tokens();
+                if at.level >= capacity_micro_tokens {
+                    LimitState { level: capacity_micro_tokens, carry: 0, ..at }
+                } else {
+                    at
+                }
+            }
+            Algorithm::SlidingWindow | Algorithm::FixedWindow => at,
+        })
+    }
+
     /// All-or-nothing: admits `hits` if that many whole tokens are available at `now_ms`.
     ///
     /// `hits = 0` is an admitted no-op that still reports `remaining` and `reset_ms`.

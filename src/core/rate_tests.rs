@@ -1100,3 +1100,74 @@ proptest! {
         prop_assert_eq!(spec.reset_ms_estimate(evaluation.remaining, 1_000), evaluation.reset_ms);
     }
 }
+
+/// A token bucket whose numbers change back and forth (a region's slice as nodes see it at
+/// different moments) grants at most its first capacity plus the refill of the numbers in
+/// force over each step; a window never counts more hits in one window than the largest
+/// limit in force in it. Counts only carry over between limits of one shape.
+#[test]
+fn a_moved_slice_keeps_its_count_and_a_reshaped_limit_starts_over() {
+    let small = spec(Algorithm::TokenBucket, 50, 1_000, None);
+    let large = spec(Algorithm::TokenBucket, 100, 1_000, None);
+    let drained = small.evaluate(&small.initial_state(0), 0, 50).next;
+    let carried = large.carried_from(&small, &drained, 0).expect("same shape");
+    assert_eq!(large.evaluate(&carried, 0, 1).remaining, 0, "nothing minted by the move");
+    assert_eq!(large.evaluate(&carried, 10, 1).remaining, 0, "10 ms of 100/s: one token");
+    let full = large.initial_state(0);
+    let cut = small.carried_from(&large, &full, 0).expect("same shape");
+    assert_eq!(small.evaluate(&cut, 0, 0).remaining, 50, "capped at the new capacity");
+    let other_window = spec(Algorithm::TokenBucket, 50, 60_000, None);
+    assert_eq!(other_window.carried_from(&small, &drained, 0), None);
+    let window = spec(Algorithm::FixedWindow, 50, 1_000, None);
+    assert_eq!(window.carried_from(&small, &drained, 0), None);
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn changing_numbers_mint_nothing(
+        algorithm in algorithm(),
+        window_ms in 1u64..=40,
+        numbers in proptest::collection::vec((1u64..=12, 1u64..=24), 1..=3),
+        steps in proptest::collection::vec((0usize..3, 0u64..=30, 0u64..=6), 1..60),
+    ) {
+        let specs: Vec<LimitSpec> = numbers
+            .iter()
+            .map(|(requests, burst)| spec(algorithm, *requests, window_ms, Some(*burst)))
+            .collect();
+        let mut now_ms = 1_000;
+        let mut current = specs[0];
+        let mut state = current.initial_state(now_ms);
+        // Token bucket: the first capacity plus each step's refill at the numbers in force,
+        // in 1 / window_ms tokens.
+        let mut allowed_units = u128::from(current.capacity_tokens()) * u128::from(window_ms);
+        let mut granted_total: u128 = 0;
+        // Windows: hits per aligned window, and the largest limit in force in each.
+        let mut per_window: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
+        for (pick, elapsed_ms, want) in steps {
+            let next = specs[pick % specs.len()];
+            allowed_units += u128::from(current.requests_per_window) * u128::from(elapsed_ms);
+            now_ms += elapsed_ms;
+            state = next.carried_from(&current, &state, now_ms).expect("one shape");
+            current = next;
+            let grant = current.acquire_up_to(&state, now_ms, want);
+            state = grant.next;
+            granted_total += u128::from(grant.granted);
+            let window = per_window.entry(now_ms / window_ms).or_insert((0, 0));
+            window.0 += grant.granted;
+            window.1 = window.1.max(current.requests_per_window);
+            if algorithm == Algorithm::TokenBucket {
+                prop_assert!(
+                    granted_total * u128::from(window_ms) <= allowed_units,
+                    "granted {granted_total}, allowed {allowed_units} / {window_ms}"
+                );
+            }
+        }
+        if algorithm != Algorithm::TokenBucket {
+            for (index, (hits, largest)) in per_window {
+                prop_assert!(hits <= largest, "window {index}: {hits} hits, largest limit {largest}");
+            }
+        }
+    }
+}

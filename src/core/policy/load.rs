@@ -1377,7 +1377,12 @@ impl Assembly {
         let limits: Vec<RuleLimit> = draft
             .limits
             .into_iter()
-            .map(|limit| RuleLimit { spec: limit.spec, unit: limit.unit, name: limit.name })
+            .map(|limit| RuleLimit {
+                spec: limit.spec,
+                policy_spec: limit.spec,
+                unit: limit.unit,
+                name: limit.name,
+            })
             .collect();
         for name in limits.iter().filter_map(|limit| limit.name.as_deref()) {
             names.insert(name.into(), id);

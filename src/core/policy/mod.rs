@@ -243,8 +243,13 @@ impl Unit {
 /// One limit of a rule.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RuleLimit {
-    /// Algorithm and numbers, validated.
+    /// Algorithm and numbers, validated: what this node enforces (for a limit with
+    /// `regions`, the region's slice once [`PolicySet::for_region_slices`] cut it).
     pub spec: LimitSpec,
+    /// The limit as the policy states it (for a limit with `regions`, the global one). It
+    /// names the counter in the ledger, so the region's counter stays the same when its
+    /// slice moves: a moved slice carries the count over instead of starting a full bucket.
+    pub policy_spec: LimitSpec,
     /// The unit the file named, or `None` when it gave a `window` instead.
     pub unit: Option<Unit>,
     /// The limit's `name`: a target for `replaces`, and the policy name in `RateLimit` headers.
