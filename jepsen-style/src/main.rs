@@ -12,6 +12,7 @@ use quotamesh_jepsen::checker::availability::{THRESHOLDS_DEFAULT, Thresholds};
 use quotamesh_jepsen::nemesis::FaultKind;
 use quotamesh_jepsen::run::{self, RunOptions, WorkloadKind};
 use quotamesh_jepsen::topology::Topology;
+use quotamesh_jepsen::workload::Pacing;
 
 #[derive(Parser)]
 #[command(
@@ -93,12 +94,14 @@ impl RunArgs {
         );
         Ok(RunOptions {
             topology,
-            nodes: usize::try_from(self.nodes)?,
+            pacing: Pacing::new(
+                usize::try_from(self.nodes)?,
+                self.rate,
+                u64::try_from(self.time_limit.as_millis())?,
+            ),
             gateways: usize::try_from(self.gateways)?,
             workload: WorkloadKind::parse(&self.workload).map_err(anyhow::Error::msg)?,
             nemeses,
-            time_limit_ms: u64::try_from(self.time_limit.as_millis())?,
-            rate_per_second: self.rate,
             seed: self.seed,
             binary: self.binary.clone(),
             availability: Thresholds {
