@@ -70,9 +70,20 @@ pub struct RunOptions {
     pub nemeses: Vec<FaultKind>,
     pub seed: u64,
     pub binary: PathBuf,
+    /// The node image the `docker` topology runs (built from `binary` by
+    /// `cluster/build-image.sh`; runs saved before it existed: the script's default tag).
+    #[serde(default = "image_default")]
+    pub image: String,
     /// What the availability checker demands (runs saved before it existed: the defaults).
     #[serde(default = "availability_default")]
     pub availability: checker::availability::Thresholds,
+}
+
+/// `cluster/build-image.sh`'s tag when given none.
+pub const IMAGE_DEFAULT: &str = "quotamesh:dev";
+
+fn image_default() -> String {
+    IMAGE_DEFAULT.to_owned()
 }
 
 fn availability_default() -> checker::availability::Thresholds {
@@ -764,8 +775,8 @@ pub async fn run(options: RunOptions, out: &Path) -> anyhow::Result<(PathBuf, Ve
         Shape { voters: options.pacing.nodes, gateways: options.gateways },
         options.topology,
         policy.as_deref(),
-        options.nemeses.iter().any(|kind| kind.is_clock()),
-        options.nemeses.contains(&FaultKind::Disk),
+        &options.nemeses,
+        &options.image,
     )
     .await?;
     let voters = &cluster.nodes[..cluster.voters];
@@ -1078,6 +1089,7 @@ mod tests {
             nemeses: vec![FaultKind::Kill, FaultKind::Pause],
             seed,
             binary: PathBuf::from("quotamesh"),
+            image: IMAGE_DEFAULT.to_owned(),
             availability: checker::availability::THRESHOLDS_DEFAULT,
         }
     }

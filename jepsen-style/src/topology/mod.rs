@@ -1,8 +1,11 @@
-//! Topologies: where the nodes under test run and how faults reach them. Either way every
-//! node is a child process of the runner (`processes`: spawn, SIGKILL, SIGSTOP/SIGCONT);
-//! `local` puts them all on 127.0.0.1, `netns` gives each a network namespace of its own
-//! on a bridge, so nft rules can cut links between them (`netns`).
+//! Topologies: where the nodes under test run and how faults reach them. Every node is a
+//! child process of the runner (`processes`: spawn, SIGKILL, SIGSTOP/SIGCONT); `local` puts
+//! them all on 127.0.0.1, `netns` gives each a network namespace of its own on a bridge, so
+//! nft rules can cut links between them (`netns`), and `docker` runs each in a container of
+//! a docker-compose project, the child being `docker start --attach` (`docker`: docker
+//! kill, pause and network disconnect).
 
+pub mod docker;
 pub mod netns;
 pub mod processes;
 
@@ -17,6 +20,9 @@ pub enum Topology {
     /// Processes in network namespaces joined by veth pairs and a bridge (needs root):
     /// kill, pause and partitions.
     Netns,
+    /// Containers of the quotamesh image on a docker network: kill, pause and partitions
+    /// that take whole nodes off the network.
+    Docker,
 }
 
 impl Topology {
@@ -28,7 +34,8 @@ impl Topology {
         match name {
             "local" => Ok(Self::Local),
             "netns" => Ok(Self::Netns),
-            other => Err(format!("unknown topology {other:?}; known: local, netns")),
+            "docker" => Ok(Self::Docker),
+            other => Err(format!("unknown topology {other:?}; known: local, netns, docker")),
         }
     }
 
@@ -36,6 +43,7 @@ impl Topology {
         match self {
             Self::Local => "local",
             Self::Netns => "netns",
+            Self::Docker => "docker",
         }
     }
 }
