@@ -69,10 +69,7 @@ fn bank_in_containers_under_kill_pause_and_partition_is_valid() {
     let nemeses = ["kill", "pause", "partition"];
     let directory =
         common::valid_run_with("bank", "docker", &nemeses, 7, out.path(), &["--image", IMAGE]);
-    let installed = common::installed_kinds(&directory);
-    for kind in nemeses {
-        assert!(installed.iter().any(|done| done == kind), "no {kind}: {installed:?}");
-    }
+    common::assert_installed(&directory, &nemeses);
     let history = common::lines(&directory.join("history.jsonl"));
     let acknowledged = history.iter().filter(|event| event["type"] == "ok").count();
     assert!(acknowledged > 500, "only {acknowledged} operations were acknowledged");

@@ -24,7 +24,6 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use tokio::process::Command;
 
 /// One `docker` or `docker-compose` command may take this long (a daemon under load).
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
@@ -218,7 +217,7 @@ impl Compose {
         let file = self.file.display().to_string();
         let mut command = vec!["docker-compose", "--project-name", &self.project, "--file", &file];
         command.extend_from_slice(arguments);
-        run(&command).await
+        super::run_command(&command, None, COMMAND_TIMEOUT).await
     }
 }
 
@@ -258,25 +257,7 @@ fn isolated(pairs: &[(usize, usize)], nodes: usize) -> anyhow::Result<BTreeSet<u
 async fn docker(arguments: &[&str]) -> anyhow::Result<()> {
     let mut command = vec!["docker"];
     command.extend_from_slice(arguments);
-    run(&command).await
-}
-
-async fn run(command: &[&str]) -> anyhow::Result<()> {
-    let child = Command::new(command[0])
-        .args(&command[1..])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("run {}", command.join(" ")))?;
-    let output = tokio::time::timeout(COMMAND_TIMEOUT, child.wait_with_output())
-        .await
-        .with_context(|| format!("{} took over {COMMAND_TIMEOUT:?}", command.join(" ")))??;
-    if !output.status.success() {
-        bail!("{} failed: {}", command.join(" "), String::from_utf8_lossy(&output.stderr).trim());
-    }
-    Ok(())
+    super::run_command(&command, None, COMMAND_TIMEOUT).await
 }
 
 #[cfg(test)]

@@ -9,7 +9,12 @@ pub mod docker;
 pub mod netns;
 pub mod processes;
 
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
 use serde::{Deserialize, Serialize};
+use tokio::process::Command;
 
 /// Where the nodes run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -46,4 +51,34 @@ impl Topology {
             Self::Docker => "docker",
         }
     }
+}
+
+/// Runs `command` (with `input` on stdin when given) within `timeout`, its output discarded.
+///
+/// # Errors
+/// It cannot start, takes longer, or fails (with what it printed on stderr).
+async fn run_command(
+    command: &[&str],
+    input: Option<&str>,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    use tokio::io::AsyncWriteExt;
+    let mut child = Command::new(command[0])
+        .args(&command[1..])
+        .stdin(if input.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("run {}", command.join(" ")))?;
+    if let (Some(text), Some(mut stdin)) = (input, child.stdin.take()) {
+        stdin.write_all(text.as_bytes()).await?;
+    }
+    let output = tokio::time::timeout(timeout, child.wait_with_output())
+        .await
+        .with_context(|| format!("{} took over {timeout:?}", command.join(" ")))??;
+    if !output.status.success() {
+        bail!("{} failed: {}", command.join(" "), String::from_utf8_lossy(&output.stderr).trim());
+    }
+    Ok(())
 }

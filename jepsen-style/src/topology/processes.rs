@@ -50,9 +50,14 @@ const ADD_BACK_WAIT: Duration = Duration::from_secs(15);
 const ADD_BACK_PAUSE: Duration = Duration::from_millis(250);
 /// The file a disk fault fills a data directory with.
 const FILLER: &str = "jepsen-filler";
-/// The shipped default ports, in the order `Cluster::start` hands a node's ports out: Raft,
-/// billing, RLS, metrics, admin. Nodes in namespaces and containers listen on them.
-const DEFAULT_PORTS: [u16; 5] = [8084, 8082, 8081, 6070, 8083];
+/// The shipped default ports, which nodes in namespaces and containers listen on.
+const RAFT_PORT: u16 = 8084;
+const BILLING_PORT: u16 = 8082;
+const RLS_PORT: u16 = 8081;
+const METRICS_PORT: u16 = 6070;
+const ADMIN_PORT: u16 = 8083;
+/// In the order `Cluster::start` hands a node's ports out.
+const DEFAULT_PORTS: [u16; 5] = [RAFT_PORT, BILLING_PORT, RLS_PORT, METRICS_PORT, ADMIN_PORT];
 /// The cluster and region the nodes' configs and certificates name.
 const CLUSTER_ID: &str = "jepsen";
 
@@ -238,7 +243,7 @@ impl Cluster {
             }
             run_cli(binary, &issue, None).await?;
             raft_addrs.push(match &container {
-                Some(name) => format!("{name}:{}", DEFAULT_PORTS[0]),
+                Some(name) => format!("{name}:{RAFT_PORT}"),
                 None => format!("{host}:{}", port()?),
             });
             nodes.push(LocalNode {
@@ -309,16 +314,16 @@ impl Cluster {
                  [[admin.tokens]]\nname = \"jepsen-operator\"\nsha256 = \"{admin_sha256}\"\n\n\
                  {leasing}{billing}",
                 data = node.data_dir.display(),
-                rls = listen(&node.rls_addr, DEFAULT_PORTS[2]),
-                metrics = listen(&node.metrics_addr, DEFAULT_PORTS[3]),
-                admin = listen(&node.admin_addr, DEFAULT_PORTS[4]),
-                raft = listen(&raft_addrs[position], DEFAULT_PORTS[0]),
+                rls = listen(&node.rls_addr, RLS_PORT),
+                metrics = listen(&node.metrics_addr, METRICS_PORT),
+                admin = listen(&node.admin_addr, ADMIN_PORT),
+                raft = listen(&raft_addrs[position], RAFT_PORT),
                 certs = certs.display(),
                 role = if gateway { "role = \"gateway\"\n" } else { "" },
                 billing_line = if gateway {
                     String::new()
                 } else {
-                    format!("billing_addr = \"{}\"\n", listen(&node.billing_addr, DEFAULT_PORTS[1]))
+                    format!("billing_addr = \"{}\"\n", listen(&node.billing_addr, BILLING_PORT))
                 },
                 billing = if gateway {
                     String::new()
@@ -345,10 +350,10 @@ impl Cluster {
                 .map(|node| ContainerSpec {
                     config_path: node.config_path.clone(),
                     published: vec![
-                        (node.billing_addr.clone(), DEFAULT_PORTS[1]),
-                        (node.rls_addr.clone(), DEFAULT_PORTS[2]),
-                        (node.metrics_addr.clone(), DEFAULT_PORTS[3]),
-                        (node.admin_addr.clone(), DEFAULT_PORTS[4]),
+                        (node.billing_addr.clone(), BILLING_PORT),
+                        (node.rls_addr.clone(), RLS_PORT),
+                        (node.metrics_addr.clone(), METRICS_PORT),
+                        (node.admin_addr.clone(), ADMIN_PORT),
                     ],
                 })
                 .collect();
