@@ -6,14 +6,22 @@
 #                                           binary as its health probe
 #   quotamesh-setup:dev                     the node's image plus a shell (dash), for the
 #                                           compose's one-shot certificate and init steps
+# QUOTAMESH_BIN=PATH images that binary instead of building one; NODE_ONLY=1 builds the
+# node's image only (quotamesh-jepsen's docker topology: the binary it runs, no Envoy).
 set -euo pipefail
+# Resolved before the cd below, so a path relative to the caller's directory works.
+given=${QUOTAMESH_BIN:+$(realpath "$QUOTAMESH_BIN")}
 cd "$(dirname "$0")/.."
 tag=${1:-quotamesh:dev}
 
-# The same build as the README's commands (cargo run --release, scripts/test.sh): the
-# features of normal and dev-dependencies are aligned in Cargo.toml, so nothing is rebuilt.
-cargo build --release --bin quotamesh
-binary=target/release/quotamesh
+if [[ -n $given ]]; then
+  binary=$given
+else
+  # The same build as the README's commands (cargo run --release, scripts/test.sh): the
+  # features of normal and dev-dependencies are aligned in Cargo.toml, so nothing is rebuilt.
+  cargo build --release --bin quotamesh
+  binary=target/release/quotamesh
+fi
 staged=target/docker
 
 # stage ROOT BINARY PATH: copies BINARY to ROOT/PATH (stripped, unless it is already) and
@@ -37,6 +45,10 @@ stage "$staged/node/rootfs" "$binary" /quotamesh
 # The data directory is staged apart, so the image can hand it to the unprivileged user.
 mkdir -p "$staged/node/owned/data"
 touch "$staged/node/owned/data/.keep"
+if [[ ${NODE_ONLY:-0} == 1 ]]; then
+  docker build --file cluster/Dockerfile --tag "$tag" "$staged/node"
+  exit 0
+fi
 stage "$staged/envoy/rootfs" "$(scripts/install-envoy.sh)" /usr/local/bin/envoy
 stage "$staged/envoy/rootfs" "$binary" /usr/local/bin/quotamesh
 stage "$staged/setup/rootfs" "$(command -v dash)" /bin/sh

@@ -5,12 +5,14 @@
 #
 #   jepsen-style/scripts/tier.sh ci [OUT]     # 4 schedules of 20 s: about 1.5 minutes (.ci/run)
 #   jepsen-style/scripts/tier.sh fast [OUT]   # 22 schedules of 20 s: about 9 minutes
-#   jepsen-style/scripts/tier.sh full [OUT]   # 110 schedules of 20 s: about 45 minutes
+#   jepsen-style/scripts/tier.sh full [OUT]   # 120 schedules of 20 s: about 50 minutes
 #
 # SEED (default 1000) moves every seed; TIME_LIMIT (default 20s, three or four faults) sets
 # each run's length. The ci tier exits non-zero only on a violation: a run it could not
 # judge (2) is reported, and fails the tier only with STRICT=1.
-# The netns lines need root (namespaces, nft); without it they are skipped, and said so.
+# The netns lines need root (namespaces, nft), the docker line (full only) a usable docker
+# and docker-compose; without them they are skipped, and said so. The docker line runs the
+# node image cluster/build-image.sh builds from QUOTAMESH_BIN (quotamesh-jepsen:tier).
 # Installs Debian's faketime (the clock nemeses) when it is missing; builds both binaries,
 # unless BUILD=0 (CI: scripts/test.sh built them). QUOTAMESH_BIN and QUOTAMESH_JEPSEN_BIN
 # name other binaries (copies, say, so a long tier is not disturbed by a build meanwhile).
@@ -69,6 +71,9 @@ else
     "leases netns majorities-ring,partition-one-way,kill,clock-step --nodes 5 --gateways 1"
   )
 fi
+if [[ $tier == full ]]; then
+  lines+=("bank docker kill,pause,partition --image quotamesh-jepsen:tier")
+fi
 worst=0
 for line in "${lines[@]}"; do
   read -r workload topology nemeses extra <<<"$line"
@@ -78,6 +83,15 @@ for line in "${lines[@]}"; do
     echo "skipped ($topology needs root): $line" >&2
     seed=$((seed + 1000))
     continue
+  fi
+  if [[ $topology == docker ]]; then
+    if ! timeout 30 docker info >/dev/null 2>&1 || ! timeout 30 docker-compose version >/dev/null 2>&1; then
+      echo "skipped (docker or docker-compose is not usable): $line" >&2
+      seed=$((seed + 1000))
+      continue
+    fi
+    # The image of the binary under test, however the tier got it.
+    QUOTAMESH_BIN=$QUOTAMESH_BIN NODE_ONLY=1 timeout 300 cluster/build-image.sh quotamesh-jepsen:tier >/dev/null
   fi
   echo "== $workload on $topology under $nemeses, seeds $seed.. ($per_line runs)"
   code=0

@@ -186,7 +186,7 @@ pub fn render_parts(
     let title = format!(
         "quotamesh-jepsen: {} on {} {} nodes, seed {}",
         options.workload.name(),
-        options.nodes,
+        options.pacing.nodes,
         options.topology.name(),
         options.seed
     );

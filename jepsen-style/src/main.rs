@@ -12,6 +12,7 @@ use quotamesh_jepsen::checker::availability::{THRESHOLDS_DEFAULT, Thresholds};
 use quotamesh_jepsen::nemesis::FaultKind;
 use quotamesh_jepsen::run::{self, RunOptions, WorkloadKind};
 use quotamesh_jepsen::topology::Topology;
+use quotamesh_jepsen::workload::Pacing;
 
 #[derive(Parser)]
 #[command(
@@ -27,9 +28,10 @@ struct Cli {
 /// What a run is: the cluster, the workload, the faults and the seed.
 #[derive(Args)]
 struct RunArgs {
-    /// Where the nodes run: `local` (processes on loopback) or `netns` (a network
-    /// namespace each, on a bridge; needs root; allows partitions).
-    #[arg(long, default_value = "local", value_parser = ["local", "netns"])]
+    /// Where the nodes run: `local` (processes on loopback), `netns` (a network namespace
+    /// each, on a bridge; needs root; allows partitions) or `docker` (a container each of
+    /// `--image`; kill, pause and partition only).
+    #[arg(long, default_value = "local", value_parser = ["local", "netns", "docker"])]
     topology: String,
     /// Voters: members of both Raft groups.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=9))]
@@ -46,8 +48,9 @@ struct RunArgs {
     #[arg(long, default_value = "bank", value_parser = ["bank", "linear", "holds", "rls", "leases"])]
     workload: String,
     /// Faults, comma-separated: `kill`, `pause`, `partition`, `partition-one-way`,
-    /// `partition-flap`, `majorities-ring` (netns only), `clock`, `clock-step` (libfaketime), `policy`,
-    /// `membership`, `disk` (root); `none` for a fault-free baseline.
+    /// `partition-flap`, `majorities-ring` (netns; `partition` on docker too), `clock`,
+    /// `clock-step` (libfaketime), `policy`, `membership`, `disk` (root); `none` for a
+    /// fault-free baseline.
     #[arg(long, default_value = "kill,pause")]
     nemesis: String,
     /// How long the workload runs, e.g. `60s`, `2m`, `1500ms`.
@@ -73,6 +76,10 @@ struct RunArgs {
     /// The quotamesh binary to run.
     #[arg(long, env = "QUOTAMESH_BIN", default_value = "target/release/quotamesh")]
     binary: PathBuf,
+    /// The node image of `--topology docker`, built from the same binary by
+    /// `cluster/build-image.sh`.
+    #[arg(long, env = "QUOTAMESH_IMAGE", default_value = run::IMAGE_DEFAULT)]
+    image: String,
 }
 
 impl RunArgs {
@@ -87,20 +94,34 @@ impl RunArgs {
                 .map_err(anyhow::Error::msg)?
         };
         let topology = Topology::parse(&self.topology).map_err(anyhow::Error::msg)?;
-        anyhow::ensure!(
-            topology == Topology::Netns || !nemeses.iter().any(|kind| kind.is_partition()),
-            "partitions need --topology netns"
-        );
+        match topology {
+            Topology::Local => anyhow::ensure!(
+                !nemeses.iter().any(|kind| kind.is_partition()),
+                "partitions need --topology netns or docker"
+            ),
+            Topology::Netns => {}
+            // What the docker CLI can do to a container as a whole.
+            Topology::Docker => anyhow::ensure!(
+                nemeses.iter().all(|kind| {
+                    matches!(kind, FaultKind::Kill | FaultKind::Pause | FaultKind::Partition)
+                }),
+                "--topology docker carries out kill, pause and partition only (docker kill, \
+                 docker pause, docker network disconnect)"
+            ),
+        }
         Ok(RunOptions {
             topology,
-            nodes: usize::try_from(self.nodes)?,
+            pacing: Pacing::new(
+                usize::try_from(self.nodes)?,
+                self.rate,
+                u64::try_from(self.time_limit.as_millis())?,
+            ),
             gateways: usize::try_from(self.gateways)?,
             workload: WorkloadKind::parse(&self.workload).map_err(anyhow::Error::msg)?,
             nemeses,
-            time_limit_ms: u64::try_from(self.time_limit.as_millis())?,
-            rate_per_second: self.rate,
             seed: self.seed,
             binary: self.binary.clone(),
+            image: self.image.clone(),
             availability: Thresholds {
                 recovery_ms_max: match self.recovery_max {
                     Some(recovery_max) => u64::try_from(recovery_max.as_millis())?,

@@ -113,12 +113,12 @@ pub fn render_parts(
         "# quotamesh-jepsen: {} on {} {} nodes{gateways}, seed {}\n\n\
          nemeses: {} · time limit {} s · rate {}/s · {shape}\n",
         options.workload.name(),
-        options.nodes,
+        options.pacing.nodes,
         options.topology.name(),
         options.seed,
         if nemeses.is_empty() { "none".to_owned() } else { nemeses.join(", ") },
-        options.time_limit_ms / 1_000,
-        options.rate_per_second,
+        options.pacing.time_limit_ms / 1_000,
+        options.pacing.rate_per_second,
     );
     let _ = writeln!(text, "## Verdict: {:?}\n", verdict.validity);
     let _ = writeln!(text, "| check | verdict | checked | problems |\n|---|---|---|---|");

@@ -41,7 +41,7 @@ use crate::workload::bank::{self, BankOptions};
 use crate::workload::holds::{self, HoldEnd};
 use crate::workload::leases::{self, LeaseOptions};
 use crate::workload::rls::{self, RlsOptions};
-use crate::workload::{Planned, PlannedOp};
+use crate::workload::{Pacing, Planned, PlannedOp};
 
 /// How long the region may take to elect a billing leader, at the start and after healing.
 const LEADER_WAIT: Duration = Duration::from_secs(60);
@@ -60,20 +60,30 @@ const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunOptions {
     pub topology: Topology,
-    /// Voters.
-    pub nodes: usize,
+    /// The workers, rate and time limit; its nodes are the voters.
+    #[serde(flatten)]
+    pub pacing: Pacing,
     /// Gateways besides the voters: RLS and lease requests go to them too.
     #[serde(default)]
     pub gateways: usize,
     pub workload: WorkloadKind,
     pub nemeses: Vec<FaultKind>,
-    pub time_limit_ms: u64,
-    pub rate_per_second: u64,
     pub seed: u64,
     pub binary: PathBuf,
+    /// The node image the `docker` topology runs (built from `binary` by
+    /// `cluster/build-image.sh`; runs saved before it existed: the script's default tag).
+    #[serde(default = "image_default")]
+    pub image: String,
     /// What the availability checker demands (runs saved before it existed: the defaults).
     #[serde(default = "availability_default")]
     pub availability: checker::availability::Thresholds,
+}
+
+/// `cluster/build-image.sh`'s tag when given none.
+pub const IMAGE_DEFAULT: &str = "quotamesh:dev";
+
+fn image_default() -> String {
+    IMAGE_DEFAULT.to_owned()
 }
 
 fn availability_default() -> checker::availability::Thresholds {
@@ -159,22 +169,23 @@ pub fn bank_options(options: &RunOptions) -> BankOptions {
         WorkloadKind::Holds => holds::options,
         WorkloadKind::Bank | WorkloadKind::Rls | WorkloadKind::Leases => BankOptions::new,
     };
-    shape(options.nodes, options.rate_per_second, options.time_limit_ms)
+    shape(options.pacing)
 }
 
-/// The nodes RLS and lease requests go to: the voters, then the gateways.
-fn serving_nodes(options: &RunOptions) -> usize {
-    options.nodes + options.gateways
+/// The run's pace over the nodes RLS and lease requests go to: the voters, then the
+/// gateways.
+fn serving_pacing(options: &RunOptions) -> Pacing {
+    options.pacing.over(options.pacing.nodes + options.gateways)
 }
 
 /// The RLS workload's shape for a run.
 pub fn rls_options(options: &RunOptions) -> RlsOptions {
-    RlsOptions::new(serving_nodes(options), options.rate_per_second, options.time_limit_ms)
+    RlsOptions::new(serving_pacing(options))
 }
 
 /// The lease workload's shape for a run.
 pub fn lease_options(options: &RunOptions) -> LeaseOptions {
-    LeaseOptions::new(serving_nodes(options), options.rate_per_second, options.time_limit_ms)
+    LeaseOptions::new(serving_pacing(options))
 }
 
 /// The operations and faults `options` (its seed included) plan. Pure.
@@ -183,8 +194,8 @@ pub fn schedule(options: &RunOptions) -> Schedule {
         options.seed,
         &ScheduleOptions {
             kinds: options.nemeses.clone(),
-            nodes: options.nodes,
-            time_limit_ms: options.time_limit_ms,
+            nodes: options.pacing.nodes,
+            time_limit_ms: options.pacing.time_limit_ms,
             interval_ms: nemesis::INTERVAL_MS_DEFAULT,
             fault_ms_min: nemesis::FAULT_MS_MIN_DEFAULT,
             fault_ms_max: nemesis::FAULT_MS_MAX_DEFAULT,
@@ -761,11 +772,11 @@ pub async fn run(options: RunOptions, out: &Path) -> anyhow::Result<(PathBuf, Ve
     let cluster = Cluster::start(
         &options.binary,
         &directory,
-        Shape { voters: options.nodes, gateways: options.gateways },
+        Shape { voters: options.pacing.nodes, gateways: options.gateways },
         options.topology,
         policy.as_deref(),
-        options.nemeses.iter().any(|kind| kind.is_clock()),
-        options.nemeses.contains(&FaultKind::Disk),
+        &options.nemeses,
+        &options.image,
     )
     .await?;
     let voters = &cluster.nodes[..cluster.voters];
@@ -837,7 +848,7 @@ async fn drive(
     // The workload's clock starts once the accounts are open.
     let clock = Clock {
         start: tokio::time::Instant::now(),
-        time_limit: Duration::from_millis(options.time_limit_ms),
+        time_limit: Duration::from_millis(options.pacing.time_limit_ms),
     };
     let (healed_sender, healed) = tokio::sync::watch::channel(false);
     let (deadline_sender, final_deadline) = tokio::sync::watch::channel(None);
@@ -962,33 +973,33 @@ pub fn check_directory(directory: &Path) -> anyhow::Result<Verdict> {
     match record.options.workload {
         WorkloadKind::Bank | WorkloadKind::Linear => {
             checks.extend(check_bank(directory, &record, &events));
-            checks.push(checker::fail_closed::check(&events, &faults, record.options.nodes));
+            checks.push(checker::fail_closed::check(&events, &faults, record.options.pacing.nodes));
             checks.push(checker::linearizable::check(
                 &events,
                 checker::linearizable::STEPS_PER_ACCOUNT_MAX,
             ));
         }
         WorkloadKind::Holds => {
-            let (trails, mut read) = read_trails(directory, record.options.nodes);
+            let (trails, mut read) = read_trails(directory, record.options.pacing.nodes);
             read.push(checker::bank::trails_agree(&trails));
             if let Some((_, trail)) = trails.first() {
                 let model = checker::holds::HoldsModel { floor: record.bank.floor };
                 read.extend(checker::holds::check(&events, trail, &model));
             }
             checks.extend(read);
-            checks.push(checker::fail_closed::check(&events, &faults, record.options.nodes));
+            checks.push(checker::fail_closed::check(&events, &faults, record.options.pacing.nodes));
         }
         WorkloadKind::Rls => checks.extend(check_rls(directory, &record, &events)),
         WorkloadKind::Leases => {
-            let shape = record.leases.clone().unwrap_or_else(|| {
-                LeaseOptions::new(record.options.nodes, 0, record.options.time_limit_ms)
-            });
+            // Runs saved before the shape was: its defaults (only the bucket is read here).
+            let shape =
+                record.leases.clone().unwrap_or_else(|| LeaseOptions::new(record.options.pacing));
             let model = checker::leases::LeaseModel {
                 capacity_tokens: shape.burst_tokens,
                 rate_per_second: shape.limit_per_second,
             };
             checks.extend(checker::leases::check(&events, model));
-            checks.push(checker::fail_closed::check(&events, &faults, record.options.nodes));
+            checks.push(checker::fail_closed::check(&events, &faults, record.options.pacing.nodes));
         }
     }
     Ok(Verdict::of(checks))
@@ -1012,7 +1023,7 @@ fn read_trails(
 }
 
 fn check_bank(directory: &Path, record: &RunRecord, events: &[Event]) -> Vec<CheckResult> {
-    let (trails, mut checks) = read_trails(directory, record.options.nodes);
+    let (trails, mut checks) = read_trails(directory, record.options.pacing.nodes);
     let model = checker::bank::BankModel {
         accounts: (0..record.bank.accounts).map(bank::account_name).collect(),
         floor: record.bank.floor,
@@ -1072,14 +1083,13 @@ mod tests {
     fn options(seed: u64) -> RunOptions {
         RunOptions {
             topology: Topology::Local,
-            nodes: 3,
+            pacing: Pacing::new(3, 200, 60_000),
             gateways: 0,
             workload: WorkloadKind::Bank,
             nemeses: vec![FaultKind::Kill, FaultKind::Pause],
-            time_limit_ms: 60_000,
-            rate_per_second: 200,
             seed,
             binary: PathBuf::from("quotamesh"),
+            image: IMAGE_DEFAULT.to_owned(),
             availability: checker::availability::THRESHOLDS_DEFAULT,
         }
     }

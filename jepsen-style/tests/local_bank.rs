@@ -15,10 +15,7 @@ fn bank_under_kill_pause_clock_and_membership_is_valid() {
     // added back, a kill, the leader's clock 25 h ahead (past the idempotency-key retention).
     let nemeses = ["kill", "pause", "clock", "membership"];
     let directory = common::valid_run("bank", "local", &nemeses, 14, out.path());
-    let installed = common::installed_kinds(&directory);
-    for kind in nemeses {
-        assert!(installed.iter().any(|done| done == kind), "no {kind}: {installed:?}");
-    }
+    common::assert_installed(&directory, &nemeses);
     let history = common::lines(&directory.join("history.jsonl"));
     let acknowledged = history.iter().filter(|event| event["type"] == "ok").count();
     assert!(acknowledged > 500, "only {acknowledged} operations were acknowledged");

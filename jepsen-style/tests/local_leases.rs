@@ -13,10 +13,7 @@ fn leases_under_kill_pause_and_clock_jumps_stay_within_the_bucket() {
     let nemeses = ["kill", "pause", "clock"];
     let directory =
         common::valid_run_with("leases", "local", &nemeses, SEED, out.path(), &["--gateways", "1"]);
-    let installed = common::installed_kinds(&directory);
-    for kind in nemeses {
-        assert!(installed.iter().any(|done| done == kind), "no {kind}: {installed:?}");
-    }
+    common::assert_installed(&directory, &nemeses);
     let history = common::lines(&directory.join("history.jsonl"));
     let granted = |node: Option<u64>| {
         history

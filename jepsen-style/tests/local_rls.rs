@@ -14,10 +14,7 @@ fn rls_under_kill_pause_clock_steps_and_reloads_is_within_bounds() {
     // clock stepping an hour ahead and back, the leader killed.
     let nemeses = ["kill", "pause", "policy", "clock-step"];
     let directory = common::valid_run("rls", "local", &nemeses, 16, out.path());
-    let installed = common::installed_kinds(&directory);
-    for kind in nemeses {
-        assert!(installed.iter().any(|done| done == kind), "no {kind}: {installed:?}");
-    }
+    common::assert_installed(&directory, &nemeses);
     // The rewritten file reached its node: right after the fault it had loaded a policy
     // again (at start it had loaded one; a later kill restarts the counts).
     let reloads = |node: &serde_json::Value, label: &str| -> u64 {

@@ -21,8 +21,8 @@ fn bank_under_partitions_is_valid() {
     // another, the leader hearing nobody (one way).
     let nemeses = ["partition", "partition-one-way", "partition-flap", "kill", "pause"];
     let directory = common::valid_run("bank", "netns", &nemeses, 32, out.path());
-    let installed = common::installed_kinds(&directory);
-    for kind in ["partition", "partition-one-way", "partition-flap", "kill"] {
-        assert!(installed.iter().any(|done| done == kind), "no {kind}: {installed:?}");
-    }
+    common::assert_installed(
+        &directory,
+        &["partition", "partition-one-way", "partition-flap", "kill"],
+    );
 }

@@ -18,9 +18,6 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use anyhow::{Context, bail};
-use tokio::process::Command;
-
 /// One `ip` or `nft` command may take this long.
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(10);
 /// The nft table the partitions' rules live in.
@@ -218,31 +215,9 @@ impl Drop for Namespaces {
 async fn nft(namespace: &str, arguments: &[&str], input: Option<&str>) -> anyhow::Result<()> {
     let mut command = vec!["ip", "netns", "exec", namespace, "nft"];
     command.extend_from_slice(arguments);
-    run_with_input(&command, input).await
+    super::run_command(&command, input, COMMAND_TIMEOUT).await
 }
 
 async fn run(command: &[&str]) -> anyhow::Result<()> {
-    run_with_input(command, None).await
-}
-
-async fn run_with_input(command: &[&str], input: Option<&str>) -> anyhow::Result<()> {
-    use tokio::io::AsyncWriteExt;
-    let mut child = Command::new(command[0])
-        .args(&command[1..])
-        .stdin(if input.is_some() { Stdio::piped() } else { Stdio::null() })
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("run {}", command.join(" ")))?;
-    if let (Some(text), Some(mut stdin)) = (input, child.stdin.take()) {
-        stdin.write_all(text.as_bytes()).await?;
-    }
-    let output = tokio::time::timeout(COMMAND_TIMEOUT, child.wait_with_output())
-        .await
-        .with_context(|| format!("{} took over {COMMAND_TIMEOUT:?}", command.join(" ")))??;
-    if !output.status.success() {
-        bail!("{} failed: {}", command.join(" "), String::from_utf8_lossy(&output.stderr).trim());
-    }
-    Ok(())
+    super::run_command(command, None, COMMAND_TIMEOUT).await
 }

@@ -3,12 +3,15 @@
 //! certificates from `quotamesh cluster certs`, token digests from `quotamesh billing
 //! hash-token`, node 1 bootstrapping the billing group and `quotamesh cluster init` forming
 //! the quota group. On `local` the nodes share 127.0.0.1 with ports of their own; on `netns`
-//! each has its own namespace and address with the default ports (`super::netns`).
+//! each has its own namespace and address with the default ports (`super::netns`); on
+//! `docker` each is a container listening on the default ports, which the runner reaches
+//! through ports published on 127.0.0.1, and its child process is `docker start --attach`
+//! (`super::docker`: SIGKILL, SIGSTOP and SIGCONT become `docker kill`, `pause`, `unpause`).
 //! Faults: SIGKILL (then a restart on the same data directory), SIGSTOP and SIGCONT, wall
 //! clock offsets (each node then runs under libfaketime, reading its offset from a file of
 //! its own), policy files rewritten (each node has its own), a voter removed and added back
 //! through the CLI, full data disks (each data directory then a small tmpfs), and on `netns`
-//! partitions (both ways or one way).
+//! partitions (both ways or one way), on `docker` nodes taken off the network.
 //! Gateways (`role = "gateway"`: RLS and leases through the voters, no replica, no vote)
 //! follow the voters in `Cluster::nodes`, with the next ids; no fault aims at them.
 
@@ -21,9 +24,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, Command};
 
 use super::Topology;
+use super::docker::{Compose, ContainerSpec};
 use super::netns::Namespaces;
 use crate::history::NodeId;
-use crate::nemesis::PolicyEdit;
+use crate::nemesis::{FaultKind, PolicyEdit};
 
 /// How long a node may take to answer `/healthz` after it is spawned.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -46,6 +50,14 @@ const ADD_BACK_WAIT: Duration = Duration::from_secs(15);
 const ADD_BACK_PAUSE: Duration = Duration::from_millis(250);
 /// The file a disk fault fills a data directory with.
 const FILLER: &str = "jepsen-filler";
+/// The shipped default ports, which nodes in namespaces and containers listen on.
+const RAFT_PORT: u16 = 8084;
+const BILLING_PORT: u16 = 8082;
+const RLS_PORT: u16 = 8081;
+const METRICS_PORT: u16 = 6070;
+const ADMIN_PORT: u16 = 8083;
+/// In the order `Cluster::start` hands a node's ports out.
+const DEFAULT_PORTS: [u16; 5] = [RAFT_PORT, BILLING_PORT, RLS_PORT, METRICS_PORT, ADMIN_PORT];
 /// The cluster and region the nodes' configs and certificates name.
 const CLUSTER_ID: &str = "jepsen";
 
@@ -128,6 +140,8 @@ pub struct Cluster {
     pub tokens: Tokens,
     /// On `netns`: the nodes' namespaces.
     namespaces: Option<Namespaces>,
+    /// On `docker`: the nodes' containers.
+    compose: Option<Compose>,
     /// A partition is installed.
     partitioned: bool,
     /// With clock faults: libfaketime's preload library.
@@ -138,8 +152,9 @@ pub struct Cluster {
 
 impl Cluster {
     /// Writes the region's certificates and configs under `directory`, starts the nodes of
-    /// `shape` with `binary` on `topology` serving `policy` (a YAML policy; `None`: the
-    /// node's embedded example) and forms the region.
+    /// `shape` with `binary` (on `docker`, containers of `image`, which holds the same
+    /// binary) on `topology` serving `policy` (a YAML policy; `None`: the node's embedded
+    /// example), ready for the faults `nemeses`, and forms the region.
     ///
     /// # Errors
     /// A CLI command fails, a node does not become ready, or the region forms no leader.
@@ -149,10 +164,15 @@ impl Cluster {
         shape: Shape,
         topology: Topology,
         policy: Option<&str>,
-        clock_faults: bool,
-        disk_faults: bool,
+        nemeses: &[FaultKind],
+        image: &str,
     ) -> anyhow::Result<Self> {
+        let clock_faults = nemeses.iter().any(|kind| kind.is_clock());
         let faketime = if clock_faults { Some(libfaketime()?) } else { None };
+        // Absolute: a container mounts the run's directory at the same path.
+        let directory = &directory
+            .canonicalize()
+            .with_context(|| format!("resolve {}", directory.display()))?;
         let count = shape.nodes();
         anyhow::ensure!(shape.voters >= 1, "a region needs a voter");
         anyhow::ensure!(
@@ -182,24 +202,28 @@ impl Cluster {
         )
         .await?;
         let namespaces = match topology {
-            Topology::Local => None,
             Topology::Netns => Some(Namespaces::create(count).await?),
+            Topology::Local | Topology::Docker => None,
         };
+        let mut compose = (topology == Topology::Docker).then(|| Compose::new(directory));
         let mut ports = PortPicker::new();
         let mut nodes = Vec::new();
         let mut raft_addrs = Vec::new();
         for position in 0..count {
             let id = position as u64 + 1;
             let id_arg = id.to_string();
-            // On netns a node has an address of its own and the shipped default ports.
+            // On netns a node has an address of its own and the shipped default ports; in a
+            // container, a name the other containers dial.
+            let container = compose.as_ref().map(|compose| compose.container(position));
             let (host, mut port) = match &namespaces {
                 Some(namespaces) => {
                     let host = namespaces.address(position);
-                    let mut defaults = [8084_u16, 8082, 8081, 6070, 8083].into_iter();
+                    let mut defaults = DEFAULT_PORTS.into_iter();
                     (host, Box::new(move || Ok(defaults.next().unwrap_or(0))) as PortSource)
                 }
                 None => ("127.0.0.1".to_owned(), Box::new(|| ports.next()) as PortSource),
             };
+            let san = container.clone().unwrap_or_else(|| host.clone());
             let mut issue = vec![
                 "cluster",
                 "certs",
@@ -211,14 +235,17 @@ impl Cluster {
                 "--region",
                 CLUSTER_ID,
                 "--san",
-                &host,
+                &san,
             ];
             // A gateway's certificate names its role, so no voter takes it for a member.
             if position >= shape.voters {
                 issue.push("--gateway");
             }
             run_cli(binary, &issue, None).await?;
-            raft_addrs.push(format!("{host}:{}", port()?));
+            raft_addrs.push(match &container {
+                Some(name) => format!("{name}:{RAFT_PORT}"),
+                None => format!("{host}:{}", port()?),
+            });
             nodes.push(LocalNode {
                 id: NodeId(id),
                 billing_addr: format!("{host}:{}", port()?),
@@ -262,6 +289,12 @@ impl Cluster {
         } else {
             String::new()
         };
+        // Where a node listens: in a container, the default ports on every interface (the
+        // runner's addresses are the published ports); elsewhere where the runner reaches it.
+        let listen = |address: &str, port: u16| match &compose {
+            Some(_) => format!("0.0.0.0:{port}"),
+            None => address.to_owned(),
+        };
         for (position, node) in nodes.iter().enumerate() {
             let id = node.id.0;
             let gateway = position >= shape.voters;
@@ -281,16 +314,16 @@ impl Cluster {
                  [[admin.tokens]]\nname = \"jepsen-operator\"\nsha256 = \"{admin_sha256}\"\n\n\
                  {leasing}{billing}",
                 data = node.data_dir.display(),
-                rls = node.rls_addr,
-                metrics = node.metrics_addr,
-                admin = node.admin_addr,
-                raft = raft_addrs[position],
+                rls = listen(&node.rls_addr, RLS_PORT),
+                metrics = listen(&node.metrics_addr, METRICS_PORT),
+                admin = listen(&node.admin_addr, ADMIN_PORT),
+                raft = listen(&raft_addrs[position], RAFT_PORT),
                 certs = certs.display(),
                 role = if gateway { "role = \"gateway\"\n" } else { "" },
                 billing_line = if gateway {
                     String::new()
                 } else {
-                    format!("billing_addr = \"{}\"\n", node.billing_addr)
+                    format!("billing_addr = \"{}\"\n", listen(&node.billing_addr, BILLING_PORT))
                 },
                 billing = if gateway {
                     String::new()
@@ -311,17 +344,33 @@ impl Cluster {
                     .with_context(|| format!("write {}", file.display()))?;
             }
         }
+        if let Some(compose) = compose.as_mut() {
+            let specs: Vec<ContainerSpec> = nodes
+                .iter()
+                .map(|node| ContainerSpec {
+                    config_path: node.config_path.clone(),
+                    published: vec![
+                        (node.billing_addr.clone(), BILLING_PORT),
+                        (node.rls_addr.clone(), RLS_PORT),
+                        (node.metrics_addr.clone(), METRICS_PORT),
+                        (node.admin_addr.clone(), ADMIN_PORT),
+                    ],
+                })
+                .collect();
+            compose.create(image, directory, &specs).await?;
+        }
         let mut cluster = Self {
             binary: binary.to_owned(),
             nodes,
             tokens,
             voters: shape.voters,
             namespaces,
+            compose,
             partitioned: false,
             faketime,
             policy: policy.map(str::to_owned),
         };
-        if disk_faults {
+        if nemeses.contains(&FaultKind::Disk) {
             for position in 0..count {
                 cluster.mount_data_disk(position).await?;
             }
@@ -348,14 +397,21 @@ impl Cluster {
             .append(true)
             .open(&node.log_path)
             .with_context(|| format!("open {}", node.log_path.display()))?;
-        let mut command = match &node.namespace {
-            Some(namespace) => {
+        let mut command = match (&node.namespace, &self.compose) {
+            (Some(namespace), _) => {
                 let mut command = Command::new("ip");
                 // `ip netns exec` execs the binary: the child's pid is the node's.
                 command.args(["netns", "exec", namespace]).arg(&self.binary);
                 command
             }
-            None => Command::new(&self.binary),
+            (None, Some(compose)) => {
+                // Attached, it lasts as long as the container and copies its output to the
+                // log; the container runs the command its compose file names.
+                let mut command = Command::new("docker");
+                command.args(["start", "--attach", &compose.container(position)]);
+                command
+            }
+            (None, None) => Command::new(&self.binary),
         };
         if let (Some(library), Some(file)) = (&self.faketime, &node.clock_file) {
             command
@@ -365,10 +421,10 @@ impl Cluster {
                 .env("FAKETIME_CACHE_DURATION", "1")
                 .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
         }
+        if self.compose.is_none() {
+            command.arg("serve").arg("--config").arg(&node.config_path);
+        }
         let child = command
-            .arg("serve")
-            .arg("--config")
-            .arg(&node.config_path)
             // The log an operator gets by default.
             .env_remove("RUST_LOG")
             .env("RUST_BACKTRACE", "1")
@@ -410,8 +466,18 @@ impl Cluster {
     pub async fn kill(&mut self, position: usize) -> anyhow::Result<()> {
         let node = &mut self.nodes[position];
         let mut child = node.child.take().with_context(|| format!("node {} is down", node.id.0))?;
-        child.kill().await.with_context(|| format!("kill node {}", node.id.0))?;
         node.paused = false;
+        match &self.compose {
+            Some(compose) => {
+                compose.kill(position).await?;
+                // The attached `docker start` ends with the container; should it linger,
+                // it is only a client.
+                if tokio::time::timeout(READY_TIMEOUT, child.wait()).await.is_err() {
+                    let _ = child.kill().await;
+                }
+            }
+            None => child.kill().await.with_context(|| format!("kill node {}", node.id.0))?,
+        }
         Ok(())
     }
 
@@ -423,22 +489,28 @@ impl Cluster {
         self.spawn(position).await
     }
 
-    /// SIGSTOP: the process freezes; its sockets stay open.
+    /// SIGSTOP (on `docker`, `docker pause`): the process freezes; its sockets stay open.
     ///
     /// # Errors
     /// The node is not running or the signal fails.
     pub async fn pause(&mut self, position: usize) -> anyhow::Result<()> {
-        self.signal(position, "STOP").await?;
+        match &self.compose {
+            Some(compose) => compose.pause(position).await?,
+            None => self.signal(position, "STOP").await?,
+        }
         self.nodes[position].paused = true;
         Ok(())
     }
 
-    /// SIGCONT.
+    /// SIGCONT (on `docker`, `docker unpause`).
     ///
     /// # Errors
     /// The node is not running or the signal fails.
     pub async fn resume(&mut self, position: usize) -> anyhow::Result<()> {
-        self.signal(position, "CONT").await?;
+        match &self.compose {
+            Some(compose) => compose.unpause(position).await?,
+            None => self.signal(position, "CONT").await?,
+        }
         self.nodes[position].paused = false;
         Ok(())
     }
@@ -459,9 +531,15 @@ impl Cluster {
     /// Cuts the links `links` (pairs of node positions; `nemesis::cut_links`).
     ///
     /// # Errors
-    /// The topology has no network to cut (`local`), or an nft command fails.
+    /// The topology has no network to cut (`local`), the partition keeps some of a cut
+    /// node's links on `docker`, or an nft or docker command fails.
     pub async fn partition(&mut self, links: &[(usize, usize)]) -> anyhow::Result<()> {
-        let namespaces = self.namespaces.as_ref().context("partitions need the netns topology")?;
+        if let Some(compose) = self.compose.as_mut() {
+            self.partitioned = true;
+            return compose.partition(links, self.voters).await;
+        }
+        let namespaces =
+            self.namespaces.as_ref().context("partitions need the netns or docker topology")?;
         self.partitioned = true;
         namespaces.partition(links).await
     }
@@ -482,12 +560,16 @@ impl Cluster {
     /// # Errors
     /// An nft command fails.
     pub async fn heal_partitions(&mut self) -> anyhow::Result<()> {
-        if self.partitioned
-            && let Some(namespaces) = &self.namespaces
-        {
-            namespaces.heal().await?;
-            self.partitioned = false;
+        if !self.partitioned {
+            return Ok(());
         }
+        if let Some(namespaces) = &self.namespaces {
+            namespaces.heal().await?;
+        }
+        if let Some(compose) = self.compose.as_mut() {
+            compose.heal().await?;
+        }
+        self.partitioned = false;
         Ok(())
     }
 
@@ -721,6 +803,7 @@ impl Cluster {
             if self.nodes[position].paused {
                 let _ = self.resume(position).await;
             }
+            // On `docker`, the attached `docker start` passes the signal to the container.
             if self.nodes[position].running() {
                 let _ = self.signal(position, "TERM").await;
             }
@@ -740,6 +823,10 @@ impl Cluster {
         }
         if let Some(namespaces) = self.namespaces.take() {
             namespaces.destroy();
+        }
+        if let Some(mut compose) = self.compose.take() {
+            // `docker-compose down` waits on the daemon: off the runtime's threads.
+            let _ = tokio::task::spawn_blocking(move || compose.destroy()).await;
         }
     }
 }

@@ -9,7 +9,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{OPERATIONS_PER_WORKER_MAX, Planned, PlannedOp, pace};
+use super::{OPERATIONS_PER_WORKER_MAX, Pacing, Planned, PlannedOp};
 
 /// The tenant every account of the workload belongs to.
 pub const TENANT: &str = "jepsen";
@@ -27,41 +27,30 @@ pub struct BankOptions {
     /// In percent: the share of planned operations that are transfers (the rest are reads).
     #[serde(default = "transfer_percent_default")]
     pub transfer_percent: u64,
-    /// Concurrent clients.
-    pub workers: usize,
-    /// Planned operations per second, over all workers.
-    pub rate_per_second: u64,
-    pub time_limit_ms: u64,
-    pub nodes: usize,
+    #[serde(flatten)]
+    pub pacing: Pacing,
 }
 
 impl BankOptions {
-    /// The defaults for `--nodes`, `--rate` and `--time-limit`: five accounts of 1,000 with a
-    /// floor of 100 and transfers up to 60, so the floor is reached now and then (and
-    /// `INSUFFICIENT_FUNDS` decisions get checked too).
-    pub fn new(nodes: usize, rate_per_second: u64, time_limit_ms: u64) -> Self {
+    /// The defaults at the given pace: five accounts of 1,000 with a floor of 100 and
+    /// transfers up to 60, so the floor is reached now and then (and `INSUFFICIENT_FUNDS`
+    /// decisions get checked too).
+    pub fn new(pacing: Pacing) -> Self {
         Self {
             accounts: 5,
             initial_balance: 1_000,
             floor: 100,
             transfer_amount_max: 60,
             transfer_percent: TRANSFER_PERCENT_DEFAULT,
-            workers: 8,
-            rate_per_second,
-            time_limit_ms,
-            nodes,
+            pacing,
         }
     }
 
     /// The `linear` workload's shape: the bank's on two accounts, half transfers and half
     /// reads, so every account sees many concurrent writes and reads for the
     /// linearizability search to order.
-    pub fn linear(nodes: usize, rate_per_second: u64, time_limit_ms: u64) -> Self {
-        Self {
-            accounts: 2,
-            transfer_percent: 50,
-            ..Self::new(nodes, rate_per_second, time_limit_ms)
-        }
+    pub fn linear(pacing: Pacing) -> Self {
+        Self { accounts: 2, transfer_percent: 50, ..Self::new(pacing) }
     }
 }
 
@@ -96,24 +85,17 @@ pub fn transfer_keys(transfer: u64) -> (String, String) {
 /// [`OPERATIONS_PER_WORKER_MAX`] `+ sequence`) are unique across workers.
 pub fn plan(seed: u64, options: &BankOptions) -> Vec<Vec<Planned>> {
     let accounts = options.accounts;
-    pace(
-        seed,
-        options.workers,
-        options.rate_per_second,
-        options.time_limit_ms,
-        options.nodes,
-        |rng, worker, sequence| {
-            if accounts >= 2 && rng.percent(options.transfer_percent) {
-                let from = rng.index(accounts);
-                let to = (from + 1 + rng.index(accounts - 1)) % accounts;
-                let amount = rng.between(1, options.transfer_amount_max.max(1));
-                let transfer = worker * OPERATIONS_PER_WORKER_MAX + sequence;
-                PlannedOp::Transfer { transfer, from, to, amount }
-            } else {
-                PlannedOp::Read { account: rng.index(accounts.max(1)) }
-            }
-        },
-    )
+    options.pacing.plan(seed, |rng, worker, sequence| {
+        if accounts >= 2 && rng.percent(options.transfer_percent) {
+            let from = rng.index(accounts);
+            let to = (from + 1 + rng.index(accounts - 1)) % accounts;
+            let amount = rng.between(1, options.transfer_amount_max.max(1));
+            let transfer = worker * OPERATIONS_PER_WORKER_MAX + sequence;
+            PlannedOp::Transfer { transfer, from, to, amount }
+        } else {
+            PlannedOp::Read { account: rng.index(accounts.max(1)) }
+        }
+    })
 }
 
 #[cfg(test)]
@@ -123,10 +105,10 @@ mod tests {
 
     proptest! {
         /// Transfers have unique ids, two distinct existing accounts and amounts in range
-        /// (pacing and seeding are `pace`'s, tested with it).
+        /// (pacing and seeding are `Pacing::plan`'s, tested with it).
         #[test]
         fn transfers_are_sane(seed: u64, rate in 1_u64..400, time_limit_ms in 0_u64..30_000) {
-            let options = BankOptions::new(3, rate, time_limit_ms);
+            let options = BankOptions::new(Pacing::new(3, rate, time_limit_ms));
             let mut transfers = std::collections::HashSet::new();
             for planned in plan(seed, &options).into_iter().flatten() {
                 if let PlannedOp::Transfer { transfer, from, to, amount } = planned.op {
@@ -141,7 +123,7 @@ mod tests {
     /// Another seed plans other operations.
     #[test]
     fn seeds_differ() {
-        let options = BankOptions::new(3, 200, 5_000);
+        let options = BankOptions::new(Pacing::new(3, 200, 5_000));
         assert_ne!(plan(1, &options), plan(2, &options));
     }
 }

@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::bank::BankOptions;
-use super::{OPERATIONS_PER_WORKER_MAX, Planned, PlannedOp, pace};
+use super::{OPERATIONS_PER_WORKER_MAX, Pacing, Planned, PlannedOp};
 
 /// How a planned hold ends, from the client's side.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -30,12 +30,12 @@ const HOLD_PERCENT: u64 = 80;
 
 /// The accounts' shape for the holds workload: the bank's, funded 10,000 above the floor of
 /// 100 so that open holds rarely exhaust an account, holds of 1 to 60.
-pub fn options(nodes: usize, rate_per_second: u64, time_limit_ms: u64) -> BankOptions {
+pub fn options(pacing: Pacing) -> BankOptions {
     BankOptions {
         accounts: 3,
         initial_balance: 10_000,
         transfer_percent: 0,
-        ..BankOptions::new(nodes, rate_per_second, time_limit_ms)
+        ..BankOptions::new(pacing)
     }
 }
 
@@ -48,33 +48,26 @@ pub fn hold_keys(hold: u64) -> (String, String) {
 /// [`OPERATIONS_PER_WORKER_MAX`] `+ sequence`) are unique across workers.
 pub fn plan(seed: u64, options: &BankOptions) -> Vec<Vec<Planned>> {
     let accounts = options.accounts.max(1);
-    pace(
-        seed,
-        options.workers,
-        options.rate_per_second,
-        options.time_limit_ms,
-        options.nodes,
-        |rng, worker, sequence| {
-            if !rng.percent(HOLD_PERCENT) {
-                return PlannedOp::Read { account: rng.index(accounts) };
-            }
-            let amount = rng.between(1, options.transfer_amount_max.max(1));
-            let ttl_ms = rng.between(TTL_MS_MIN, TTL_MS_MAX);
-            let end = match rng.between(0, 9) {
-                0..=4 => HoldEnd::Capture { amount: rng.between(1, amount) },
-                5..=7 => HoldEnd::Void,
-                _ => HoldEnd::Lapse,
-            };
-            PlannedOp::Hold {
-                hold: worker * OPERATIONS_PER_WORKER_MAX + sequence,
-                account: rng.index(accounts),
-                amount,
-                ttl_ms,
-                wait_ms: rng.between(0, ttl_ms * 2),
-                end,
-            }
-        },
-    )
+    options.pacing.plan(seed, |rng, worker, sequence| {
+        if !rng.percent(HOLD_PERCENT) {
+            return PlannedOp::Read { account: rng.index(accounts) };
+        }
+        let amount = rng.between(1, options.transfer_amount_max.max(1));
+        let ttl_ms = rng.between(TTL_MS_MIN, TTL_MS_MAX);
+        let end = match rng.between(0, 9) {
+            0..=4 => HoldEnd::Capture { amount: rng.between(1, amount) },
+            5..=7 => HoldEnd::Void,
+            _ => HoldEnd::Lapse,
+        };
+        PlannedOp::Hold {
+            hold: worker * OPERATIONS_PER_WORKER_MAX + sequence,
+            account: rng.index(accounts),
+            amount,
+            ttl_ms,
+            wait_ms: rng.between(0, ttl_ms * 2),
+            end,
+        }
+    })
 }
 
 #[cfg(test)]
@@ -87,7 +80,7 @@ mod tests {
         /// capture of at most the held amount, and waits on both sides of the TTL.
         #[test]
         fn holds_are_sane(seed: u64, rate in 1_u64..400, time_limit_ms in 0_u64..30_000) {
-            let options = options(3, rate, time_limit_ms);
+            let options = options(Pacing::new(3, rate, time_limit_ms));
             let mut holds = std::collections::HashSet::new();
             for planned in plan(seed, &options).into_iter().flatten() {
                 if let PlannedOp::Hold { hold, account, amount, ttl_ms, wait_ms, end } = planned.op {
@@ -108,7 +101,7 @@ mod tests {
     /// kind of end comes up.
     #[test]
     fn captures_race_expiry() {
-        let planned: Vec<PlannedOp> = plan(7, &options(3, 200, 10_000))
+        let planned: Vec<PlannedOp> = plan(7, &options(Pacing::new(3, 200, 10_000)))
             .into_iter()
             .flatten()
             .map(|planned| planned.op)

@@ -10,7 +10,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Planned, PlannedOp, pace};
+use super::{Pacing, Planned, PlannedOp};
 
 /// The policy's domain.
 pub const DOMAIN: &str = "jepsen-leases";
@@ -31,29 +31,23 @@ pub struct LeaseOptions {
     /// Every grant's TTL: one for all, so a node's aggregate lease expires with its latest
     /// grant, whose expiry less this is its ledger time.
     pub lease_ttl_ms: u64,
-    pub workers: usize,
-    /// Requests per second, over all workers and keys.
-    pub rate_per_second: u64,
-    pub time_limit_ms: u64,
-    /// The nodes requests go to: voters, then gateways.
-    pub nodes: usize,
+    /// Requests over all keys; its nodes are the voters, then the gateways.
+    #[serde(flatten)]
+    pub pacing: Pacing,
 }
 
 impl LeaseOptions {
-    /// The defaults for `--rate` and `--time-limit` over `nodes` (voters and gateways):
-    /// three keys of 20 tokens a second (bursts of 20), requests of 1 to 5 tokens, so the
-    /// default rate of 200 asks for five times the keys' rates together.
-    pub fn new(nodes: usize, rate_per_second: u64, time_limit_ms: u64) -> Self {
+    /// The defaults at the given pace (over voters and gateways): three keys of 20 tokens a
+    /// second (bursts of 20), requests of 1 to 5 tokens, so the default rate of 200 asks
+    /// for five times the keys' rates together.
+    pub fn new(pacing: Pacing) -> Self {
         Self {
             keys: 3,
             limit_per_second: 20,
             burst_tokens: 20,
             tokens_wanted_max: 5,
             lease_ttl_ms: 500,
-            workers: 8,
-            rate_per_second,
-            time_limit_ms,
-            nodes,
+            pacing,
         }
     }
 
@@ -78,14 +72,10 @@ impl LeaseOptions {
 pub fn plan(seed: u64, options: &LeaseOptions) -> Vec<Vec<Planned>> {
     let keys = options.keys.max(1);
     let wanted_max = options.tokens_wanted_max.max(1);
-    pace(
-        seed,
-        options.workers,
-        options.rate_per_second,
-        options.time_limit_ms,
-        options.nodes,
-        |rng, _, _| PlannedOp::Lease { key: rng.index(keys), tokens: rng.between(1, wanted_max) },
-    )
+    options.pacing.plan(seed, |rng, _, _| PlannedOp::Lease {
+        key: rng.index(keys),
+        tokens: rng.between(1, wanted_max),
+    })
 }
 
 #[cfg(test)]
@@ -95,10 +85,10 @@ mod tests {
 
     proptest! {
         /// Every request names an existing key and wants 1 to the maximum of tokens
-        /// (pacing and seeding are `pace`'s).
+        /// (pacing and seeding are `Pacing::plan`'s).
         #[test]
         fn requests_are_in_range(seed: u64, rate in 1_u64..400, time_limit_ms in 0_u64..20_000) {
-            let options = LeaseOptions::new(5, rate, time_limit_ms);
+            let options = LeaseOptions::new(Pacing::new(5, rate, time_limit_ms));
             let in_range = plan(seed, &options).into_iter().flatten().all(|planned| {
                 matches!(
                     planned.op,
@@ -113,7 +103,7 @@ mod tests {
     /// The policy is one token bucket of the workload's rate and burst.
     #[test]
     fn policy_has_the_bucket() {
-        let text = LeaseOptions::new(3, 200, 1_000).policy_yaml();
+        let text = LeaseOptions::new(Pacing::new(3, 200, 1_000)).policy_yaml();
         assert!(text.starts_with("domain: jepsen-leases\n"), "{text}");
         assert!(text.contains("key: leased\n"), "{text}");
         assert!(text.contains("requests_per_unit: 20\n      burst: 20\n"), "{text}");

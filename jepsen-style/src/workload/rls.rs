@@ -6,7 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Planned, PlannedOp, pace};
+use super::{Pacing, Planned, PlannedOp};
 
 /// The policy's domain.
 pub const DOMAIN: &str = "jepsen";
@@ -31,17 +31,15 @@ pub struct RlsOptions {
     pub burst_tokens: u64,
     /// The nodes' `[leasing] fallback_multiplier` in thousandths (the shipped 1.0).
     pub fallback_multiplier_permille: u64,
-    pub workers: usize,
-    /// Hits per second offered, over all workers and rules.
-    pub rate_per_second: u64,
-    pub time_limit_ms: u64,
-    pub nodes: usize,
+    /// Hits offered over all rules; its nodes are the voters, then the gateways.
+    #[serde(flatten)]
+    pub pacing: Pacing,
 }
 
 impl RlsOptions {
-    /// The defaults for `--nodes`, `--rate` and `--time-limit`: an open and a closed rule of
-    /// 20 a second (bursts of 20), so the default rate of 200 offers five times the limit.
-    pub fn new(nodes: usize, rate_per_second: u64, time_limit_ms: u64) -> Self {
+    /// The defaults at the given pace: an open and a closed rule of 20 a second (bursts of
+    /// 20), so the default rate of 200 offers five times the limit.
+    pub fn new(pacing: Pacing) -> Self {
         Self {
             rules: vec![
                 RlsRule { key: "open".to_owned(), fail_open: true },
@@ -50,10 +48,7 @@ impl RlsOptions {
             limit_per_second: 20,
             burst_tokens: 20,
             fallback_multiplier_permille: 1_000,
-            workers: 8,
-            rate_per_second,
-            time_limit_ms,
-            nodes,
+            pacing,
         }
     }
 
@@ -78,14 +73,7 @@ impl RlsOptions {
 /// Every worker's hits, in order, each on a seeded rule.
 pub fn plan(seed: u64, options: &RlsOptions) -> Vec<Vec<Planned>> {
     let rules = options.rules.len().max(1);
-    pace(
-        seed,
-        options.workers,
-        options.rate_per_second,
-        options.time_limit_ms,
-        options.nodes,
-        |rng, _, _| PlannedOp::Check { rule: rng.index(rules) },
-    )
+    options.pacing.plan(seed, |rng, _, _| PlannedOp::Check { rule: rng.index(rules) })
 }
 
 #[cfg(test)]
@@ -94,10 +82,10 @@ mod tests {
     use proptest::prelude::*;
 
     proptest! {
-        /// Every hit names an existing rule (pacing and seeding are `pace`'s).
+        /// Every hit names an existing rule (pacing and seeding are `Pacing::plan`'s).
         #[test]
         fn hits_name_rules(seed: u64, rate in 1_u64..400, time_limit_ms in 0_u64..20_000) {
-            let options = RlsOptions::new(3, rate, time_limit_ms);
+            let options = RlsOptions::new(Pacing::new(3, rate, time_limit_ms));
             let rules = options.rules.len();
             let named = plan(seed, &options)
                 .into_iter()
@@ -110,7 +98,7 @@ mod tests {
     /// The policy names both rules with their failure modes.
     #[test]
     fn policy_has_both_rules() {
-        let text = RlsOptions::new(3, 200, 1_000).policy_yaml();
+        let text = RlsOptions::new(Pacing::new(3, 200, 1_000)).policy_yaml();
         assert!(text.contains("key: open\n    failure_mode: open"), "{text}");
         assert!(text.contains("key: closed\n    failure_mode: closed"), "{text}");
     }

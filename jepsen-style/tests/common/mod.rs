@@ -121,13 +121,16 @@ pub fn valid_run_with(
     directory
 }
 
-/// The kinds of fault the run's nemesis put in place.
-pub fn installed_kinds(directory: &Path) -> Vec<String> {
-    lines(&directory.join("nemesis.jsonl"))
+/// Asserts that the run's nemesis put a fault of each of `kinds` in place.
+pub fn assert_installed(directory: &Path, kinds: &[&str]) {
+    let installed: Vec<String> = lines(&directory.join("nemesis.jsonl"))
         .into_iter()
         .filter(|record| record["phase"] == "start" && record["outcome"] == "installed")
         .filter_map(|record| record["kind"].as_str().map(str::to_owned))
-        .collect()
+        .collect();
+    for kind in kinds {
+        assert!(installed.iter().any(|done| done == kind), "no {kind}: {installed:?}");
+    }
 }
 
 /// `quotamesh-jepsen check` on a run directory: its exit code and what it printed.
