@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::cluster::{Cluster, ClusterOptions};
-use common::{CpuHog, descriptor, free_port_on, metric_sum, metric_value, request};
+use common::{CpuHog, descriptor, free_port_on, metric_sum, metric_value, nft, request};
 use quotamesh::api::proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use quotamesh::api::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use tonic::transport::Channel;
@@ -100,9 +100,21 @@ struct Region {
     leader: u64,
     /// Its voters: `nodes_in_region` by default.
     voters: u64,
+    /// Its voters' QUIC addresses.
+    quic: BTreeMap<u64, SocketAddr>,
 }
 
 impl Region {
+    /// The region `name` of `voters` voters that `cluster` runs, answering QUIC at `quic`.
+    async fn of(
+        cluster: Cluster,
+        name: &'static str,
+        voters: u64,
+        quic: BTreeMap<u64, SocketAddr>,
+    ) -> anyhow::Result<Self> {
+        Ok(Self { leader: cluster.leader().await?, cluster, name, voters, quic })
+    }
+
     fn sample(&self) -> anyhow::Result<Sample> {
         sample(&self.cluster, self.leader, self.name)
     }
@@ -211,8 +223,8 @@ async fn start_regions(voters: u64) -> anyhow::Result<(Region, Region)> {
         &east,
     )
     .await?;
-    let east = Region { leader: east.leader().await?, cluster: east, name: "east", voters };
-    let west = Region { leader: west.leader().await?, cluster: west, name: "west", voters };
+    let east = Region::of(east, "east", voters, east_quic).await?;
+    let west = Region::of(west, "west", voters, west_quic).await?;
     let started = Instant::now();
     loop {
         let (e, w) = (east.sample()?, west.sample()?);
@@ -525,4 +537,131 @@ async fn a_region_counts_its_demand_on_every_node_and_its_gateway_enforces_the_l
         load.admitted
     );
     bound.check(&[&east, &west], rebalancing.admitted + load.admitted)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_donor_leader_killed_mid_transfer_loses_no_token() -> anyhow::Result<()> {
+    // Two regions of three voters, all traffic on east: west's leader is killed (SIGKILL)
+    // right after it debits its first transfer to east. A transfer settles on the donor's
+    // next tick (a second later), so the kill lands mid-transfer: the debit is in west's
+    // replicated ledger, the credit maybe not yet. West's next leader finishes the transfer
+    // (same id), east still reaches 90 % of the global limit, and tokens are conserved at
+    // every quiet sample after the kill, in flight included.
+    let (east, mut west) = start_regions(3).await?;
+    let _hog = CpuHog::start(2);
+    let until = Instant::now() + REBALANCED_WITHIN;
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = traffic(&east.cluster, 1, until, Arc::clone(&stop));
+    let killed = west.leader;
+    let kill = async {
+        let killed = kill_after_first_debit(&west.cluster, killed, until).await;
+        stop.store(true, Ordering::Relaxed);
+        killed
+    };
+    let (before, in_flight_at_kill) = tokio::join!(load, kill);
+    let (before, in_flight_at_kill) = (before?, in_flight_at_kill?);
+    let others: Vec<u64> = west.cluster.running().into_iter().filter(|id| *id != killed).collect();
+    west.leader = west.cluster.leader_among(&others).await?;
+    eprintln!(
+        "west's leader {killed} killed with {in_flight_at_kill} token(s) in flight after east \
+         admitted {} of {}; node {} leads west now",
+        before.admitted, before.sent, west.leader
+    );
+    let (after, _) = all_traffic_on_east(&east, &west).await?;
+    eprintln!("east holds 90 % of the limit, the transfer settled, {after:?} after the kill");
+    Ok(())
+}
+
+/// Polls node `leader` of a donor region every 10 ms and kills it (SIGKILL) as soon as it
+/// has debited a transfer; returns the tokens it had in flight then.
+async fn kill_after_first_debit(
+    cluster: &Cluster,
+    leader: u64,
+    until: Instant,
+) -> anyhow::Result<f64> {
+    let process = cluster.nodes[&leader].process.as_ref().expect("running");
+    let debited = "quotamesh_region_transfers_total{result=\"debited\"}";
+    let in_flight = format!("quotamesh_region_in_flight_tokens{{rule=\"{RULE}\"}}");
+    loop {
+        let metrics = process.metrics()?;
+        if metric_value(&metrics, debited) > 0.0 {
+            process.signal("KILL")?;
+            return Ok(metric_value(&metrics, &in_flight));
+        }
+        anyhow::ensure!(Instant::now() < until, "the donor never debited a transfer");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// An nftables table dropping every UDP packet to or from the regions' QUIC ports, so the
+/// link between them goes silent (both processes keep running); deleted on drop.
+struct LinkCut {
+    table: String,
+}
+
+impl LinkCut {
+    fn new(regions: &[&Region]) -> anyhow::Result<Self> {
+        let table = format!("quotamesh_regions_{}", std::process::id());
+        let ports = regions
+            .iter()
+            .flat_map(|region| region.quic.values())
+            .map(|address| address.port().to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        let rules = format!(
+            "table inet {table} {{\n  chain output {{\n    type filter hook output priority 0; \
+             policy accept;\n    udp dport {{ {ports} }} drop\n    udp sport {{ {ports} }} \
+             drop\n  }}\n}}\n"
+        );
+        nft(&["-f", "-"], Some(&rules))?;
+        Ok(Self { table })
+    }
+}
+
+impl Drop for LinkCut {
+    fn drop(&mut self) {
+        if let Err(error) = nft(&["delete", "table", "inet", &self.table], None) {
+            eprintln!("could not heal the link: {error}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cut_link_between_regions_holds_nobody_up_and_transfers_resume_after_the_heal()
+-> anyhow::Result<()> {
+    // The QUIC link between the regions cut by firewall rules (packets dropped, nothing
+    // refused, both processes running): east, made hot meanwhile, answers every request at
+    // once from the slice it has, both regions keep their slices, and the link shows down;
+    // once healed, the tokens move.
+    let (east, west) = start_regions(1).await?;
+    let _hog = CpuHog::start(2);
+    let cut = LinkCut::new(&[&east, &west])?;
+    // Longer than a QUIC call's timeout (5 s), so calls time out meanwhile.
+    let window = Duration::from_secs(8);
+    let load = traffic(&east.cluster, 1, Instant::now() + window, Arc::new(AtomicBool::new(false)))
+        .await?;
+    let (during_east, during_west) = (east.sample()?, west.sample()?);
+    let east_metrics =
+        east.cluster.nodes[&east.leader].process.as_ref().expect("running").metrics()?;
+    let link_up = metric_value(&east_metrics, "quotamesh_region_link_up{region=\"west\"}");
+    drop(cut);
+    eprintln!(
+        "link cut: east admitted {} of {} in {window:?}, slowest answer {:?}; slices {during_east:?} \
+         {during_west:?}; east's link to west up: {link_up}",
+        load.admitted, load.sent, load.slowest
+    );
+    anyhow::ensure!(load.admitted > 0, "east admitted nothing while the link was cut");
+    anyhow::ensure!(load.slowest < NO_WAIT_BOUND, "a request waited {:?}", load.slowest);
+    anyhow::ensure!(
+        during_east.slice == POLICY_SLICE_TOKENS && during_east.in_flight == 0.0,
+        "east's slice moved across a cut link: {during_east:?}"
+    );
+    anyhow::ensure!(
+        during_west.slice == POLICY_SLICE_TOKENS && during_west.in_flight == 0.0,
+        "west's slice moved across a cut link: {during_west:?}"
+    );
+    anyhow::ensure!(link_up == 0.0, "east's link to west shows up through the cut");
+    let (after, _) = all_traffic_on_east(&east, &west).await?;
+    eprintln!("after the heal, rebalanced within {after:?}");
+    Ok(())
 }

@@ -9,13 +9,12 @@
 //! ports. `PARTITION_ROUNDS` (default 2) and `PARTITION_MS` (default 8000) lengthen the first
 //! test; `benches/partition_heal.sh` runs 20 rounds and prints the figures.
 
-use std::io::Write;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use common::cluster::{Cluster, ClusterNode, ClusterOptions, admin_client, wanted};
+use common::nft;
 use parking_lot::Mutex;
 use quotamesh::api::proto::quotamesh::admin::v1 as admin;
 
@@ -69,26 +68,6 @@ impl Drop for Partition {
     fn drop(&mut self) {
         let _ = nft(&["delete", "table", "inet", &self.table], None);
     }
-}
-
-fn nft(arguments: &[&str], input: Option<&str>) -> anyhow::Result<()> {
-    let mut child = Command::new("nft")
-        .args(arguments)
-        .stdin(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("run nft")?;
-    if let (Some(input), Some(mut stdin)) = (input, child.stdin.take()) {
-        stdin.write_all(input.as_bytes())?;
-    }
-    let output = child.wait_with_output()?;
-    anyhow::ensure!(
-        output.status.success(),
-        "nft {}: {}",
-        arguments.join(" "),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    Ok(())
 }
 
 /// One write of a lease through node `address`'s admin API (forwarded to the leader).

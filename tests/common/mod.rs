@@ -347,6 +347,29 @@ pub fn metric_value(metrics: &str, series: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// Runs `nft` (as root, with nftables installed) with `input` on its standard input, for
+/// at most 10 s.
+pub fn nft(arguments: &[&str], input: Option<&str>) -> anyhow::Result<()> {
+    let mut child = Command::new("timeout")
+        .args(["10", "nft"])
+        .args(arguments)
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("run nft")?;
+    if let (Some(input), Some(mut stdin)) = (input, child.stdin.take()) {
+        stdin.write_all(input.as_bytes())?;
+    }
+    let output = child.wait_with_output()?;
+    anyhow::ensure!(
+        output.status.success(),
+        "nft {}: {}",
+        arguments.join(" "),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(())
+}
+
 /// Sum of every series of a metric family.
 pub fn metric_sum(metrics: &str, family: &str) -> f64 {
     metrics
