@@ -435,7 +435,37 @@ async fn skewed_traffic_moves_tokens_to_the_hot_region() -> anyhow::Result<()> {
     );
     // And over the whole run, the slice's moves included, no more than the regions'
     // documented bounds allow together.
-    bound.check(&[&east_region, &west_region], rebalancing.admitted + load.admitted)
+    bound.check(&[&east_region, &west_region], rebalancing.admitted + load.admitted)?;
+
+    // Cross-region traffic at steady state (one rule): each leader reads its peer's views
+    // once a tick (1 s), and nothing else crosses while the slices stay put.
+    let span = Duration::from_secs(5);
+    let before = link_traffic(&east_region, "west")?;
+    let west_before = link_traffic(&west_region, "east")?;
+    tokio::time::sleep(span).await;
+    for (region, peer, before) in
+        [(&east_region, "west", before), (&west_region, "east", west_before)]
+    {
+        let after = link_traffic(region, peer)?;
+        let per_second = |index: usize| (after[index] - before[index]) / span.as_secs_f64();
+        let (calls, sent, received) = (per_second(0), per_second(1), per_second(2));
+        eprintln!(
+            "{} to {peer} at steady state, one rule: {calls:.1} calls/s, {sent:.0} B/s sent, \
+             {received:.0} B/s received",
+            region.name
+        );
+        anyhow::ensure!(calls <= 2.0, "{calls:.1} calls/s from {} at steady state", region.name);
+    }
+    Ok(())
+}
+
+/// The calls a region's leader made to `peer` so far, and their request and reply bytes.
+fn link_traffic(region: &Region, peer: &str) -> anyhow::Result<[f64; 3]> {
+    let metrics =
+        region.cluster.nodes[&region.leader].process.as_ref().expect("running").metrics()?;
+    Ok(["calls", "sent_bytes", "received_bytes"].map(|counter| {
+        metric_value(&metrics, &format!("quotamesh_region_{counter}_total{{region=\"{peer}\"}}"))
+    }))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
