@@ -10,7 +10,8 @@
 //! ledger's slice. Over every run, what the regions admit together stays within their
 //! documented bounds (README, Regions). Two more run three voters per region: west's leader
 //! killed right after it debits a transfer (west's next leader settles it), and the QUIC
-//! link cut by firewall rules and healed.
+//! link cut by firewall rules and healed. And once the traffic stops, the slices drift
+//! back to the policy's shares.
 //!
 //! The rebalancer runs its shipped defaults (80 % of a slice within a 20 s window, a look
 //! each second), with both cores kept busy by the CPU hog.
@@ -696,5 +697,43 @@ async fn a_cut_link_between_regions_holds_nobody_up_and_transfers_resume_after_t
     anyhow::ensure!(link_up == 0.0, "east's link to west shows up through the cut");
     let (after, _) = all_traffic_on_east(&east, &west).await?;
     eprintln!("after the heal, rebalanced within {after:?}");
+    Ok(())
+}
+
+/// Longest the slices may take to drift back once traffic stops: the observation window
+/// (20 s) must forget the traffic before a region is cold, then a transfer takes a tick.
+const DRIFTED_BACK_WITHIN: Duration = Duration::from_secs(60);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn slices_drift_back_to_the_policy_shares_once_demand_falls() -> anyhow::Result<()> {
+    // All traffic on east moves the whole limit to it; then the traffic stops. Once east's
+    // demand over the observation window falls under a quarter of its slice, east gives
+    // back what it holds above its policy slice, and the regions end at 50/50 again,
+    // conserved at every quiet sample on the way.
+    let (east, west) = start_regions(1).await?;
+    let _hog = CpuHog::start(2);
+    all_traffic_on_east(&east, &west).await?;
+    let stopped = Instant::now();
+    let mut previous: Option<(Sample, Sample)> = None;
+    loop {
+        let (e, w) = (east.sample()?, west.sample()?);
+        if e.in_flight == 0.0 && w.in_flight == 0.0 && previous == Some((e, w)) {
+            anyhow::ensure!(
+                e.slice + w.slice == GLOBAL_TOKENS,
+                "tokens not conserved: east {e:?}, west {w:?}"
+            );
+            if e.slice == POLICY_SLICE_TOKENS {
+                break;
+            }
+        }
+        anyhow::ensure!(
+            stopped.elapsed() < DRIFTED_BACK_WITHIN,
+            "not back at the policy's shares {DRIFTED_BACK_WITHIN:?} after the traffic \
+             stopped: east {e:?}, west {w:?}"
+        );
+        previous = Some((e, w));
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    eprintln!("back at 50/50 {:?} after the traffic stopped", stopped.elapsed());
     Ok(())
 }
