@@ -1,6 +1,7 @@
 //! A region of three real `quotamesh serve` processes on 127.0.0.1-3: leader election, a
 //! batch of lease grants committed through a follower, and identical replicas, seen through
-//! the admin API and the `quotamesh cluster` CLI.
+//! the admin API and the `quotamesh cluster` CLI (`status`, and `keys` with each bucket's
+//! totals).
 
 use anyhow::Result;
 use common::cluster::{Cluster, ClusterOptions, call, ledger_key, ledger_key_at, wanted};
@@ -76,7 +77,7 @@ async fn three_processes_elect_a_leader_and_apply_a_batch_identically() -> Resul
         let read = cluster
             .admin(id)
             .await?
-            .read_keys(call(admin::ReadKeysRequest { keys: keys.clone() }))
+            .read_keys(call(admin::ReadKeysRequest { keys: keys.clone(), ..Default::default() }))
             .await?
             .into_inner();
         assert!(read.entries.iter().all(|entry| entry.found), "node {id} holds every key");
@@ -84,5 +85,53 @@ async fn three_processes_elect_a_leader_and_apply_a_batch_identically() -> Resul
     }
     assert_eq!(contents[0], contents[1]);
     assert_eq!(contents[1], contents[2]);
+    for entry in &contents[0] {
+        // Each key's bucket gave its 5 tokens and got none back since it was made.
+        let totals = (entry.granted_tokens, entry.charged_tokens, entry.returned_tokens);
+        assert_eq!(totals, (5, 0, 0), "{entry:?}");
+        assert_eq!(entry.totals_since_ms, entry.last_used_ms, "{entry:?}");
+        assert_eq!(entry.algorithm, "token_bucket", "{entry:?}");
+    }
+
+    // With no keys named, ReadKeys lists every key in order, a page at a time.
+    let mut listed = Vec::new();
+    let mut after = String::new();
+    loop {
+        let page = cluster
+            .admin(follower)
+            .await?
+            .read_keys(call(admin::ReadKeysRequest { keys: vec![], after, max_keys: 10 }))
+            .await?
+            .into_inner();
+        assert!(page.entries.len() <= 10, "{} entries in a page of 10", page.entries.len());
+        assert!(page.ledger_time_ms >= contents[0][0].last_used_ms, "ledger time of the state");
+        listed.extend(page.entries);
+        if page.next_after.is_empty() {
+            break;
+        }
+        after = page.next_after;
+    }
+    let mut expected = contents[0].clone();
+    expected.sort_by(|a, b| a.key.cmp(&b.key));
+    assert_eq!(listed, expected, "the pages hold every key once, in order");
+
+    // `quotamesh cluster keys` shows the same keys with their totals.
+    let output = cluster.cli(&[
+        "cluster",
+        "keys",
+        "--json",
+        "--limit",
+        "50",
+        "--admin-addr",
+        &cluster.admin_addrs(&[follower]),
+    ])?;
+    let shown: serde_json::Value = serde_json::from_str(&output)?;
+    let shown_keys = shown["keys"].as_array().cloned().unwrap_or_default();
+    assert_eq!(shown_keys.len(), 50, "{output}");
+    for (shown, entry) in shown_keys.iter().zip(&expected) {
+        assert_eq!(shown["key"], entry.key.as_str(), "{output}");
+        assert_eq!(shown["granted_tokens"], 5, "{output}");
+        assert_eq!(shown["leases"][0]["node_id"], follower, "{output}");
+    }
     Ok(())
 }

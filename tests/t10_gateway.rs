@@ -107,7 +107,10 @@ async fn a_gateway_leases_through_the_voters_and_follows_a_new_leader() -> Resul
     // What needs a member is refused on the gateway, saying why.
     let mut gateway = cluster.admin(GATEWAY).await?;
     let refused = gateway
-        .read_keys(call(admin::ReadKeysRequest { keys: vec![ledger_key("api_key", "gw-0")] }))
+        .read_keys(call(admin::ReadKeysRequest {
+            keys: vec![ledger_key("api_key", "gw-0")],
+            ..Default::default()
+        }))
         .await
         .expect_err("a gateway holds no replica");
     assert_eq!(refused.code(), tonic::Code::FailedPrecondition);

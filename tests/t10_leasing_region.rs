@@ -654,7 +654,10 @@ async fn a_steady_key_costs_few_ledger_calls_and_an_idle_key_strands_little() ->
     let outstanding = || async {
         let mut admin = cluster.admin(leader).await?;
         let reply = admin
-            .read_keys(call(admin::ReadKeysRequest { keys: vec![ledger_key.clone()] }))
+            .read_keys(call(admin::ReadKeysRequest {
+                keys: vec![ledger_key.clone()],
+                ..Default::default()
+            }))
             .await?
             .into_inner();
         let entry = reply.entries.first().context("one entry per key")?;

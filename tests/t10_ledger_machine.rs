@@ -561,7 +561,9 @@ proptest! {
     // their leases: what the ledger attributes to nodes plus what its bucket holds, less the
     // debt it is owed, never exceeds capacity plus refill; the bucket never holds more than
     // its capacity; and the ledger attributes to each node exactly what the node reported
-    // it spent and holds.
+    // it spent and holds. The key's totals (what `ReadKeys` shows an outside checker) count
+    // every grant and charge, and between any two states granted + charged - returned
+    // grows by at most capacity plus the refill of the ledger time between.
     #[test]
     fn settlement_conserves_tokens(
         steps in prop::collection::vec((0..150u64, 1..4u64, 0..5u8, 1..15u64), 1..120),
@@ -573,12 +575,20 @@ proptest! {
         let mut now_ms = start_ms;
         // node -> (spent, held, seq), as the node knows them.
         let mut nodes: BTreeMap<u64, (u64, u64, u64)> = BTreeMap::new();
+        // (life, ledger time, net tokens drawn) after every step; the answers' sums in the
+        // key's current life (the sweep may forget an idle key, and its totals start over).
+        let mut samples: Vec<(u64, u64, i128)> = Vec::new();
+        let (mut life_since_ms, mut granted_sum, mut charged_sum) = (0_u64, 0_u64, 0_u64);
         for (step_ms, node, action, tokens) in steps {
+            let mut step_sums = (0_u64, 0_u64);
             now_ms += step_ms;
             let (spent, held, seq) = nodes.entry(node).or_insert((0, 0, 0));
             let mut send = |spent: u64, held: u64, want: u64, seq: &mut u64| {
                 *seq += 1;
-                settled(ledger.apply(&settle(now_ms, node, vec![report("rl:c:k", limit, *seq, spent, held, want)])))
+                let answer = settled(ledger.apply(&settle(now_ms, node, vec![report("rl:c:k", limit, *seq, spent, held, want)])));
+                step_sums.0 += answer.grant.granted_tokens;
+                step_sums.1 += answer.charged_tokens;
+                answer
             };
             match action {
                 0 => {
@@ -618,6 +628,29 @@ proptest! {
                 "attributed {} + bucket {} > capacity {} + refill {} + debt {}",
                 attributed, bucket_now, capacity, refill, debt
             );
+            if let Some(entry) = entry {
+                let totals = entry.totals;
+                if totals.since_ms != life_since_ms {
+                    (life_since_ms, granted_sum, charged_sum) = (totals.since_ms, 0, 0);
+                }
+                granted_sum += step_sums.0;
+                charged_sum += step_sums.1;
+                prop_assert_eq!((totals.granted_tokens, totals.charged_tokens), (granted_sum, charged_sum));
+                let net = i128::from(totals.granted_tokens) + i128::from(totals.charged_tokens) - i128::from(totals.returned_tokens);
+                samples.push((life_since_ms, ledger.last_seen_ms(), net));
+                samples.push((life_since_ms, life_since_ms, 0));
+            }
+        }
+        let rate_milli_per_ms = i128::from(limit.requests_per_window) * 1_000 / i128::from(limit.window_ms);
+        samples.sort_unstable();
+        for (first, (life, first_ms, first_net)) in samples.iter().enumerate() {
+            for (_, last_ms, last_net) in samples[first..].iter().filter(|sample| sample.0 == *life) {
+                let bound_milli = i128::from(capacity) * 1_000 + rate_milli_per_ms * i128::from(last_ms - first_ms) + 999;
+                prop_assert!(
+                    (last_net - first_net) * 1_000 <= bound_milli,
+                    "net {} tokens drawn between {} and {} ms", last_net - first_net, first_ms, last_ms
+                );
+            }
         }
         // Every node settles: the ledger then attributes exactly what each reported.
         for (node, (spent, held, seq)) in &mut nodes {

@@ -59,8 +59,11 @@ async fn all_three_restart_with_the_state_they_had() -> Result<()> {
 
     // Every lease is still accounted, and the region keeps granting.
     let keys = vec![ledger_key("api_key", "t20-a-0"), ledger_key("api_key", "t20-b-9")];
-    let read =
-        cluster.admin(leader).await?.read_keys(call(admin::ReadKeysRequest { keys })).await?;
+    let read = cluster
+        .admin(leader)
+        .await?
+        .read_keys(call(admin::ReadKeysRequest { keys, ..Default::default() }))
+        .await?;
     for entry in read.into_inner().entries {
         assert_eq!(entry.leases.iter().map(|lease| lease.tokens).sum::<u64>(), 2, "{entry:?}");
     }

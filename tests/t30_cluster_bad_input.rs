@@ -151,8 +151,10 @@ async fn bad_requests_get_clear_errors_and_change_nothing() -> Result<()> {
             );
         }
         let keys = vec!["x".repeat(10); quotamesh::api::admin::READ_KEYS_MAX + 1];
-        let status =
-            client.read_keys(call(admin::ReadKeysRequest { keys })).await.expect_err("read");
+        let status = client
+            .read_keys(call(admin::ReadKeysRequest { keys, ..Default::default() }))
+            .await
+            .expect_err("read");
         assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
 
         // Membership calls with bad arguments.

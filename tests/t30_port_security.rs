@@ -286,8 +286,11 @@ async fn forged_raft_calls_are_refused_and_change_nothing() -> Result<()> {
     let after = snapshot(&cluster).await?;
     assert_eq!(after, before, "a forged call changed a node's state, term, leader or log");
     let keys = (1..=3).map(|target| ledger_key("api_key", &format!("forged-{target}"))).collect();
-    let read =
-        cluster.admin(leader).await?.read_keys(call(admin::ReadKeysRequest { keys })).await?;
+    let read = cluster
+        .admin(leader)
+        .await?
+        .read_keys(call(admin::ReadKeysRequest { keys, ..Default::default() }))
+        .await?;
     assert!(
         read.get_ref().entries.iter().all(|entry| entry.leases.is_empty()),
         "a forged grant was applied: {:?}",

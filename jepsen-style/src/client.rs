@@ -2,7 +2,8 @@
 //! connected gRPC channel per node and API, every call with a timeout (and a bearer token
 //! for billing), and the translation of replies into the history's vocabulary (`ok` with
 //! what was decided, `fail` when nothing can have been applied, `info` when it may have
-//! been). Also the two reads of the final phase: which node leads, and the whole audit trail.
+//! been). Also the two reads of the final phase (which node leads, and the whole audit
+//! trail) and the reads of the quota ledger's keys that the lease checker judges.
 
 use std::time::Duration;
 
@@ -11,7 +12,9 @@ use tonic::transport::Channel;
 
 use crate::checker::replicas::ReplicaState;
 use crate::history::NodeId;
-use crate::history::{Decision, EntryKind, EventType, Function, OpValue, TrailEntry};
+use crate::history::{
+    Decision, EntryKind, EventType, Function, KeySample, LedgerSample, OpValue, TrailEntry,
+};
 use crate::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use crate::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use crate::proto::envoy::service::ratelimit::v3 as rls;
@@ -31,6 +34,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_millis(1_000);
 const METADATA_LEADER: &str = "x-quotamesh-leader";
 /// Entries per `ListEntries` page (the API's maximum).
 const PAGE_SIZE: u32 = 1_000;
+/// `ReadKeys` pages of one ledger read (4,096 keys a page): the workloads make a handful.
+const LEDGER_PAGES_MAX: usize = 16;
 
 /// A lazy channel to `address` (`host:port`) with the suite's timeouts.
 fn channel(address: &str) -> anyhow::Result<Channel> {
@@ -115,6 +120,54 @@ impl Clients {
                 billing.map_or(0, |billing| billing.state_digest),
             ),
         ]
+    }
+
+    /// Every key of the quota ledger as node `position` has applied it (admin `ReadKeys`
+    /// listing, page by page); `None` when it does not answer, has applied nothing yet, or
+    /// moved on between pages (the next read catches up).
+    pub async fn ledger_sample(
+        &self,
+        position: usize,
+        time_ns: impl Fn() -> u64,
+    ) -> Option<LedgerSample> {
+        let mut client = self.admin[position].clone();
+        let mut sample: Option<LedgerSample> = None;
+        let mut after = String::new();
+        for _ in 0..LEDGER_PAGES_MAX {
+            let body = admin::ReadKeysRequest { keys: Vec::new(), after, max_keys: 0 };
+            let page =
+                client.read_keys(authorized(body, &self.admin_token)).await.ok()?.into_inner();
+            let applied_index = page.applied_index?;
+            let keys = page.entries.into_iter().map(|entry| KeySample {
+                key: entry.key,
+                algorithm: entry.algorithm,
+                capacity_tokens: entry.capacity_tokens,
+                requests_per_window: entry.requests_per_window,
+                window_ms: entry.window_ms,
+                since_ms: entry.totals_since_ms,
+                granted_tokens: entry.granted_tokens,
+                charged_tokens: entry.charged_tokens,
+                returned_tokens: entry.returned_tokens,
+            });
+            match &mut sample {
+                None => {
+                    sample = Some(LedgerSample {
+                        time_ns: 0,
+                        node: NodeId(position as u64 + 1),
+                        applied_index,
+                        ledger_time_ms: page.ledger_time_ms,
+                        keys: keys.collect(),
+                    });
+                }
+                Some(sample) if sample.applied_index == applied_index => sample.keys.extend(keys),
+                Some(_) => return None,
+            }
+            if page.next_after.is_empty() {
+                return sample.map(|sample| LedgerSample { time_ns: time_ns(), ..sample });
+            }
+            after = page.next_after;
+        }
+        None
     }
 
     /// The voters (the nodes with a billing API and replicas).

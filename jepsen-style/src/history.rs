@@ -204,6 +204,36 @@ pub struct TrailEntry {
     pub ttl_ms: Option<u64>,
 }
 
+/// One read of the quota ledger's keys on one voter (`ledger.jsonl`), taken every few
+/// hundred milliseconds while the RLS and lease workloads run: one applied state of the
+/// replicated ledger, which the lease checker orders by its applied index.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LedgerSample {
+    /// The runner's monotonic clock when the answer came.
+    pub time_ns: u64,
+    pub node: NodeId,
+    /// The Raft log index of the state read.
+    pub applied_index: u64,
+    /// Ledger time of that state.
+    pub ledger_time_ms: u64,
+    pub keys: Vec<KeySample>,
+}
+
+/// One key of a [`LedgerSample`]: its limit and its bucket's totals (admin `ReadKeys`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeySample {
+    pub key: String,
+    pub algorithm: String,
+    pub capacity_tokens: u64,
+    pub requests_per_window: u64,
+    pub window_ms: u64,
+    /// Ledger time the totals began (the bucket's life under this limit).
+    pub since_ms: u64,
+    pub granted_tokens: u64,
+    pub charged_tokens: u64,
+    pub returned_tokens: u64,
+}
+
 /// An operation paired up: its invoke and its completion, if any.
 #[derive(Debug, Clone)]
 pub struct Operation<'history> {

@@ -9,6 +9,7 @@
 //! history.jsonl     every operation's invoke and completion
 //! nemesis.jsonl     every fault's start and end, with the nodes it hit
 //! trail-node-N.jsonl  node N's audit trail after the run
+//! ledger.jsonl      the quota ledger's keys read from the voters (RLS and lease workloads)
 //! logs/ nodes/ certs/ metrics/   the nodes' logs, configs and data, certificates, metrics
 //! verdict.json  report.md
 //! ```
@@ -55,6 +56,8 @@ const ATTEMPTS: usize = 3;
 const RETRY_PAUSE: Duration = Duration::from_millis(100);
 /// A leader probe of one node during a fault: a paused node must not hold the nemesis up.
 const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
+/// Between two reads of the quota ledger's keys, each from the next voter.
+const LEDGER_READ_INTERVAL: Duration = Duration::from_millis(250);
 
 /// What `quotamesh-jepsen run` was asked to do.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -139,6 +142,11 @@ impl WorkloadKind {
     /// Whether it drives the billing API's accounts (the bank's machinery and checks).
     pub fn is_billing(self) -> bool {
         matches!(self, Self::Bank | Self::Linear | Self::Holds)
+    }
+
+    /// Whether it leases from the quota ledger, whose keys' totals are read as it runs.
+    pub fn leases(self) -> bool {
+        matches!(self, Self::Rls | Self::Leases)
     }
 }
 
@@ -845,6 +853,13 @@ async fn drive(
         open_accounts(&shared, bank).await?;
     }
     snapshot_metrics(&*cluster.lock().await, directory, "start").await;
+    let (stop_reading, reading_stopped) = tokio::sync::watch::channel(false);
+    let ledger_reader = if options.workload.leases() {
+        let writer = JsonlWriter::create(&directory.join("ledger.jsonl"))?;
+        Some(tokio::spawn(read_ledger(shared.clone(), writer, reading_stopped)))
+    } else {
+        None
+    };
     // The workload's clock starts once the accounts are open.
     let clock = Clock {
         start: tokio::time::Instant::now(),
@@ -884,7 +899,49 @@ async fn drive(
     if options.workload.is_billing() {
         final_reads(&shared, bank, directory).await?;
     }
-    replica_states(&shared.clients, directory).await
+    let replicas = replica_states(&shared.clients, directory).await;
+    stop_reading.send_replace(true);
+    if let Some(reader) = ledger_reader {
+        reader.await.context("the ledger reader panicked")?;
+    }
+    replicas
+}
+
+/// Reads the quota ledger's keys from each voter in turn every [`LEDGER_READ_INTERVAL`]
+/// into `ledger.jsonl` until told to stop, then once more from every voter (the final
+/// state). A node that does not answer is skipped.
+async fn read_ledger(
+    shared: std::sync::Arc<Shared>,
+    mut writer: JsonlWriter,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let voters = shared.clients.len();
+    let mut write = |sample: Option<crate::history::LedgerSample>| {
+        if let Some(sample) = sample
+            && let Err(error) = writer.write(&sample)
+        {
+            eprintln!("quotamesh-jepsen: {error}");
+        }
+    };
+    let now_ns = || shared.recorder.now_ns();
+    for position in (0..voters.max(1)).cycle() {
+        if *stop.borrow() {
+            break;
+        }
+        write(shared.clients.ledger_sample(position, now_ns).await);
+        tokio::select! {
+            changed = stop.changed() => {
+                if changed.is_err() {
+                    // The run ended without the final phase: no final reads.
+                    return;
+                }
+            }
+            () = tokio::time::sleep(LEDGER_READ_INTERVAL) => {}
+        }
+    }
+    for position in 0..voters {
+        write(shared.clients.ledger_sample(position, now_ns).await);
+    }
 }
 
 /// Waits (to the final phase's deadline) until every node reports each group at one
@@ -999,6 +1056,7 @@ pub fn check_directory(directory: &Path) -> anyhow::Result<Verdict> {
                 rate_per_second: shape.limit_per_second,
             };
             checks.extend(checker::leases::check(&events, model));
+            checks.push(checker::leases::check_totals(&read_ledger_samples(directory), model));
             checks.push(checker::fail_closed::check(&events, &faults, record.options.pacing.nodes));
         }
     }
@@ -1061,7 +1119,19 @@ fn check_rls(directory: &Path, record: &RunRecord, events: &[Event]) -> Vec<Chec
             ),
         })
         .collect();
-    checker::rls::check(events, &rules, RLS_WINDOW_MS)
+    let mut checks = checker::rls::check(events, &rules, RLS_WINDOW_MS);
+    let model = checker::leases::LeaseModel {
+        capacity_tokens: options.burst_tokens,
+        rate_per_second: options.limit_per_second,
+    };
+    checks.push(checker::leases::check_totals(&read_ledger_samples(directory), model));
+    checks
+}
+
+/// The ledger reads of a run (`ledger.jsonl`); none for a run saved before they were taken,
+/// which `lease-totals` then cannot judge.
+fn read_ledger_samples(directory: &Path) -> Vec<crate::history::LedgerSample> {
+    read_jsonl(&directory.join("ledger.jsonl")).unwrap_or_default()
 }
 
 /// Writes `verdict.json`, `report.md` and `report.html`.

@@ -865,35 +865,45 @@ impl Admin for AdminService {
     ) -> Result<Response<proto::ReadKeysReply>, Status> {
         self.authorize(&request, Access::Read, "read_keys")?;
         self.refuse_on_gateway("read ledger keys")?;
-        let keys = request.into_inner().keys;
-        if keys.len() > READ_KEYS_MAX {
+        let request = request.into_inner();
+        if request.keys.len() > READ_KEYS_MAX {
             return Err(Status::invalid_argument(format!(
                 "{} keys asked for; at most {READ_KEYS_MAX}",
-                keys.len()
+                request.keys.len()
             )));
         }
-        let (entries, applied_index) = self.quota.read_at_applied(|ledger| {
-            keys.into_iter()
-                .map(|key| match ledger.key(&key) {
-                    None => proto::KeyEntry { key, ..Default::default() },
-                    Some(entry) => proto::KeyEntry {
-                        found: true,
-                        leases: entry
-                            .leases
-                            .iter()
-                            .map(|(node_id, lease)| proto::KeyLease {
-                                node_id: node_id.0,
-                                tokens: lease.tokens,
-                                expires_at_ms: lease.expires_at_ms,
-                            })
-                            .collect(),
-                        last_used_ms: entry.last_used_ms,
-                        key,
-                    },
-                })
-                .collect()
+        let listed_max = match usize::try_from(request.max_keys) {
+            Ok(0) | Err(_) => READ_KEYS_MAX,
+            Ok(max_keys) => max_keys.min(READ_KEYS_MAX),
+        };
+        let (reply, applied_index) = self.quota.read_at_applied(|ledger| {
+            let mut reply = proto::ReadKeysReply {
+                ledger_time_ms: ledger.last_seen_ms(),
+                ..Default::default()
+            };
+            if request.keys.is_empty() {
+                // One more than the page, to know whether another page follows.
+                let mut listed = ledger.keys_after(&request.after).take(listed_max + 1);
+                for (key, entry) in listed.by_ref().take(listed_max) {
+                    reply.entries.push(key_entry(key.clone(), Some(entry)));
+                }
+                if listed.next().is_some() {
+                    reply.next_after =
+                        reply.entries.last().map(|entry| entry.key.clone()).unwrap_or_default();
+                }
+            } else {
+                reply.entries = request
+                    .keys
+                    .into_iter()
+                    .map(|key| {
+                        let entry = ledger.key(&key);
+                        key_entry(key, entry)
+                    })
+                    .collect();
+            }
+            reply
         });
-        Ok(Response::new(proto::ReadKeysReply { entries, applied_index }))
+        Ok(Response::new(proto::ReadKeysReply { applied_index, ..reply }))
     }
 
     async fn regions(
@@ -1060,6 +1070,36 @@ impl Admin for AdminService {
                 .collect()
         });
         Ok(Response::new(proto::PolicyHistoryReply { versions }))
+    }
+}
+
+/// One ledger key as `ReadKeys` shows it.
+fn key_entry(key: String, entry: Option<&crate::core::ledger::KeyEntry>) -> proto::KeyEntry {
+    let Some(entry) = entry else {
+        return proto::KeyEntry { key, ..Default::default() };
+    };
+    proto::KeyEntry {
+        key,
+        found: true,
+        leases: entry
+            .leases
+            .iter()
+            .map(|(node_id, lease)| proto::KeyLease {
+                node_id: node_id.0,
+                tokens: lease.tokens,
+                expires_at_ms: lease.expires_at_ms,
+            })
+            .collect(),
+        last_used_ms: entry.last_used_ms,
+        algorithm: entry.limit.algorithm.name().to_owned(),
+        requests_per_window: entry.limit.requests_per_window,
+        window_ms: entry.limit.window_ms,
+        capacity_tokens: entry.limit.capacity_tokens(),
+        totals_since_ms: entry.totals.since_ms,
+        granted_tokens: entry.totals.granted_tokens,
+        charged_tokens: entry.totals.charged_tokens,
+        returned_tokens: entry.totals.returned_tokens,
+        debt_tokens: entry.debt_tokens,
     }
 }
 

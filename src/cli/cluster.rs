@@ -239,6 +239,18 @@ pub enum ClusterCommand {
     /// measures show on the quota group's leader).
     #[command(arg(timeout_arg("How long each node may take to answer, in milliseconds")))]
     Regions,
+    /// List the quota ledger's keys as the first node has applied them: each key's limit,
+    /// live leases, debt, and its bucket's totals (granted, charged for debt, returned on
+    /// settlement) since it took its limit.
+    #[command(arg(timeout_arg("How long each page may take, in milliseconds")))]
+    Keys {
+        /// Start after this key (the listing is in key order).
+        #[arg(long, default_value = "")]
+        after: String,
+        /// At most this many keys.
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
     /// Make the cluster's CA and node certificates (mTLS between nodes).
     #[command(subcommand)]
     Certs(crate::cli::certs::CertsCommand),
@@ -327,6 +339,7 @@ pub async fn run(arguments: ClusterArgs) -> anyhow::Result<()> {
         }
         ClusterCommand::Status => status(&target).await,
         ClusterCommand::Regions => regions(&target).await,
+        ClusterCommand::Keys { after, limit } => keys(&target, after, limit).await,
         ClusterCommand::AcquireLeases { domain, entries, tokens, lease_ttl_ms } => {
             let entries = entries
                 .iter()
@@ -377,6 +390,94 @@ pub async fn run(arguments: ClusterArgs) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// `cluster keys`: pages of `ReadKeys` listings until `limit` keys or the last page.
+async fn keys(target: &Target, mut after: String, limit: usize) -> anyhow::Result<()> {
+    let mut client = connect(first_address(target)?, target).await?;
+    let mut entries = Vec::new();
+    let mut state = (None, 0);
+    while entries.len() < limit {
+        let wanted = u32::try_from(limit - entries.len()).unwrap_or(u32::MAX);
+        let request = proto::ReadKeysRequest { keys: Vec::new(), after, max_keys: wanted };
+        let page =
+            client.read_keys(with_deadline(request, target)).await.map_err(rpc_error)?.into_inner();
+        state = (page.applied_index, page.ledger_time_ms);
+        entries.extend(page.entries);
+        if page.next_after.is_empty() {
+            break;
+        }
+        after = page.next_after;
+    }
+    entries.truncate(limit);
+    let (applied_index, ledger_time_ms) = state;
+    if target.json {
+        let keys: Vec<serde_json::Value> = entries.iter().map(key_json).collect();
+        let answer = serde_json::json!({
+            "applied_index": applied_index,
+            "ledger_time_ms": ledger_time_ms,
+            "keys": keys,
+        });
+        println!("{}", serde_json::to_string_pretty(&answer)?);
+        return Ok(());
+    }
+    println!(
+        "{} key(s) at applied index {}, ledger time {}",
+        entries.len(),
+        applied_index.map_or_else(|| "-".to_owned(), |index| index.to_string()),
+        crate::core::rfc3339::format_epoch_ms(ledger_time_ms)
+    );
+    for entry in &entries {
+        let leases: Vec<String> = entry
+            .leases
+            .iter()
+            .map(|lease| format!("node {} holds {}", lease.node_id, lease.tokens))
+            .collect();
+        println!(
+            "  {}: {} {} per {} ms, holds {}; since {}: granted {}, charged {}, returned {}; \
+             debt {}; {}",
+            entry.key,
+            entry.algorithm,
+            entry.requests_per_window,
+            entry.window_ms,
+            entry.capacity_tokens,
+            crate::core::rfc3339::format_epoch_ms(entry.totals_since_ms),
+            entry.granted_tokens,
+            entry.charged_tokens,
+            entry.returned_tokens,
+            entry.debt_tokens,
+            if leases.is_empty() { "no lease".to_owned() } else { leases.join(", ") },
+        );
+    }
+    Ok(())
+}
+
+fn key_json(entry: &proto::KeyEntry) -> serde_json::Value {
+    let leases: Vec<serde_json::Value> = entry
+        .leases
+        .iter()
+        .map(|lease| {
+            serde_json::json!({
+                "node_id": lease.node_id,
+                "tokens": lease.tokens,
+                "expires_at_ms": lease.expires_at_ms,
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "key": entry.key,
+        "algorithm": entry.algorithm,
+        "requests_per_window": entry.requests_per_window,
+        "window_ms": entry.window_ms,
+        "capacity_tokens": entry.capacity_tokens,
+        "totals_since_ms": entry.totals_since_ms,
+        "granted_tokens": entry.granted_tokens,
+        "charged_tokens": entry.charged_tokens,
+        "returned_tokens": entry.returned_tokens,
+        "debt_tokens": entry.debt_tokens,
+        "last_used_ms": entry.last_used_ms,
+        "leases": leases,
+    })
 }
 
 /// One lease result as a line: what was granted and until when, or why not.

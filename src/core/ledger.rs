@@ -35,6 +35,11 @@
 //! grants: a node refills a key at its low watermark with one request in flight, so its
 //! leases on a key overlap anyway.
 //!
+//! Each key also keeps its bucket's totals since it took its limit ([`KeyTotals`]): granted,
+//! charged for debt, and returned (only what the bucket could hold). They decide nothing;
+//! they let an outside checker hold the bucket to its capacity plus refill on a key whose
+//! tokens flow back (`ReadKeys`, the fault-injection suite's `lease-totals`).
+//!
 //! # Fair shares
 //! When the nodes' reported demand for a key exceeds its rate, each node's grants are capped
 //! by its max-min fair share of the rate, accrued in ledger time (`crate::core::fair_share`),
@@ -421,6 +426,32 @@ pub struct KeyEntry {
     /// Ledger time the key's current contention began (0: not contended at its last grant):
     /// fair shares accrue from then, so no node brings an entitlement from before.
     pub contended_since_ms: u64,
+    /// What the bucket gave and got back under its current limit: an outside checker's
+    /// view of conservation on a key that nodes settle.
+    pub totals: KeyTotals,
+}
+
+/// Cumulative tokens through one key's bucket since it took its current limit (its
+/// creation, or a request naming other numbers). Between any two states of one life, a
+/// token bucket of capacity C and rate R obeys
+/// `(granted + charged - returned) grew by <= C + R x (ledger time elapsed)`:
+/// it held at most C at the first, refilled at most R a second, and lost what it gave.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct KeyTotals {
+    /// Ledger time these totals began: the bucket's creation or its last change of limit.
+    pub since_ms: u64,
+    /// Tokens granted as leases.
+    pub granted_tokens: u64,
+    /// Tokens taken to pay debt (nodes' spending beyond their leases).
+    pub charged_tokens: u64,
+    /// Tokens that went back into the bucket on settlement (only what it could hold).
+    pub returned_tokens: u64,
+}
+
+impl KeyTotals {
+    fn starting_at(now_ms: u64) -> Self {
+        Self { since_ms: now_ms, ..Self::default() }
+    }
 }
 
 impl KeyEntry {
@@ -806,9 +837,11 @@ impl QuotaLedger {
                 leases: BTreeMap::new(),
                 debt_tokens: 0,
                 contended_since_ms: 0,
+                totals: KeyTotals::starting_at(now_ms),
             },
         };
         if entry.limit != limit {
+            entry.totals = KeyTotals::starting_at(now_ms);
             match limit.carried_from(&entry.limit, &entry.state, now_ms) {
                 Some(state) => entry.state = state,
                 None => {
@@ -915,7 +948,9 @@ impl QuotaLedger {
                 }
             };
             lease.tokens_in_window = lease.tokens_in_window.saturating_sub(creditable);
-            entry.state = limit.give_back(&entry.state, now_ms, creditable);
+            let (state, returned) = limit.give_back_counted(&entry.state, now_ms, creditable);
+            entry.state = state;
+            entry.totals.returned_tokens = entry.totals.returned_tokens.saturating_add(returned);
             credited_tokens = paid_debt.saturating_add(creditable);
         }
         // Debt comes first: what the bucket holds pays it before anything is granted.
@@ -923,6 +958,7 @@ impl QuotaLedger {
             let paid = limit.acquire_up_to(&entry.state, now_ms, entry.debt_tokens);
             entry.state = paid.next;
             entry.debt_tokens -= paid.granted;
+            entry.totals.charged_tokens = entry.totals.charged_tokens.saturating_add(paid.granted);
             paid.granted
         } else {
             0
@@ -993,6 +1029,7 @@ impl QuotaLedger {
         let cap = fair.map_or(wanted, |fair| wanted.min(fair.cap_tokens));
         let taken = limit.acquire_up_to(&entry.state, now_ms, cap);
         entry.state = taken.next;
+        entry.totals.granted_tokens = entry.totals.granted_tokens.saturating_add(taken.granted);
         let mut retry_after_ms = taken.retry_after_ms;
         if let (Some(fair), Some(lookahead_ms)) = (fair, lookahead_ms) {
             lease.entitlement.take(taken.granted);
@@ -1077,6 +1114,15 @@ impl QuotaLedger {
     /// All keys with their entries, in key order.
     pub fn keys(&self) -> impl Iterator<Item = (&String, &KeyEntry)> {
         self.keys.iter()
+    }
+
+    /// The keys after `after` (all of them after ""), in key order.
+    pub fn keys_after<'a>(
+        &'a self,
+        after: &str,
+    ) -> impl Iterator<Item = (&'a String, &'a KeyEntry)> + 'a {
+        use std::ops::Bound::{Excluded, Unbounded};
+        self.keys.range::<str, _>((Excluded(after), Unbounded))
     }
 
     /// Tokens leased to `node_id` and not yet returned or swept as expired.

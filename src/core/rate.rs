@@ -99,6 +99,17 @@ pub enum Algorithm {
     FixedWindow,
 }
 
+impl Algorithm {
+    /// The name a policy file gives it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::TokenBucket => "token_bucket",
+            Self::SlidingWindow => "sliding_window",
+            Self::FixedWindow => "fixed_window",
+        }
+    }
+}
+
 /// One limit: an algorithm with its numbers, validated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct LimitSpec {
@@ -333,24 +344,39 @@ impl LimitSpec {
     /// a state cannot tell which window a hit was counted in, and un-counting hits of an
     /// earlier window would let the current one admit more than its limit.
     pub fn give_back(&self, state: &LimitState, now_ms: u64, tokens: u64) -> LimitState {
+        self.give_back_counted(state, now_ms, tokens).0
+    }
+
+    /// [`Self::give_back`], with the whole tokens that went back (rounded up): fewer than
+    /// `tokens` when the bucket fills or the window's count reaches 0. The ledger's totals
+    /// count these, so a return the bucket could not hold makes no room for later grants.
+    pub fn give_back_counted(
+        &self,
+        state: &LimitState,
+        now_ms: u64,
+        tokens: u64,
+    ) -> (LimitState, u64) {
         if self.refuses_every_hit() {
             // Nothing was ever taken, so there is nothing to give back.
-            return *state;
+            return (*state, 0);
         }
         let at = self.advance(state, now_ms);
         match self.algorithm {
             Algorithm::TokenBucket => {
                 let capacity_micro_tokens = self.capacity_micro_tokens();
                 let level = at.level.saturating_add(tokens.saturating_mul(MICRO_TOKENS_PER_TOKEN));
-                if level >= capacity_micro_tokens {
+                let next = if level >= capacity_micro_tokens {
                     // A full bucket has no remainder, exactly like a fresh one.
                     LimitState { level: capacity_micro_tokens, carry: 0, ..at }
                 } else {
                     LimitState { level, ..at }
-                }
+                };
+                let returned_micro = next.level.saturating_sub(at.level);
+                (next, returned_micro.div_ceil(MICRO_TOKENS_PER_TOKEN))
             }
             Algorithm::SlidingWindow | Algorithm::FixedWindow => {
-                LimitState { level: at.level.saturating_sub(tokens), ..at }
+                let next = LimitState { level: at.level.saturating_sub(tokens), ..at };
+                (next, at.level - next.level)
             }
         }
     }

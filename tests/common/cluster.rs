@@ -704,7 +704,10 @@ pub async fn check_grants(
     let mut held = BTreeMap::new();
     for chunk in ops.chunks(1024) {
         let keys = chunk.iter().map(|op| op.key.clone()).collect();
-        let reply = client.read_keys(call(admin::ReadKeysRequest { keys })).await?.into_inner();
+        let reply = client
+            .read_keys(call(admin::ReadKeysRequest { keys, ..Default::default() }))
+            .await?
+            .into_inner();
         for entry in reply.entries {
             let tokens: u64 = entry.leases.iter().map(|lease| lease.tokens).sum();
             held.insert(entry.key, tokens);

@@ -18,11 +18,24 @@
 //! Across keys, ledger time never goes back in real time either: a grant answered before
 //! another was sent was applied at no later ledger time (else the log lost or reordered a
 //! committed command).
+//!
+//! On keys that nodes lease and settle (the RLS workload's), tokens flow back and grants
+//! alone are unbounded, so `lease-totals` judges the ledger's own totals, read from the
+//! voters while the run goes on (`ledger.jsonl`). Each read is one applied state; ordered by
+//! applied index they are states of one log. For each key's life under one limit (since
+//! ledger time s), with net = granted + charged - returned:
+//!
+//! ```text
+//! net_j - net_i <= C + R x (t_j - t_i)     for every pair of states i <= j, and from (s, 0)
+//! ```
+//!
+//! and reads of one applied index agree, ledger time and the totals never go back along the
+//! log, and every key carries the workload's limit.
 
 use std::collections::BTreeMap;
 
 use super::CheckResult;
-use crate::history::{Event, EventType, Function, operations};
+use crate::history::{Event, EventType, Function, KeySample, LedgerSample, operations};
 
 /// What the checker needs to know of the keys' rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -172,6 +185,154 @@ fn ledger_time_went_back(grants: &mut [Grant]) -> Vec<String> {
     problems
 }
 
+/// One state of a key's life: the ledger time and the net tokens drawn, from a read.
+#[derive(Debug, Clone, Copy)]
+struct TotalsPoint {
+    applied_index: u64,
+    ledger_time_ms: u64,
+    net_tokens: i128,
+}
+
+/// The `lease-totals` check over the ledger reads of a run (module docs).
+pub fn check_totals(samples: &[LedgerSample], model: LeaseModel) -> CheckResult {
+    let mut result = CheckResult::new("lease-totals");
+    if samples.is_empty() {
+        result.unknown("no reads of the ledger's keys (ledger.jsonl) to judge".to_owned());
+        return result;
+    }
+    // One state per applied index: reads of the same index from any node must agree.
+    let mut states: BTreeMap<u64, &LedgerSample> = BTreeMap::new();
+    for sample in samples {
+        result.checked += sample.keys.len() as u64;
+        match states.get(&sample.applied_index) {
+            None => {
+                states.insert(sample.applied_index, sample);
+            }
+            Some(first)
+                if (first.ledger_time_ms, &first.keys) != (sample.ledger_time_ms, &sample.keys) =>
+            {
+                result.problem(format!(
+                    "nodes {} and {} read different states at applied index {}",
+                    first.node.0, sample.node.0, sample.applied_index
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    let mut latest_time: Option<(u64, u64)> = None;
+    for (index, state) in &states {
+        if let Some((earlier_index, earlier_ms)) = latest_time
+            && state.ledger_time_ms < earlier_ms
+        {
+            result.problem(format!(
+                "ledger time went back along the log: {earlier_ms} ms at index {earlier_index}, \
+                 {} ms at index {index}",
+                state.ledger_time_ms
+            ));
+        }
+        latest_time = Some((*index, state.ledger_time_ms.max(latest_time.map_or(0, |(_, ms)| ms))));
+    }
+    // Each key's lives (by `since_ms`), their states in log order.
+    let mut lives: BTreeMap<(&str, u64), Vec<(&KeySample, TotalsPoint)>> = BTreeMap::new();
+    let mut wrong_limit: BTreeMap<&str, String> = BTreeMap::new();
+    for (applied_index, state) in &states {
+        for key in &state.keys {
+            if let Some(problem) = limit_problem(key, model) {
+                wrong_limit.entry(&key.key).or_insert(problem);
+            }
+            let net_tokens = i128::from(key.granted_tokens) + i128::from(key.charged_tokens)
+                - i128::from(key.returned_tokens);
+            let point = TotalsPoint {
+                applied_index: *applied_index,
+                ledger_time_ms: state.ledger_time_ms,
+                net_tokens,
+            };
+            lives.entry((&key.key, key.since_ms)).or_default().push((key, point));
+        }
+    }
+    for (key, problem) in wrong_limit {
+        result.problem(format!("key {key}: {problem}"));
+    }
+    for ((key, since_ms), points) in &lives {
+        for pair in points.windows(2) {
+            let ((before, at_before), (after, at_after)) = (pair[0], pair[1]);
+            if after.granted_tokens < before.granted_tokens
+                || after.charged_tokens < before.charged_tokens
+                || after.returned_tokens < before.returned_tokens
+            {
+                result.problem(format!(
+                    "key {key}: totals went back between applied index {} and {}: granted, \
+                     charged, returned {:?} then {:?}",
+                    at_before.applied_index,
+                    at_after.applied_index,
+                    (before.granted_tokens, before.charged_tokens, before.returned_tokens),
+                    (after.granted_tokens, after.charged_tokens, after.returned_tokens),
+                ));
+            }
+        }
+        let origin = TotalsPoint { applied_index: 0, ledger_time_ms: *since_ms, net_tokens: 0 };
+        let path: Vec<TotalsPoint> =
+            std::iter::once(origin).chain(points.iter().map(|(_, point)| *point)).collect();
+        if let Some(problem) = worst_net(&path, model) {
+            result.problem(format!("key {key} (since {since_ms} ms): {problem}"));
+        }
+    }
+    result
+}
+
+/// Why a key's limit is not the workload's token bucket, if it is not.
+fn limit_problem(key: &KeySample, model: LeaseModel) -> Option<String> {
+    let rate_ok = key.window_ms > 0
+        && u128::from(key.requests_per_window) * 1_000
+            == u128::from(model.rate_per_second) * u128::from(key.window_ms);
+    (key.algorithm != "token_bucket" || key.capacity_tokens != model.capacity_tokens || !rate_ok)
+        .then(|| {
+            format!(
+                "limit {} of {} per {} ms holding {}, not the workload's token bucket of {} a \
+                 second holding {}",
+                key.algorithm,
+                key.requests_per_window,
+                key.window_ms,
+                key.capacity_tokens,
+                model.rate_per_second,
+                model.capacity_tokens
+            )
+        })
+}
+
+/// The pair of states between which the most net tokens above the bound were drawn, if
+/// any: linear, keeping the start that minimises 1000 x net - R x t (thousandths).
+fn worst_net(path: &[TotalsPoint], model: LeaseModel) -> Option<String> {
+    let rate = i128::from(model.rate_per_second);
+    let allowance = i128::from(model.capacity_tokens) * 1_000 + 999;
+    let value =
+        |point: &TotalsPoint| point.net_tokens * 1_000 - rate * i128::from(point.ledger_time_ms);
+    let mut lowest: Option<(i128, TotalsPoint)> = None;
+    let mut worst: Option<(i128, TotalsPoint, TotalsPoint)> = None;
+    for point in path {
+        let here = value(point);
+        if lowest.is_none_or(|(low, _)| here < low) {
+            lowest = Some((here, *point));
+        }
+        let (low, start) = lowest.expect("set above");
+        let excess = here - low - allowance;
+        if excess > 0 && worst.is_none_or(|(most, _, _)| excess > most) {
+            worst = Some((excess, start, *point));
+        }
+    }
+    let (_, start, end) = worst?;
+    let span_ms = end.ledger_time_ms.saturating_sub(start.ledger_time_ms);
+    Some(format!(
+        "{} tokens drawn net (granted + charged - returned) over {span_ms} ms of ledger time \
+         (applied index {} to {}), above C + R x {span_ms} ms = {} + {}",
+        end.net_tokens - start.net_tokens,
+        start.applied_index,
+        end.applied_index,
+        model.capacity_tokens,
+        (u128::from(model.rate_per_second) * u128::from(span_ms)).div_ceil(1_000),
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -297,6 +458,139 @@ mod tests {
             }
             let flagged = check(&events, MODEL)[0].validity == Validity::Invalid;
             prop_assert_eq!(flagged, naive_excess(&grants));
+        }
+    }
+
+    /// A read of key `k0` on `node` at `index`: `(ledger ms, since ms, granted, charged,
+    /// returned)`.
+    fn read(
+        node: u64,
+        index: u64,
+        (ledger_ms, since_ms, granted, charged, returned): (u64, u64, u64, u64, u64),
+    ) -> LedgerSample {
+        LedgerSample {
+            time_ns: index,
+            node: crate::history::NodeId(node),
+            applied_index: index,
+            ledger_time_ms: ledger_ms,
+            keys: vec![KeySample {
+                key: "rl:k0".to_owned(),
+                algorithm: "token_bucket".to_owned(),
+                capacity_tokens: MODEL.capacity_tokens,
+                requests_per_window: MODEL.rate_per_second,
+                window_ms: 1_000,
+                since_ms,
+                granted_tokens: granted,
+                charged_tokens: charged,
+                returned_tokens: returned,
+            }],
+        }
+    }
+
+    /// Reads one after the other on node 1, at indexes 1, 2, ...
+    fn reads(states: &[(u64, u64, u64, u64, u64)]) -> Vec<LedgerSample> {
+        states.iter().enumerate().map(|(at, state)| read(1, at as u64 + 1, *state)).collect()
+    }
+
+    /// Tokens that flow back make room again; a debt's charge counts as drawn; reads out
+    /// of log order and repeated by other nodes change nothing.
+    #[test]
+    fn settled_keys_within_the_bucket_pass() {
+        let mut samples = reads(&[
+            (1_000, 1_000, 20, 0, 0),
+            // 15 came back and 15 went out again at once: net 20 still.
+            (1_010, 1_000, 35, 0, 15),
+            // Half a second later: 10 more of refill, 5 of them charged for debt.
+            (1_510, 1_000, 40, 5, 15),
+            (3_000, 1_000, 70, 5, 15),
+        ]);
+        samples.push(read(2, 2, (1_010, 1_000, 35, 0, 15)));
+        samples.swap(0, 3);
+        let result = check_totals(&samples, MODEL);
+        assert_eq!(result.validity, Validity::Valid, "{result:?}");
+        assert_eq!(result.checked, 5);
+    }
+
+    /// Net draws above the bucket and its refill are flagged, from the life's start or
+    /// between two reads; so are returns counted that did not refill, hidden by a later read.
+    #[test]
+    fn net_over_draws_are_flagged() {
+        // 30 net in the first 400 ms of the life: more than 20 + 8.
+        let early = check_totals(&reads(&[(1_400, 1_000, 30, 0, 0)]), MODEL);
+        assert_eq!(early.validity, Validity::Invalid);
+        assert!(early.problems[0].contains("30 tokens drawn net"), "{early:?}");
+        // Between two reads: 10 net at 2,000 ms, 45 at 2,500 (35 in 500 ms > 20 + 10).
+        let between =
+            check_totals(&reads(&[(2_000, 1_000, 10, 0, 0), (2_500, 1_000, 50, 0, 5)]), MODEL);
+        assert_eq!(between.validity, Validity::Invalid, "{between:?}");
+        // A charge for debt is drawn like a grant.
+        let charged =
+            check_totals(&reads(&[(1_000, 1_000, 20, 0, 0), (1_100, 1_000, 20, 10, 0)]), MODEL);
+        assert_eq!(charged.validity, Validity::Invalid, "{charged:?}");
+    }
+
+    /// A new life (the limit changed, or the key was forgotten and made again) starts over.
+    #[test]
+    fn a_new_life_starts_over() {
+        let samples = reads(&[(1_000, 1_000, 20, 0, 0), (1_001, 1_001, 20, 0, 0)]);
+        assert_eq!(check_totals(&samples, MODEL).validity, Validity::Valid);
+    }
+
+    /// Replicas that read differently at one index, totals or ledger time going back along
+    /// the log, and a key under another limit are flagged; no reads cannot be judged.
+    #[test]
+    fn broken_ledgers_are_flagged() {
+        let mut disagree = reads(&[(1_000, 1_000, 5, 0, 0)]);
+        disagree.push(read(3, 1, (1_000, 1_000, 6, 0, 0)));
+        let result = check_totals(&disagree, MODEL);
+        assert_eq!(result.validity, Validity::Invalid);
+        assert!(result.problems[0].contains("nodes 1 and 3"), "{result:?}");
+        let went_back = reads(&[(1_000, 1_000, 5, 0, 3), (1_001, 1_000, 6, 0, 2)]);
+        assert_eq!(check_totals(&went_back, MODEL).validity, Validity::Invalid);
+        let time_back = reads(&[(1_000, 1_000, 5, 0, 0), (999, 1_000, 5, 0, 0)]);
+        assert_eq!(check_totals(&time_back, MODEL).validity, Validity::Invalid);
+        let mut other_limit = reads(&[(1_000, 1_000, 5, 0, 0)]);
+        other_limit[0].keys[0].capacity_tokens = 40;
+        assert_eq!(check_totals(&other_limit, MODEL).validity, Validity::Invalid);
+        assert_eq!(check_totals(&[], MODEL).validity, Validity::Unknown);
+    }
+
+    /// Every pair of states of one life, the naive way, from the life's start too.
+    fn naive_totals_excess(states: &[(u64, i128)], since_ms: u64) -> bool {
+        let mut path = vec![(since_ms, 0_i128)];
+        path.extend_from_slice(states);
+        (0..path.len()).any(|first| {
+            (first..path.len()).any(|last| {
+                let span_ms = i128::from(path[last].0 - path[first].0);
+                (path[last].1 - path[first].1) * 1_000
+                    > i128::from(MODEL.capacity_tokens) * 1_000
+                        + i128::from(MODEL.rate_per_second) * span_ms
+                        + 999
+            })
+        })
+    }
+
+    proptest! {
+        /// The linear sweep over a life flags exactly the lives some pair of states (or the
+        /// life's start and a state) shows above the bound.
+        #[test]
+        fn totals_sweep_agrees_with_every_pair(
+            steps in proptest::collection::vec((0_u64..300, 0_u64..15, 0_u64..3, 0_u64..12), 0..30),
+        ) {
+            let since_ms = 1_000;
+            let (mut ledger_ms, mut granted, mut charged, mut returned) = (since_ms, 0, 0, 0);
+            let mut states = Vec::new();
+            let mut naive = Vec::new();
+            for (step_ms, grant, charge, give_back) in steps {
+                ledger_ms += step_ms;
+                granted += grant;
+                charged += charge;
+                returned += give_back.min(granted + charged - returned);
+                states.push((ledger_ms, since_ms, granted, charged, returned));
+                naive.push((ledger_ms, i128::from(granted + charged) - i128::from(returned)));
+            }
+            let flagged = check_totals(&reads(&states), MODEL).validity == Validity::Invalid;
+            prop_assert_eq!(flagged, naive_totals_excess(&naive, since_ms));
         }
     }
 }

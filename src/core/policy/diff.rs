@@ -83,11 +83,7 @@ pub fn describe(rule: &Rule) -> String {
             text.push_str(" and ");
         }
         let spec = &limit.spec;
-        let algorithm = match spec.algorithm {
-            Algorithm::TokenBucket => "token_bucket",
-            Algorithm::SlidingWindow => "sliding_window",
-            Algorithm::FixedWindow => "fixed_window",
-        };
+        let algorithm = spec.algorithm.name();
         let unit = limit.unit.and_then(|unit| UNITS.iter().find(|(_, known)| *known == unit));
         match unit {
             Some((unit, _)) => {
