@@ -63,9 +63,11 @@ pub fn format_headers(
                 states.push_str(", ");
             }
             push_structured_string(&mut policies, &report.policy_name);
-            let _ = write!(policies, ";q={};w={}", report.quota, window_seconds(report.window_ms));
+            push_parameter(&mut policies, ";q=", report.quota);
+            push_parameter(&mut policies, ";w=", window_seconds(report.window_ms));
             push_structured_string(&mut states, &report.policy_name);
-            let _ = write!(states, ";r={};t={}", report.remaining, ceil_seconds(report.reset_ms));
+            push_parameter(&mut states, ";r=", report.remaining);
+            push_parameter(&mut states, ";t=", ceil_seconds(report.reset_ms));
         }
         headers.push(("ratelimit-policy", policies));
         headers.push(("ratelimit", states));
@@ -75,12 +77,12 @@ pub fn format_headers(
             .iter()
             .min_by(|a, b| a.remaining.cmp(&b.remaining).then(b.reset_ms.cmp(&a.reset_ms)))
             .expect("reports is not empty");
-        headers.push(("ratelimit-limit", tightest.quota.to_string()));
-        headers.push(("ratelimit-remaining", tightest.remaining.to_string()));
-        headers.push(("ratelimit-reset", ceil_seconds(tightest.reset_ms).to_string()));
+        headers.push(("ratelimit-limit", integer(tightest.quota)));
+        headers.push(("ratelimit-remaining", integer(tightest.remaining)));
+        headers.push(("ratelimit-reset", integer(ceil_seconds(tightest.reset_ms))));
     }
     if let (true, Some(retry_after_ms)) = (options.retry_after, retry_after_ms) {
-        headers.push(("retry-after", ceil_seconds(retry_after_ms).max(1).to_string()));
+        headers.push(("retry-after", integer(ceil_seconds(retry_after_ms).max(1))));
     }
     headers
 }
@@ -139,6 +141,18 @@ pub fn ceil_seconds(ms: u64) -> u64 {
     ms.div_ceil(1000)
 }
 
+/// Appends `name` and `value` (a Structured Field parameter such as `;q=100`); `itoa`
+/// writes the digits without the formatting machinery, on every answer.
+fn push_parameter(out: &mut String, name: &str, value: u64) {
+    out.push_str(name);
+    out.push_str(itoa::Buffer::new().format(value));
+}
+
+/// A header value of one integer.
+fn integer(value: u64) -> String {
+    itoa::Buffer::new().format(value).to_owned()
+}
+
 /// The draft forbids sub-second and zero windows: at least one second.
 fn window_seconds(window_ms: u64) -> u64 {
     ceil_seconds(window_ms).max(1)
@@ -148,6 +162,12 @@ fn window_seconds(window_ms: u64) -> u64 {
 /// `\` escaped; any other character becomes `_` so the field always parses.
 fn push_structured_string(out: &mut String, text: &str) {
     out.push('"');
+    // Names are almost always plain: copied whole, not character by character.
+    if text.bytes().all(|byte| matches!(byte, b' '..=b'~') && byte != b'"' && byte != b'\\') {
+        out.push_str(text);
+        out.push('"');
+        return;
+    }
     for character in text.chars() {
         match character {
             '"' | '\\' => {
@@ -275,6 +295,30 @@ mod tests {
                 prop_assert_ne!(character, '"');
             }
             prop_assert!(!escaped);
+        }
+
+        /// The whole-name copy of a plain name and the character-by-character escaping agree:
+        /// a name is copied whole exactly when escaping would change nothing.
+        #[test]
+        fn plain_names_are_copied_as_escaping_would(name in "[ -~]{0,20}|[a-z\"\\\\é]{0,8}") {
+            let escaped: String = name
+                .chars()
+                .flat_map(|character| match character {
+                    '"' | '\\' => vec!['\\', character],
+                    ' '..='~' => vec![character],
+                    _ => vec!['_'],
+                })
+                .collect();
+            prop_assert_eq!(structured_string(&name), format!("\"{escaped}\""));
+        }
+
+        /// Parameters and integer fields print every value as `to_string` does.
+        #[test]
+        fn integers_print_as_decimal(value in any::<u64>()) {
+            let mut parameter = String::new();
+            push_parameter(&mut parameter, ";q=", value);
+            prop_assert_eq!(parameter, format!(";q={value}"));
+            prop_assert_eq!(integer(value), value.to_string());
         }
 
         /// ceil_seconds never under-reports: seconds * 1000 >= ms and is the smallest such.
