@@ -75,7 +75,7 @@ where
 {
     type Response = http::Response<Body>;
     type Error = Infallible;
-    type Future = Pin<Box<dyn Future<Output = Result<http::Response<Body>, Infallible>> + Send>>;
+    type Future = BoundedCall<S::Future>;
 
     fn poll_ready(&mut self, context: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         self.inner.poll_ready(context)
@@ -87,14 +87,39 @@ where
             let status = Status::resource_exhausted(format!(
                 "request metadata is {metadata_bytes} bytes; at most {METADATA_BYTES_MAX} allowed"
             ));
-            return Box::pin(std::future::ready(Ok(status.into_http())));
+            return BoundedCall::Refused { answer: Some(status.into_http()) };
         }
-        let answer = self.inner.call(request);
-        Box::pin(async move {
-            let mut response = answer.await?;
-            oversized_as_resource_exhausted(response.headers_mut());
-            Ok(response)
-        })
+        BoundedCall::Served { inner: self.inner.call(request) }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A call's answer through [`Bounded`]: refused at once, or the service's with an
+    /// oversized message's code rewritten (a concrete future: no allocation per call).
+    #[project = BoundedCallProjection]
+    pub enum BoundedCall<F> {
+        Refused { answer: Option<http::Response<Body>> },
+        Served { #[pin] inner: F },
+    }
+}
+
+impl<F> Future for BoundedCall<F>
+where
+    F: Future<Output = Result<http::Response<Body>, Infallible>>,
+{
+    type Output = Result<http::Response<Body>, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project() {
+            BoundedCallProjection::Refused { answer } => {
+                Poll::Ready(Ok(answer.take().expect("a refusal is not polled after its answer")))
+            }
+            BoundedCallProjection::Served { inner } => {
+                let mut response = std::task::ready!(inner.poll(context))?;
+                oversized_as_resource_exhausted(response.headers_mut());
+                Poll::Ready(Ok(response))
+            }
+        }
     }
 }
 
@@ -115,13 +140,13 @@ fn header_list_bytes(headers: &http::HeaderMap) -> usize {
 /// decoding limit, the only source of that code on these ports) to `RESOURCE_EXHAUSTED`,
 /// keeping tonic's message, which names both sizes.
 fn oversized_as_resource_exhausted(headers: &mut http::HeaderMap) {
-    let out_of_range = (tonic::Code::OutOfRange as i32).to_string();
-    if headers.get("grpc-status").is_some_and(|code| code.as_bytes() == out_of_range.as_bytes()) {
-        let exhausted = (tonic::Code::ResourceExhausted as i32).to_string();
-        headers.insert(
-            "grpc-status",
-            http::HeaderValue::from_str(&exhausted).expect("digits are a valid header value"),
-        );
+    // Checked on every answer: no allocation unless there is something to rewrite.
+    let out_of_range = |code: &http::HeaderValue| {
+        tonic::Code::from_bytes(code.as_bytes()) == tonic::Code::OutOfRange
+    };
+    if headers.get("grpc-status").is_some_and(out_of_range) {
+        let exhausted = http::HeaderValue::from(tonic::Code::ResourceExhausted as i32);
+        headers.insert("grpc-status", exhausted);
     }
 }
 

@@ -9,7 +9,6 @@
 //! Methods are the ones compiled into the node (from its descriptor set, plus health and
 //! reflection); any other path is counted as `unknown`, so labels stay bounded.
 
-use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::{Arc, LazyLock};
 use std::task::{Context, Poll};
@@ -103,15 +102,16 @@ impl MethodMetrics {
 /// The layer: add it to a tonic `Server` builder with `.layer(...)`.
 #[derive(Clone)]
 pub struct GrpcMetricsLayer {
-    /// By request path; built once, read without locks.
-    methods: Arc<HashMap<String, Arc<MethodMetrics>>>,
+    /// By request path, sorted: built once, read without locks, found by binary search (a
+    /// few comparisons of a short path, no hashing on every call).
+    methods: Arc<[(String, Arc<MethodMetrics>)]>,
     unknown: Arc<MethodMetrics>,
 }
 
 impl GrpcMetricsLayer {
     /// Measures calls into `metrics`.
     pub fn new(metrics: &Metrics) -> Self {
-        let methods = known_methods()
+        let mut methods: Vec<(String, Arc<MethodMetrics>)> = known_methods()
             .iter()
             .map(|(service, method)| {
                 (
@@ -120,14 +120,16 @@ impl GrpcMetricsLayer {
                 )
             })
             .collect();
+        methods.sort_by(|a, b| a.0.cmp(&b.0));
         Self {
-            methods: Arc::new(methods),
+            methods: methods.into(),
             unknown: Arc::new(MethodMetrics::new(metrics, UNKNOWN, UNKNOWN)),
         }
     }
 
     fn method(&self, path: &str) -> Arc<MethodMetrics> {
-        Arc::clone(self.methods.get(path).unwrap_or(&self.unknown))
+        let found = self.methods.binary_search_by(|(known, _)| known.as_str().cmp(path));
+        Arc::clone(found.map_or(&self.unknown, |index| &self.methods[index].1))
     }
 }
 
@@ -156,23 +158,43 @@ where
 {
     type Response = http::Response<MeasuredBody<ResponseBody>>;
     type Error = S::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+    type Future = MeasuredCall<S::Future>;
 
     fn poll_ready(&mut self, context: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(context)
     }
 
     fn call(&mut self, request: http::Request<RequestBody>) -> Self::Future {
-        let mut call = CallRecord::start(self.layer.method(request.uri().path()));
-        let response = self.inner.call(request);
-        Box::pin(async move {
-            // On a transport error the call ends with the record's drop.
-            let response = response.await?;
-            if let Some(code) = grpc_status(response.headers()) {
-                call.code = Some(code);
-            }
-            Ok(response.map(|inner| MeasuredBody { inner, call }))
-        })
+        let call = CallRecord::start(self.layer.method(request.uri().path()));
+        MeasuredCall { inner: self.inner.call(request), call: Some(call) }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A call's answer on its way: hands the call's record to the response body (a concrete
+    /// future, not a boxed one: no allocation per call).
+    pub struct MeasuredCall<F> {
+        #[pin]
+        inner: F,
+        // Taken when the answer comes; on a transport error the call ends with its drop.
+        call: Option<CallRecord>,
+    }
+}
+
+impl<F, ResponseBody, Error> Future for MeasuredCall<F>
+where
+    F: Future<Output = Result<http::Response<ResponseBody>, Error>>,
+{
+    type Output = Result<http::Response<MeasuredBody<ResponseBody>>, Error>;
+
+    fn poll(self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let response = std::task::ready!(this.inner.poll(context))?;
+        let mut call = this.call.take().expect("a call's future is not polled after its answer");
+        if let Some(code) = grpc_status(response.headers()) {
+            call.code = Some(code);
+        }
+        Poll::Ready(Ok(response.map(|inner| MeasuredBody { inner, call })))
     }
 }
 
@@ -260,6 +282,60 @@ mod tests {
         );
         assert!(known_methods().iter().any(|(service, _)| service == "quotamesh.admin.v1.Admin"));
         assert!(known_methods().iter().any(|(service, _)| service == "quotamesh.raft.v1.RaftPeer"));
+    }
+
+    /// A service that answers every call at once with the given `grpc-status` header.
+    #[derive(Clone)]
+    struct Answer(&'static str);
+
+    impl tower_service::Service<http::Request<()>> for Answer {
+        type Response = http::Response<String>;
+        type Error = std::convert::Infallible;
+        type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, _: http::Request<()>) -> Self::Future {
+            let response =
+                http::Response::builder().header("grpc-status", self.0).body(String::new());
+            std::future::ready(Ok(response.expect("a valid response")))
+        }
+    }
+
+    /// A call is in flight until its body is dropped, then counted under its method (found
+    /// by its path) and its status; a path the node does not serve counts as `unknown`.
+    #[tokio::test]
+    async fn calls_count_under_their_method_and_status() {
+        use tower_layer::Layer;
+        use tower_service::Service;
+        let metrics = Metrics::new();
+        let layer = GrpcMetricsLayer::new(&metrics);
+        let mut service = layer.layer(Answer("5"));
+        let (rls, method) = ("envoy.service.ratelimit.v3.RateLimitService", "ShouldRateLimit");
+        let request = |path: &str| http::Request::builder().uri(path).body(()).expect("a request");
+        let response = service.call(request(&format!("/{rls}/{method}"))).await.expect("answered");
+        let in_flight = metrics.grpc_server_in_flight.with_label_values(&[rls, method]);
+        assert_eq!(in_flight.get(), 1, "in flight until its body is dropped");
+        drop(response);
+        assert_eq!(in_flight.get(), 0);
+        let handled = |service: &str, method: &str, code: &str| {
+            metrics.grpc_server_handled.with_label_values(&[service, method, code]).get()
+        };
+        assert_eq!(handled(rls, method, "NOT_FOUND"), 1);
+        assert_eq!(handled(rls, method, "OK"), 0);
+        let histogram = metrics.grpc_server_handling.with_label_values(&[rls, method]);
+        assert_eq!(histogram.get_sample_count(), 1);
+        drop(service.call(request("/no.Such/Method")).await.expect("answered"));
+        assert_eq!(handled(UNKNOWN, UNKNOWN, "NOT_FOUND"), 1);
+        // Every known path is found, the first and the last of the sorted table included.
+        for (service_name, method_name) in known_methods() {
+            let path = format!("/{service_name}/{method_name}");
+            drop(service.call(request(&path)).await.expect("answered"));
+            assert!(handled(service_name, method_name, "NOT_FOUND") >= 1, "{path}");
+        }
+        assert_eq!(handled(UNKNOWN, UNKNOWN, "NOT_FOUND"), 1, "no known path counted as unknown");
     }
 
     /// Every code has its label, in the codes' numeric order.
