@@ -156,10 +156,17 @@ answers region-b "$ENVOY_B" smoke-b
 
 section "the regions cut apart"
 # The rule's label, and each region's own slice (node 1 of each is published on the host).
-rule=$(curl -sf -m 5 "$METRICS_A/metrics" \
-  | grep -oE 'quotamesh_region_slice_tokens\{region="region-a",rule="[^"]*global[^"]*"' \
-  | head -1 | sed -E 's/.*rule="([^"]*)"/\1/') || true
-[ -n "$rule" ] || fail "region-a has no slice of the global limit"
+# The leader adopts the slice once the group has formed and node 1 exports it on its next
+# tick, which may come after the first answers: wait for it.
+deadline=$((SECONDS + 30))
+rule=
+until [ -n "$rule" ]; do
+  rule=$(curl -sf -m 5 "$METRICS_A/metrics" \
+    | grep -oE 'quotamesh_region_slice_tokens\{region="region-a",rule="[^"]*global[^"]*"' \
+    | head -1 | sed -E 's/.*rule="([^"]*)"/\1/') || true
+  [ -n "$rule" ] || ((SECONDS < deadline)) || fail "region-a has no slice of the global limit"
+  [ -n "$rule" ] || sleep 0.5
+done
 slice() { metric "$1" "quotamesh_region_slice_tokens{region=\"$2\",rule=\"$rule\"}"; }
 in_flight() { metric "$1" "quotamesh_region_in_flight_tokens{rule=\"$rule\"}"; }
 deadline=$((SECONDS + 30))
