@@ -247,10 +247,25 @@ async fn unmatched_and_unlimited_are_ok() -> anyhow::Result<()> {
         client.should_rate_limit(nested()).await?.into_inner().overall_code(),
         Code::OverLimit
     );
+    // A new key takes the waiting path (its key is created first), which matches the request
+    // a second time: its unmatched descriptor still counts once.
+    let with_new_key = client
+        .should_rate_limit(request(
+            "t10",
+            vec![descriptor(&[("other", "b")]), descriptor(&[("api_key", "new-key")])],
+        ))
+        .await?
+        .into_inner();
+    assert_eq!(with_new_key.overall_code(), Code::Ok);
     let metrics = node.metrics()?;
     assert_eq!(
         metric_value(&metrics, "quotamesh_rls_unmatched_total{reason=\"domain_not_found\"}"),
         1.0
+    );
+    assert_eq!(
+        metric_value(&metrics, "quotamesh_rls_unmatched_total{reason=\"no_rule\"}"),
+        3.0,
+        "other=a, the tenant level without a limit, other=b: each once"
     );
     Ok(())
 }

@@ -43,6 +43,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use parking_lot::{Mutex, MutexGuard};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
+use siphasher::sip128::{Hash128, Hasher128, SipHasher13};
 use smallvec::SmallVec;
 use tokio::sync::{Notify, Semaphore, oneshot};
 
@@ -162,7 +163,7 @@ pub struct Probe<'p> {
 #[derive(Debug, Clone)]
 pub struct ProbeOutcome {
     /// One verdict per counter, in the probe's order.
-    pub verdicts: Vec<Verdict>,
+    pub verdicts: SmallVec<[Verdict; 2]>,
     /// True when every limit admits the hits.
     pub admitted: bool,
     /// For a rule that does not enforce (shadow, warn) and whose limits refused the hits:
@@ -174,14 +175,23 @@ pub struct ProbeOutcome {
 /// The decision for a whole request.
 #[derive(Debug, Clone)]
 pub struct Decision {
-    /// One outcome per probe, in order.
-    pub outcomes: Vec<ProbeOutcome>,
+    /// One outcome per probe, in order. Requests carry a few descriptors of a limit or two:
+    /// on the stack, since this is built for every decision.
+    pub outcomes: SmallVec<[ProbeOutcome; 2]>,
     /// True when every enforced probe is admitted; only then were states consumed.
     pub admitted: bool,
     /// Set when an admitted counter was paid without a lease.
     pub bypass: Option<BypassReason>,
     /// True when a fail-closed rule denied because the ledger was out of reach.
     pub failed_closed: bool,
+}
+
+impl Decision {
+    /// The decision of a request none of whose descriptors has a limit: admitted.
+    #[must_use]
+    pub fn without_limits() -> Self {
+        Self { outcomes: SmallVec::new(), admitted: true, bypass: None, failed_closed: false }
+    }
 }
 
 /// Why a decision could not be made.
@@ -649,8 +659,9 @@ struct Shard {
 /// All shards of a node: routing, the decision procedure, and the actors' life cycle.
 pub struct ShardSet {
     shards: Box<[Shard]>,
-    hash_low: RandomState,
-    hash_high: RandomState,
+    /// The process's secret key for descriptor hashes: clients cannot choose colliding
+    /// descriptors without it.
+    hash_keys: (u64, u64),
     cold_permits: Arc<Semaphore>,
     lease_waiters: Arc<Semaphore>,
     lease_events: Arc<Notify>,
@@ -674,6 +685,10 @@ pub struct ShardSpawnError {
     index: usize,
     message: String,
 }
+
+/// A decision [`ShardSet::decide_now`] could not make from memory: finish it with
+/// [`ShardSet::decide_deferred`].
+pub struct Deferred(Pending);
 
 /// What a locked pass could not decide yet.
 enum Pending {
@@ -728,8 +743,7 @@ impl ShardSet {
         ));
         Ok(Self {
             shards: shards.into_boxed_slice(),
-            hash_low: RandomState::new(),
-            hash_high: RandomState::new(),
+            hash_keys: (random_word(), random_word()),
             cold_permits: Arc::new(Semaphore::new(COLD_ADMISSIONS_INFLIGHT_MAX)),
             lease_waiters: Arc::new(Semaphore::new(LEASE_WAITERS_MAX)),
             lease_events,
@@ -741,23 +755,21 @@ impl ShardSet {
         })
     }
 
-    /// Starts hashing a descriptor: its domain and entries, in order.
+    /// Hashes a descriptor: its domain and entries, in order, in one keyed 128-bit pass
+    /// (SipHash-1-3, as std's maps use, with twice the output).
     pub fn hash_descriptor<'e>(
         &self,
         domain: &str,
         entries: impl Iterator<Item = (&'e str, &'e str)>,
     ) -> DescriptorHash {
-        let mut low = self.hash_low.build_hasher();
-        let mut high = self.hash_high.build_hasher();
-        domain.hash(&mut low);
-        domain.hash(&mut high);
+        let mut hasher = SipHasher13::new_with_keys(self.hash_keys.0, self.hash_keys.1);
+        domain.hash(&mut hasher);
         for (key, value) in entries {
-            key.hash(&mut low);
-            value.hash(&mut low);
-            key.hash(&mut high);
-            value.hash(&mut high);
+            key.hash(&mut hasher);
+            value.hash(&mut hasher);
         }
-        DescriptorHash { low: low.finish(), high: high.finish() }
+        let Hash128 { h1, h2 } = hasher.finish128();
+        DescriptorHash { low: h1, high: h2 }
     }
 
     /// The stripe that holds every counter of a descriptor.
@@ -802,15 +814,48 @@ impl ShardSet {
     /// # Errors
     /// [`ShardError`] when new keys could not be created (overload, actor gone, churn).
     pub async fn decide(&self, probes: &[Probe<'_>], now_ms: u64) -> Result<Decision, ShardError> {
+        match self.decide_now(probes, now_ms) {
+            Ok(decision) => Ok(decision),
+            Err(deferred) => self.decide_deferred(probes, now_ms, deferred).await,
+        }
+    }
+
+    /// Decides a request from memory in one locked pass, as the first pass of
+    /// [`ShardSet::decide`]; a request with keys to create or a lease to wait for is handed
+    /// back, its asks sent. Most requests end here, so a caller that keeps the waiting path
+    /// out of line pays nothing for it.
+    ///
+    /// # Errors
+    /// [`Deferred`] when the decision needs new keys or a lease first.
+    pub fn decide_now(&self, probes: &[Probe<'_>], now_ms: u64) -> Result<Decision, Deferred> {
+        let decision =
+            self.try_decide(probes, now_ms, self.short_keys_at_first()).map_err(Deferred)?;
+        self.count(&decision);
+        Ok(decision)
+    }
+
+    /// Finishes a decision [`ShardSet::decide_now`] deferred, for the same probes: creates
+    /// the keys it found missing, waits for leases (see [`ShardSet::decide`]).
+    ///
+    /// # Errors
+    /// [`ShardError`] when new keys could not be created (overload, actor gone, churn).
+    pub async fn decide_deferred(
+        &self,
+        probes: &[Probe<'_>],
+        now_ms: u64,
+        deferred: Deferred,
+    ) -> Result<Decision, ShardError> {
         let started = tokio::time::Instant::now();
         let deadline = started + self.options.wait_budget;
-        let mut short_keys = if self.broker.circuit_open() {
-            ShortKeys::Fallback(BypassReason::CircuitOpen)
-        } else {
-            ShortKeys::Wait
-        };
-        let mut decide_ms = now_ms;
         let mut cold_rounds = 0;
+        if let Deferred(Pending::Missing(missing)) = deferred {
+            cold_rounds += 1;
+            self.admit_cold(missing, now_ms).await?;
+        }
+        // A pass that found a key short is redone: only a pass after the waiter registers
+        // can be sure not to miss the answer.
+        let mut short_keys = self.short_keys_at_first();
+        let mut decide_ms = now_ms;
         let mut waiting = None;
         loop {
             let notified = self.lease_events.notified();
@@ -851,6 +896,16 @@ impl ShardSet {
         }
     }
 
+    /// How a first pass treats keys whose balance is short: wait for their lease, unless the
+    /// circuit is open.
+    fn short_keys_at_first(&self) -> ShortKeys {
+        if self.broker.circuit_open() {
+            ShortKeys::Fallback(BypassReason::CircuitOpen)
+        } else {
+            ShortKeys::Wait
+        }
+    }
+
     fn count(&self, decision: &Decision) {
         if let (true, Some(reason)) = (decision.admitted, decision.bypass) {
             self.metrics.rate_limit_bypassed.with_label_values(&[reason.label()]).inc();
@@ -885,7 +940,7 @@ impl ShardSet {
         let mut missing: Vec<Vec<ColdKey>> = Vec::new();
         let mut short: SmallVec<[(usize, usize); 2]> = SmallVec::new();
         let mut refills: SmallVec<[(usize, usize); 2]> = SmallVec::new();
-        let mut outcomes: Vec<ProbeOutcome> = Vec::with_capacity(probes.len());
+        let mut outcomes: SmallVec<[ProbeOutcome; 2]> = SmallVec::with_capacity(probes.len());
         let mut judged: SmallVec<[(usize, usize); 4]> = SmallVec::new();
         // Counters that refused hits a request wanted to consume.
         let mut refused: SmallVec<[(usize, usize); 2]> = SmallVec::new();
@@ -899,8 +954,11 @@ impl ShardSet {
         let mut failed_closed = false;
         for (probe_index, probe) in probes.iter().enumerate() {
             let stripe = &guards[guard_of(probe.stripe)];
-            let mut verdicts = Vec::with_capacity(probe.counters.len());
-            let mut staged_here: SmallVec<[(usize, Staged); 2]> = SmallVec::new();
+            let mut verdicts: SmallVec<[Verdict; 2]> =
+                SmallVec::with_capacity(probe.counters.len());
+            // This probe's states go straight into `pending` and are taken out again unless the
+            // probe is admitted (its counters are distinct keys: none reads another's).
+            let staged_from = pending.len();
             for (counter_index, ProbeCounter { key, spec, ledger_spec }) in
                 probe.counters.iter().enumerate()
             {
@@ -958,7 +1016,7 @@ impl ShardSet {
                             refused.push((probe_index, counter_index));
                         }
                         verdicts.push(verdict);
-                        staged_here.push((counter_index, staged));
+                        pending.push((probe_index, counter_index, staged));
                         if verdict.admitted && bypass.is_none() {
                             bypass = paid_by;
                         }
@@ -991,11 +1049,10 @@ impl ShardSet {
                             .min(counter.spec.capacity_tokens());
                     }
                 }
-            } else if probe_admitted {
-                // A shadow rule that would have rejected keeps its quota, like a real rejection.
-                pending.extend(
-                    staged_here.into_iter().map(|(counter, staged)| (probe_index, counter, staged)),
-                );
+            }
+            // A shadow rule that would have rejected keeps its quota, like a real rejection.
+            if probe.check_only || !probe_admitted {
+                pending.truncate(staged_from);
             }
             outcomes.push(ProbeOutcome { verdicts, admitted: probe_admitted, over_permille: 0 });
         }
@@ -1019,11 +1076,12 @@ impl ShardSet {
         }
         if !short.is_empty() {
             drop(guards);
-            self.send_asks(asks);
+            self.send_asks(&mut asks);
             return Err(Pending::Leasing);
         }
         if admitted {
-            for (probe_index, counter_index, staged) in pending {
+            // By reference: a staged state is large, and each is copied once, into its slot.
+            for &(probe_index, counter_index, ref staged) in &pending {
                 let probe = &probes[probe_index];
                 let key = probe.counters[counter_index].key;
                 let stripe = &mut guards[guard_of(probe.stripe)];
@@ -1081,7 +1139,9 @@ impl ShardSet {
             }
         }
         drop(guards);
-        self.send_asks(asks);
+        if !asks.is_empty() {
+            self.send_asks(&mut asks);
+        }
         Ok(Decision { outcomes, admitted, bypass, failed_closed })
     }
 
@@ -1110,9 +1170,10 @@ impl ShardSet {
     }
 
     /// Hands asks to the broker; an ask it cannot take is answered "not applied" on its key
-    /// at once, so the key can ask again.
-    fn send_asks(&self, asks: SmallVec<[(StripeId, LeaseAsk); 2]>) {
-        for (stripe, ask) in asks {
+    /// at once, so the key can ask again. Borrowed, not moved: most decisions ask nothing,
+    /// and moving the inline asks would copy them on every one.
+    fn send_asks(&self, asks: &mut SmallVec<[(StripeId, LeaseAsk); 2]>) {
+        for (stripe, ask) in asks.drain(..) {
             let (counter, tuning, draft) = (ask.counter, ask.tuning, ask.draft);
             if self.broker.ask(ask) {
                 self.metrics.lease_asks.with_label_values(&["queued"]).inc();
@@ -1244,6 +1305,11 @@ fn gauge_value(tokens: u64) -> i64 {
 }
 
 /// MurmurHash3's 64-bit finalizer: every input bit affects every output bit.
+/// A random word, from the randomly keyed hasher std seeds from the operating system.
+fn random_word() -> u64 {
+    RandomState::new().build_hasher().finish()
+}
+
 fn mix(mut word: u64) -> u64 {
     word ^= word >> 33;
     word = word.wrapping_mul(0xff51_afd7_ed55_8ccd);

@@ -27,7 +27,7 @@ use arc_swap::ArcSwap;
 use smallvec::{SmallVec, smallvec};
 use tonic::{Request, Response, Status};
 
-use crate::actors::shard::{Decision, LedgerName, Probe, ProbeCounter, ShardSet};
+use crate::actors::shard::{Decision, Deferred, LedgerName, Probe, ProbeCounter, ShardSet};
 use crate::api::proto::envoy::config::core::v3::HeaderValue;
 use crate::api::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use crate::api::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
@@ -38,11 +38,13 @@ use crate::api::proto::envoy::service::ratelimit::v3::rate_limit_response::{
 use crate::api::proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use crate::api::proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use crate::api::proto::envoy::r#type::v3::RateLimitUnit;
-use crate::api::rule_metrics::{DescriptorCode, DomainCounters, RuleCounters, RuleMetrics};
+use crate::api::rule_metrics::{
+    DescriptorCode, DomainCounters, ResolvedRules, RuleCounters, RuleMetrics,
+};
 use crate::api::shadow_events::ShadowSink;
 use crate::api::status::InvalidRequest;
 use crate::core::admission::Verdict;
-use crate::core::headers::{HeaderOptions, LimitReport, Warning, format_headers, format_warning};
+use crate::core::headers::{HeaderOptions, LimitReport, Warning, emit_headers, format_warning};
 use crate::core::hit_stats::{HitCounts, NEAR_LIMIT_RATIO_PERMILLE_DEFAULT, classify};
 use crate::core::lease::LeaseTuning;
 use crate::core::policy::FailureMode;
@@ -76,6 +78,47 @@ pub struct RlsService {
     near_limit_ratio_permille: u64,
     /// Where shadow rules' would-be rejections go as events, with this node's id.
     shadow_events: Option<(ShadowSink, Arc<str>)>,
+}
+
+/// Each descriptor's own `limit` (`None` without one), or nothing when no descriptor has
+/// one: almost no request does.
+#[derive(Default)]
+struct Overrides(SmallVec<[Option<RuleLimit>; 1]>);
+
+impl Overrides {
+    fn new() -> Self {
+        Self::default()
+    }
+
+    /// The override of each descriptor in order, then `None` forever.
+    fn each(&self) -> impl Iterator<Item = Option<&RuleLimit>> {
+        self.0.iter().map(Option::as_ref).chain(std::iter::repeat(None))
+    }
+}
+
+impl FromIterator<Option<RuleLimit>> for Overrides {
+    fn from_iter<I: IntoIterator<Item = Option<RuleLimit>>>(items: I) -> Self {
+        Self(items.into_iter().collect())
+    }
+}
+/// What each descriptor of a request asks for.
+type Plans<'p> = SmallVec<[Plan<'p>; 4]>;
+/// The probes of a request's descriptors with limits: most requests have one or two.
+type Probes<'p> = SmallVec<[Probe<'p>; 2]>;
+
+/// What a request's descriptors are matched against.
+#[derive(Clone, Copy)]
+struct Matched<'p> {
+    policy: &'p PolicySet,
+    rule_counters: &'p ResolvedRules,
+    overrides: &'p Overrides,
+}
+
+/// Whether matching a request counts its misses and rejections: once per request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Counting {
+    On,
+    Off,
 }
 
 /// What one descriptor of a request asks for.
@@ -148,36 +191,120 @@ impl RlsService {
         request: &RateLimitRequest,
         now_ms: u64,
     ) -> Result<RateLimitResponse, Status> {
+        match self.decide_from_memory(request, now_ms) {
+            Ok(answer) => answer,
+            // Keys to create or a lease to wait for: the waiting path, its future boxed, so
+            // every other request's stays small (it is moved whole, and async_trait boxes it).
+            Err(deferred) => Box::pin(self.decide_waiting(request, now_ms, deferred)).await,
+        }
+    }
+
+    /// Decides a request in one pass over the shards' memory, as almost every request is;
+    /// hands back the ones that must wait, with what the pass found.
+    fn decide_from_memory(
+        &self,
+        request: &RateLimitRequest,
+        now_ms: u64,
+    ) -> Result<Result<RateLimitResponse, Status>, Deferred> {
         if let Err(invalid) = validate(request) {
             self.metrics.rls_rejected_requests.with_label_values(&[invalid.reason_label()]).inc();
-            return Err(invalid.into());
+            return Ok(Err(invalid.into()));
         }
         let policy = self.policy.load();
         let rule_counters = self.rule_metrics.of(&policy);
+        let overrides = match self.overrides(&policy, request, Counting::On) {
+            Ok(overrides) => overrides,
+            Err(status) => return Ok(Err(status)),
+        };
+        let (mut plans, mut probes) = (Plans::new(), Probes::new());
+        let matched =
+            Matched { policy: &policy, rule_counters: &rule_counters, overrides: &overrides };
+        self.prepare(request, matched, Counting::On, &mut plans, &mut probes);
+        let decision = if probes.is_empty() {
+            Decision::without_limits()
+        } else {
+            self.shards.decide_now(&probes, now_ms)?
+        };
+        let domain_counters = rule_counters.domain(&request.domain);
+        Ok(Ok(self.respond(request, domain_counters, &plans, &decision, &probes, now_ms)))
+    }
+
+    /// Finishes a request [`RlsService::decide_from_memory`] deferred: the same probes
+    /// again (its counts already taken), then the shards' waiting path.
+    async fn decide_waiting(
+        &self,
+        request: &RateLimitRequest,
+        now_ms: u64,
+        deferred: Deferred,
+    ) -> Result<RateLimitResponse, Status> {
+        let policy = self.policy.load();
+        let rule_counters = self.rule_metrics.of(&policy);
+        let overrides = self.overrides(&policy, request, Counting::Off)?;
+        let (mut plans, mut probes) = (Plans::new(), Probes::new());
+        let matched =
+            Matched { policy: &policy, rule_counters: &rule_counters, overrides: &overrides };
+        self.prepare(request, matched, Counting::Off, &mut plans, &mut probes);
+        let decision = if probes.is_empty() {
+            Decision::without_limits()
+        } else {
+            self.shards.decide_deferred(&probes, now_ms, deferred).await?
+        };
+        let domain_counters = rule_counters.domain(&request.domain);
+        Ok(self.respond(request, domain_counters, &plans, &decision, &probes, now_ms))
+    }
+
+    /// Each descriptor's own `limit`, validated. `Counting::Off` leaves the rejection
+    /// counters alone, for a request matched a second time.
+    fn overrides(
+        &self,
+        policy: &PolicySet,
+        request: &RateLimitRequest,
+        counting: Counting,
+    ) -> Result<Overrides, Status> {
+        // Almost no request carries its own limit: nothing to build or move then.
+        if request.descriptors.iter().all(|descriptor| descriptor.limit.is_none()) {
+            return Ok(Overrides::new());
+        }
         let domain = request.domain.as_str();
         let overrides = request
             .descriptors
             .iter()
             .enumerate()
-            .map(|(index, descriptor)| override_limit(&policy, domain, index, descriptor))
-            .collect::<Result<SmallVec<[_; 4]>, _>>()
+            .map(|(index, descriptor)| override_limit(policy, domain, index, descriptor))
+            .collect::<Result<Overrides, _>>()
             .inspect_err(|invalid| {
-                self.metrics
-                    .rls_rejected_requests
-                    .with_label_values(&[invalid.reason_label()])
-                    .inc();
+                if counting == Counting::On {
+                    self.metrics
+                        .rls_rejected_requests
+                        .with_label_values(&[invalid.reason_label()])
+                        .inc();
+                }
             })?;
+        Ok(overrides)
+    }
+
+    /// Matches a valid request's descriptors into `plans` (what each asks for) and `probes`
+    /// (those with limits), filled in place: they are large, and moving them would copy
+    /// them. `Counting::Off` leaves the miss counters alone, for a request matched a second
+    /// time.
+    fn prepare<'p>(
+        &self,
+        request: &'p RateLimitRequest,
+        Matched { policy, rule_counters, overrides }: Matched<'p>,
+        counting: Counting,
+        plans: &mut Plans<'p>,
+        probes: &mut Probes<'p>,
+    ) {
+        let domain = request.domain.as_str();
 
         // Requests carry a few descriptors: keep the per-request bookkeeping on the stack.
-        let mut plans: SmallVec<[Plan<'_>; 4]> = SmallVec::with_capacity(request.descriptors.len());
-        let mut probes: SmallVec<[Probe<'_>; 4]> = SmallVec::new();
         let matched: SmallVec<[Option<&Rule>; 4]> = request
             .descriptors
             .iter()
-            .zip(&overrides)
+            .zip(overrides.each())
             .map(|(descriptor, overridden)| match overridden {
                 Some(_) => None,
-                None => self.matched_rule(&policy, domain, descriptor),
+                None => self.matched_rule(policy, domain, descriptor, counting),
             })
             .collect();
         let replaced: SmallVec<[&str; 4]> = matched
@@ -187,7 +314,7 @@ impl RlsService {
             .collect();
 
         for ((descriptor, overridden), rule) in
-            request.descriptors.iter().zip(&overrides).zip(&matched)
+            request.descriptors.iter().zip(overrides.each()).zip(&matched)
         {
             let (view, limits): (RuleView<'_>, SmallVec<[&RuleLimit; 2]>) = match (overridden, rule)
             {
@@ -282,15 +409,6 @@ impl RlsService {
             });
             plans.push(Plan::Limited { rule: view, limits, probe: probes.len() - 1 });
         }
-
-        let decision = if probes.is_empty() {
-            Decision { outcomes: Vec::new(), admitted: true, bypass: None, failed_closed: false }
-        } else {
-            self.shards.decide(&probes, now_ms).await?
-        };
-        let domain_counters = rule_counters.domain(domain);
-        let response = self.respond(request, domain_counters, &plans, &decision, &probes, now_ms);
-        Ok(response)
     }
 
     /// The rule a descriptor matches, counting the misses.
@@ -299,6 +417,7 @@ impl RlsService {
         policy: &'p PolicySet,
         domain: &str,
         descriptor: &RateLimitDescriptor,
+        counting: Counting,
     ) -> Option<&'p Rule> {
         let entries: SmallVec<[Entry<'_>; 4]> = descriptor
             .entries
@@ -308,11 +427,15 @@ impl RlsService {
         match policy.match_descriptor(domain, &entries) {
             Match::Rule(rule) => Some(rule),
             Match::DomainNotFound => {
-                self.rule_metrics.unmatched_domain.inc();
+                if counting == Counting::On {
+                    self.rule_metrics.unmatched_domain.inc();
+                }
                 None
             }
             Match::NoRule => {
-                self.rule_metrics.unmatched_rule.inc();
+                if counting == Counting::On {
+                    self.rule_metrics.unmatched_rule.inc();
+                }
                 None
             }
         }
@@ -460,14 +583,18 @@ impl RlsService {
         let overall = if decision.admitted { Code::Ok } else { Code::OverLimit };
         domain_counters.count_answer(decision.admitted);
         let retry_after_ms = if decision.admitted { None } else { retry_after_ms };
-        let mut headers = format_headers(&reports, retry_after_ms, self.headers);
+        let mut response_headers_to_add = Vec::new();
+        let mut add = |key: &str, value| {
+            response_headers_to_add.push(HeaderValue {
+                key: key.to_owned(),
+                value,
+                raw_value: Vec::new(),
+            });
+        };
+        emit_headers(&reports, retry_after_ms, self.headers, &mut add);
         if let Some(warning) = warning {
-            headers.push(("ratelimit-warning", format_warning(warning)));
+            add("ratelimit-warning", format_warning(warning));
         }
-        let response_headers_to_add = headers
-            .into_iter()
-            .map(|(key, value)| HeaderValue { key: key.to_owned(), value, raw_value: Vec::new() })
-            .collect();
         RateLimitResponse {
             overall_code: overall.into(),
             statuses,

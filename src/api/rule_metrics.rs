@@ -5,7 +5,6 @@
 //! `MetricVec` on every request. A statistics key named by runtime values, and a request's own limit
 //! override, still go through the vectors (`crate::api::rls`).
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use arc_swap::ArcSwapOption;
@@ -126,8 +125,9 @@ impl DomainCounters {
 pub struct ResolvedRules {
     policy: Arc<PolicySet>,
     rules: Vec<RuleCounters>,
-    /// Bounded by the policy's domains.
-    domains: HashMap<Box<str>, DomainCounters>,
+    /// Bounded by the policy's domains. Looked up with a client's string on every request,
+    /// but only the policy inserts: a fast hash cannot be flooded here.
+    domains: foldhash::HashMap<Box<str>, DomainCounters>,
     unknown_domain: DomainCounters,
 }
 

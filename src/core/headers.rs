@@ -38,16 +38,18 @@ pub struct HeaderOptions {
     pub retry_after: bool,
 }
 
-/// Formats the header fields for the given limits; `retry_after_ms` is set when the
-/// request is over the limit. Returns `(name, value)` pairs; empty when `reports` is.
-pub fn format_headers(
+/// Formats the header fields for the given limits, handing each `(name, value)` to `emit`
+/// as it is made (none when `reports` is empty): the caller builds its answer's own list,
+/// with no list in between, on every answer. `retry_after_ms` is set when the request is
+/// over the limit.
+pub fn emit_headers(
     reports: &[LimitReport<'_>],
     retry_after_ms: Option<u64>,
     options: HeaderOptions,
-) -> Vec<(&'static str, String)> {
-    let mut headers = Vec::new();
+    mut emit: impl FnMut(&'static str, String),
+) {
     if reports.is_empty() {
-        return headers;
+        return;
     }
     if options.ietf_draft10 {
         // Written in place: this runs on every answer, so no intermediate strings.
@@ -62,29 +64,30 @@ pub fn format_headers(
                 policies.push_str(", ");
                 states.push_str(", ");
             }
+            // The name is quoted once and copied.
+            let quoted_at = policies.len();
             push_structured_string(&mut policies, &report.policy_name);
+            states.push_str(&policies[quoted_at..]);
             push_parameter(&mut policies, ";q=", report.quota);
             push_parameter(&mut policies, ";w=", window_seconds(report.window_ms));
-            push_structured_string(&mut states, &report.policy_name);
             push_parameter(&mut states, ";r=", report.remaining);
             push_parameter(&mut states, ";t=", ceil_seconds(report.reset_ms));
         }
-        headers.push(("ratelimit-policy", policies));
-        headers.push(("ratelimit", states));
+        emit("ratelimit-policy", policies);
+        emit("ratelimit", states);
     }
     if options.legacy {
         let tightest = reports
             .iter()
             .min_by(|a, b| a.remaining.cmp(&b.remaining).then(b.reset_ms.cmp(&a.reset_ms)))
             .expect("reports is not empty");
-        headers.push(("ratelimit-limit", integer(tightest.quota)));
-        headers.push(("ratelimit-remaining", integer(tightest.remaining)));
-        headers.push(("ratelimit-reset", integer(ceil_seconds(tightest.reset_ms))));
+        emit("ratelimit-limit", integer(tightest.quota));
+        emit("ratelimit-remaining", integer(tightest.remaining));
+        emit("ratelimit-reset", integer(ceil_seconds(tightest.reset_ms)));
     }
     if let (true, Some(retry_after_ms)) = (options.retry_after, retry_after_ms) {
-        headers.push(("retry-after", integer(ceil_seconds(retry_after_ms).max(1))));
+        emit("retry-after", integer(ceil_seconds(retry_after_ms).max(1)));
     }
-    headers
 }
 
 /// A caller a warn-stage rule would have refused (DESIGN section 7): how far over its limit
@@ -185,6 +188,16 @@ fn push_structured_string(out: &mut String, text: &str) {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    fn format_headers(
+        reports: &[LimitReport<'_>],
+        retry_after_ms: Option<u64>,
+        options: HeaderOptions,
+    ) -> Vec<(&'static str, String)> {
+        let mut headers = Vec::new();
+        emit_headers(reports, retry_after_ms, options, |name, value| headers.push((name, value)));
+        headers
+    }
 
     fn structured_string(text: &str) -> String {
         let mut out = String::new();

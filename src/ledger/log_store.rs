@@ -20,9 +20,10 @@
 //! ```
 //!
 //! The barrier keeps openraft's view of IO in the order it issued it, as a synchronous store
-//! would. `save_committed` is a hint openraft may lose, so it commits with `Durability::None`
-//! and rides along with the next fsync. Transactions run on tokio's blocking pool, so a commit
-//! never stalls the runtime's worker threads.
+//! would. `save_committed` is a hint openraft may lose, so it only notes the id in memory and
+//! the flusher writes it into its next fsync's transaction: one transaction fewer per entry.
+//! Transactions run on tokio's blocking pool, so a commit never stalls the runtime's worker
+//! threads.
 
 use std::fmt::Debug;
 use std::marker::PhantomData;
@@ -32,6 +33,7 @@ use std::sync::Arc;
 
 use openraft::storage::{LogFlushed, RaftLogStorage};
 use openraft::{ErrorSubject, ErrorVerb, LogId, LogState, RaftLogReader, StorageError, Vote};
+use parking_lot::Mutex;
 use redb::{Durability, ReadableDatabase, ReadableTable, TableDefinition};
 use tokio::sync::{mpsc, oneshot};
 
@@ -78,24 +80,35 @@ pub enum LogOpenError {
     Flusher(std::io::Error),
 }
 
+/// The latest committed id openraft reported, postcard-encoded, until the flusher writes it.
+type PendingCommitted = Arc<Mutex<Option<Vec<u8>>>>;
+
 /// The Raft log store of one group; cheap to clone (openraft reads through clones).
 pub struct LogStore<C: openraft::RaftTypeConfig> {
     db: Arc<redb::Database>,
     flusher: mpsc::Sender<FlushRequest<C>>,
+    committed: PendingCommitted,
     _config: PhantomData<fn() -> C>,
 }
 
 impl<C: openraft::RaftTypeConfig> Clone for LogStore<C> {
     fn clone(&self) -> Self {
-        Self { db: Arc::clone(&self.db), flusher: self.flusher.clone(), _config: PhantomData }
+        Self {
+            db: Arc::clone(&self.db),
+            flusher: self.flusher.clone(),
+            committed: Arc::clone(&self.committed),
+            _config: PhantomData,
+        }
     }
 }
 
-/// The flusher thread: one fsync for every batch of queued callbacks. It holds the database
-/// only while it commits, so the file closes as soon as the last [`LogStore`] handle is
-/// dropped (a restart in the same process reopens it at once); then it stops.
+/// The flusher thread: one fsync for every batch of queued callbacks, carrying the latest
+/// committed id. It holds the database only while it commits, so the file closes as soon as
+/// the last [`LogStore`] handle is dropped (a restart in the same process reopens it at once);
+/// then it stops.
 fn run_flusher<C: openraft::RaftTypeConfig>(
     db: std::sync::Weak<redb::Database>,
+    committed: PendingCommitted,
     mut requests: mpsc::Receiver<FlushRequest<C>>,
 ) {
     let mut batch = Vec::new();
@@ -110,12 +123,10 @@ fn run_flusher<C: openraft::RaftTypeConfig>(
         let needs_fsync = batch.iter().any(|request| matches!(request, FlushRequest::Appended(_)));
         let flushed: Result<(), String> = if needs_fsync {
             match db.upgrade() {
-                // An empty commit with Immediate durability persists every earlier commit.
-                Some(db) => db
-                    .begin_write()
-                    .map_err(redb::Error::from)
-                    .and_then(|txn| txn.commit().map_err(redb::Error::from))
-                    .map_err(|error| error.to_string()),
+                // A commit with Immediate durability persists every earlier commit.
+                Some(db) => {
+                    fsync_with_committed(&db, &committed).map_err(|error| error.to_string())
+                }
                 None => Err("the Raft log was closed before it was fsync'd".to_owned()),
             }
         } else {
@@ -137,6 +148,19 @@ fn run_flusher<C: openraft::RaftTypeConfig>(
     }
 }
 
+/// Commits with `Durability::Immediate`, writing the pending committed id if there is one.
+fn fsync_with_committed(
+    db: &redb::Database,
+    committed: &PendingCommitted,
+) -> Result<(), redb::Error> {
+    let txn = db.begin_write()?;
+    if let Some(bytes) = committed.lock().take() {
+        txn.open_table(META)?.insert(META_COMMITTED, bytes.as_slice())?;
+    }
+    txn.commit()?;
+    Ok(())
+}
+
 impl<C: GroupConfig> LogStore<C> {
     /// Opens (or creates) the log file `path`.
     ///
@@ -155,11 +179,13 @@ impl<C: GroupConfig> LogStore<C> {
         let db = Arc::new(db);
         let (flusher, requests) = mpsc::channel(FLUSH_QUEUE_MAX);
         let flusher_db = Arc::downgrade(&db);
+        let committed = PendingCommitted::default();
+        let flusher_committed = Arc::clone(&committed);
         std::thread::Builder::new()
             .name("raft-log-flush".to_owned())
-            .spawn(move || run_flusher::<C>(flusher_db, requests))
+            .spawn(move || run_flusher::<C>(flusher_db, flusher_committed, requests))
             .map_err(LogOpenError::Flusher)?;
-        Ok(Self { db, flusher, _config: PhantomData })
+        Ok(Self { db, flusher, committed, _config: PhantomData })
     }
 
     /// Waits until every append queued before this call has been fsync'd and completed.
@@ -307,12 +333,23 @@ impl<C: GroupConfig> RaftLogStorage<C> for LogStore<C> {
         &mut self,
         committed: Option<LogId<NodeId>>,
     ) -> Result<(), StorageError<NodeId>> {
-        // A hint openraft may lose: persisted by the next fsync, whenever that comes.
-        self.write_meta(META_COMMITTED, &committed, ErrorSubject::Store, Durability::None).await
+        // A hint openraft may lose: written by the flusher's next fsync, whenever that comes.
+        let bytes = postcard::to_allocvec(&committed)
+            .map_err(|e| storage_io(ErrorSubject::Store, ErrorVerb::Write, &e))?;
+        *self.committed.lock() = Some(bytes);
+        Ok(())
     }
 
     async fn read_committed(&mut self) -> Result<Option<LogId<NodeId>>, StorageError<NodeId>> {
-        Ok(self.read_meta::<Option<LogId<NodeId>>>(META_COMMITTED, ErrorSubject::Store)?.flatten())
+        let pending = self.committed.lock().clone();
+        let committed = match pending {
+            Some(bytes) => Some(
+                postcard::from_bytes::<Option<LogId<NodeId>>>(&bytes)
+                    .map_err(|e| storage_io(ErrorSubject::Store, ErrorVerb::Read, &e))?,
+            ),
+            None => self.read_meta::<Option<LogId<NodeId>>>(META_COMMITTED, ErrorSubject::Store)?,
+        };
+        Ok(committed.flatten())
     }
 
     async fn append<I>(

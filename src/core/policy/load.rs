@@ -1306,7 +1306,7 @@ fn build(
     options: LoadOptions,
 ) -> PolicySet {
     let mut assembly = Assembly { rules: Vec::new(), fingerprint: Fingerprint::new() };
-    let mut index = HashMap::with_capacity(domains.len());
+    let mut index = foldhash::HashMap::with_capacity_and_hasher(domains.len(), Default::default());
     for (name, draft) in domains {
         assembly.fingerprint.tag(b'D');
         assembly.fingerprint.str(&name);
@@ -1361,7 +1361,7 @@ impl Assembly {
         draft: DescriptorDraft,
         levels: &mut Vec<RuleLevel>,
         parent: &mut Level,
-        names: &mut HashMap<Box<str>, RuleId>,
+        names: &mut foldhash::HashMap<Box<str>, RuleId>,
     ) {
         levels.push(RuleLevel {
             key: draft.key.clone(),

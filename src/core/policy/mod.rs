@@ -47,7 +47,7 @@ mod proptests;
 mod tests;
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use crate::core::lease::LeaseTuning;
 use crate::core::rate::{Algorithm, LimitSpec};
@@ -397,7 +397,7 @@ pub enum Match<'p> {
 #[derive(Debug, Clone)]
 pub struct PolicySet {
     rules: Vec<Rule>,
-    domains: HashMap<Box<str>, matcher::Domain>,
+    domains: foldhash::HashMap<Box<str>, matcher::Domain>,
     digest: u64,
     default_algorithm: Algorithm,
 }
@@ -407,7 +407,7 @@ impl Default for PolicySet {
     fn default() -> Self {
         Self {
             rules: Vec::new(),
-            domains: HashMap::new(),
+            domains: foldhash::HashMap::default(),
             digest: digest::empty_set(),
             default_algorithm: Algorithm::default(),
         }
