@@ -570,12 +570,15 @@ impl KeyLease {
     }
 
     /// A settle-only report, when the ledger's count of this key differs from the node's (it
-    /// spent on credit, let a balance expire, or returned one) or is unknown (a report went
-    /// unanswered), and none is in flight.
+    /// spent on credit, let a balance expire, or returned one), is unknown (a report went
+    /// unanswered), or a debt is still to be charged, and none is in flight. The counts can
+    /// agree while a debt is owed: debt run up while a report flew, then a balance that
+    /// expired before its answer, offset each other in them.
     pub fn poll_settle(&mut self, tuning: &LeaseTuning, now_ms: u64) -> Option<ReportDraft> {
         self.expire(now_ms);
         let own = self.spent_tokens.saturating_add(self.balance_tokens);
-        if self.in_flight || (own == self.settled_tokens && !self.unconfirmed) {
+        let settled = own == self.settled_tokens && !self.unconfirmed && self.debt_tokens == 0;
+        if self.in_flight || settled {
             return None;
         }
         Some(self.draft(tuning, 0, now_ms))
