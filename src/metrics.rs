@@ -142,6 +142,9 @@ pub struct Metrics {
     /// `quotamesh_lease_credit_admissions_total`: decisions admitted on credit (a cold key's
     /// first hits, a refill on the way), charged by the key's next report.
     pub lease_credit_admissions: IntCounter,
+    /// `quotamesh_lease_waits_total`: decisions that waited for a key's lease from the ledger
+    /// (its balance fell short, credit could not pay); a warm key should not make any.
+    pub lease_waits: IntCounter,
     /// `quotamesh_lease_held_tokens{domain, rule}`: leased tokens this node holds per rule,
     /// at the last sweep; summed over the region's nodes it is the live drift.
     pub lease_held_tokens: IntGaugeVec,
@@ -478,6 +481,10 @@ impl Metrics {
             lease_credit_admissions: counter(
                 "quotamesh_lease_credit_admissions_total",
                 "Decisions admitted on credit, charged by the key's next report.",
+            ),
+            lease_waits: counter(
+                "quotamesh_lease_waits_total",
+                "Decisions that waited for a key's lease from the ledger.",
             ),
             lease_held_tokens: gauge_vec(
                 "quotamesh_lease_held_tokens",

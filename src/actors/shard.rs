@@ -876,6 +876,7 @@ impl ShardSet {
                 }
                 Err(Pending::Leasing) => {
                     if waiting.is_none() {
+                        self.metrics.lease_waits.inc();
                         match Arc::clone(&self.lease_waiters).try_acquire_owned() {
                             Ok(permit) => waiting = Some(permit),
                             Err(_) => {

@@ -60,17 +60,18 @@ fn lease_size_is_traffic_proportional() {
     assert_eq!(tuning.lease_size_tokens(10_000 * 1_000), 500, "capped");
     assert_eq!(tuning.low_watermark_tokens(250), 50);
     assert_eq!(tuning.low_watermark_tokens(3), 1, "at least 1");
-    assert_eq!(tuning.held_tokens_max(1_000_000, 3), 599);
+    assert_eq!(tuning.refill_watermark_max_tokens(500), 250, "half a lease for a warm key");
+    assert_eq!(tuning.held_tokens_max(1_000_000, 3), 749, "500 + 250 - 1");
     let large = LimitSpec::new(Algorithm::TokenBucket, 1_000_000, 60_000, None).expect("a limit");
-    assert_eq!(tuning.drift_bound_tokens(&large, 3, false, None), 1_797);
-    assert_eq!(tuning.drift_bound_tokens(&large, 3, true, None), 1_812, "3 x 5 of credit");
-    // 1,000/s over 5 nodes: leases capped at 100, 200 while the ledger divides the key (+39
-    // below the watermark, +5 of credit).
+    assert_eq!(tuning.drift_bound_tokens(&large, 3, false, None), 2_247);
+    assert_eq!(tuning.drift_bound_tokens(&large, 3, true, None), 2_262, "3 x 5 of credit");
+    // 1,000/s over 5 nodes: leases capped at 100 (+49 below a warm key's watermark), 200
+    // while the ledger divides the key (+39 below the plain watermark), +5 of credit.
     let capped = LimitSpec::new(Algorithm::TokenBucket, 1_000, 1_000, None).expect("a limit");
     assert_eq!(tuning.drift_bound_tokens(&capped, 5, true, None), 5 * 244);
     assert_eq!(
         tuning.drift_bound_tokens(&large, 3, true, Some(1_000)),
-        1_001_812,
+        1_002_262,
         "the fallback allowance while the circuit is not closed"
     );
     assert_eq!(tuning.held_tokens_max(20, 2), 11, "a key of 20 over 2 nodes: 10 + watermark 2 - 1");
@@ -143,6 +144,69 @@ fn lease_size_decays_when_traffic_stops() {
 
 fn settled(granted_tokens: u64, retry_after_ms: u64, remaining_tokens: u64) -> ReportAnswer {
     ReportAnswer::Settled { granted_tokens, retry_after_ms, remaining_tokens }
+}
+
+/// Spends `rate_per_ms` hits every ms from 1,000 ms for 5 s, paid from grants of what the
+/// refills want (one token less, with a retry after 1 ms, when the ledger `divides` the key),
+/// each answered `round_trip_ms` after its report and leaving `ledger_remaining` in the
+/// bucket. Returns the balances at which refills were asked and the ms in the last 2.5 s when
+/// the balance fell short (the ms a request would wait).
+fn warm_key(
+    rate_per_ms: u64,
+    round_trip_ms: u64,
+    ledger_remaining: u64,
+    divides: bool,
+) -> (Vec<u64>, u64) {
+    let tuning = LeaseTuning::default();
+    let mut lease = KeyLease::new(1_000_000_000, 1_000_000_000);
+    let mut flying: Option<(ReportDraft, u64)> = None;
+    let mut asked_at_balances = Vec::new();
+    let mut short_ms = 0;
+    for now_ms in 1_000..6_000 {
+        if let Some((draft, due_ms)) = flying
+            && now_ms >= due_ms
+        {
+            let want = draft.tokens_wanted;
+            let answer = if divides {
+                settled(want.saturating_sub(1), 1, ledger_remaining)
+            } else {
+                settled(want, 0, ledger_remaining)
+            };
+            lease.apply_answer(&tuning, &draft, answer, now_ms);
+            flying = None;
+        }
+        if lease.spend(&tuning, Credit::NONE, now_ms, rate_per_ms) == Spend::Short
+            && now_ms >= 3_500
+        {
+            short_ms += 1;
+        }
+        if flying.is_none()
+            && let Some(draft) = lease.poll_lease_for(&tuning, now_ms, 0)
+        {
+            asked_at_balances.push(draft.held_tokens);
+            flying = Some((draft, now_ms + round_trip_ms));
+        }
+    }
+    (asked_at_balances, short_ms)
+}
+
+/// A warm hot key (a 500-token lease lasts 10 ms) whose reports take 3 ms asks for its
+/// refill while two round trips of its traffic are left, at most half a lease, and never
+/// runs short. With the plain 20 % watermark (2 ms of traffic) it would wait at every
+/// refill, which is what a key whose bucket is nearly empty, or one the ledger divides
+/// between nodes, does: it takes nothing early.
+#[test]
+fn a_warm_key_asks_its_refill_two_round_trips_ahead_while_the_bucket_has_plenty() {
+    let (asked, short_ms) = warm_key(50, 3, 1_000_000, false);
+    let warm = &asked[asked.len() / 2..];
+    assert!(warm.iter().all(|held| (200..250).contains(held)), "asked at {warm:?}");
+    assert_eq!(short_ms, 0, "a warm key never waits");
+    for (remaining, divides) in [(999, false), (1_000_000, true)] {
+        let (asked, short_ms) = warm_key(50, 3, remaining, divides);
+        let warm = &asked[asked.len() / 2..];
+        assert!(warm.iter().all(|held| *held < 100), "plain watermark: {warm:?}");
+        assert!(short_ms > 100, "the plain watermark leaves it short {short_ms} ms");
+    }
 }
 
 /// A cold fail-open key admits its first hits on credit without waiting; its first report
