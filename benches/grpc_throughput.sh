@@ -13,9 +13,9 @@
 # so every answer is an admitted decision, paid from a lease while the ledger keeps up.
 # After the rounds the script prints the node's own counts (decisions by code, unmatched
 # descriptors, decisions paid from the fallback bucket, ledger calls) and fails if any
-# answer was not OK through the rule, and the share of decisions that took 1 ms or more
-# (a request waiting for its key's refill). When the fallback paid more than 1 % of the
-# decisions (ledger calls failing open the circuit breaker), the figures are of the fallback
+# answer was not OK through the rule, the share of decisions that took 1 ms or more and
+# that of decisions that waited for their key's lease. When the fallback paid more than 1 %
+# of the decisions (ledger calls failing open the circuit breaker), the figures are of the fallback
 # bucket, not of leasing, and the script says so.
 # The node runs with the shipped defaults ([leasing] included); GRPC_BENCH_LEDGER_TIMEOUT_MS
 # sets a fixed ledger deadline instead of the default derived from measured latency.
@@ -126,11 +126,13 @@ failed_calls=$(sum '^quotamesh_ledger_calls_total[{]result="error"')
 # Decisions that took 1 ms or more: the histogram's count less its 1 ms bucket.
 decided=$(sum '^quotamesh_rls_request_duration_seconds_count')
 within_1ms=$(sum '^quotamesh_rls_request_duration_seconds_bucket[{]le="0.001"')
-printf 'node (ledger timeout %s): %s OK through the rule, %s over limit, %s unmatched, %s rejected; %s paid from the fallback; %s ledger calls (%s failed), 1 per %s decisions; %s of %s decisions took 1 ms or more (%s %%)\n' \
+waits=$(sum '^quotamesh_lease_waits_total')
+printf 'node (ledger timeout %s): %s OK through the rule, %s over limit, %s unmatched, %s rejected; %s paid from the fallback; %s ledger calls (%s failed), 1 per %s decisions; %s of %s decisions took 1 ms or more (%s %%); %s waited for a lease (%s %%)\n' \
   "${ledger_timeout_ms:-default}" "$ok" "$not_ok" "$unmatched" "$rejected" "$bypassed" "$calls" "$failed_calls" \
   "$(awk -v d="$ok" -v c="$calls" 'BEGIN {if (c > 0) printf "%.0f", d / c; else print "-"}')" \
   "$((decided - within_1ms))" "$decided" \
-  "$(awk -v s="$((decided - within_1ms))" -v d="$decided" 'BEGIN {if (d > 0) printf "%.2f", s * 100 / d; else print "-"}')"
+  "$(awk -v s="$((decided - within_1ms))" -v d="$decided" 'BEGIN {if (d > 0) printf "%.2f", s * 100 / d; else print "-"}')" \
+  "$waits" "$(awk -v s="$waits" -v d="$decided" 'BEGIN {if (d > 0) printf "%.2f", s * 100 / d; else print "-"}')"
 if [ "$ok" -eq 0 ] || [ "$not_ok" -ne 0 ] || [ "$unmatched" -ne 0 ] || [ "$rejected" -ne 0 ]; then
   echo "the node did not answer every request OK through the rule: the figures are not of admitted decisions" >&2
   exit 1

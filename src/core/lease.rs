@@ -9,15 +9,17 @@
 //! ```text
 //!   B = clamp(min_lease_tokens, rate * lookahead, max_lease_tokens)
 //!   refill when balance < low watermark = max(1, B * low_watermark_percent / 100)
-//!     raised to rate * 2 round trips (at most B / 2) while the ledger's bucket holds 2 B
+//!     raised to rate * 2 round trips (at most B - 1) while the ledger's bucket holds 2 B
 //!     and the key is not divided between nodes
 //! ```
 //!
 //! The raised watermark is for warm hot keys: a 500-token lease at 50,000 decisions/s lasts
 //! 10 ms and its 20 % watermark 2 ms, less than a ledger commit, so without it requests would
-//! wait at every refill. It applies only while the bucket has plenty: a key near its limit,
-//! or divided between nodes by fair shares, keeps the plain watermark, so asking early never
-//! takes from another node's share.
+//! wait at every refill. Up to `B - 1`, a key whose round trip outlasts half its lease keeps
+//! a report in flight (half a lease still left a tenth of its decisions waiting at 50,000/s
+//! on one core); a node then holds up to `2 B - 2`, which the drift bound counts. It applies
+//! only while the bucket has plenty: a key near its limit, or divided between nodes by fair
+//! shares, keeps the plain watermark, so asking early never takes from another node's share.
 //!
 //! B follows the rate estimate, which decays exponentially when traffic falls, so B decays
 //! back to `min_lease_tokens`; the surplus above the new B goes back to the ledger.
@@ -153,17 +155,17 @@ impl LeaseTuning {
     }
 
     /// Highest balance below which a key not divided between nodes, of lease size `size`,
-    /// asks for a refill: the watermark, or half the lease while a warm key's round trips
-    /// raise it (see [`KeyLease::refill_watermark_tokens`]).
+    /// asks for a refill: the watermark, or all but one token of the lease while a warm
+    /// key's round trips raise it (see [`KeyLease::refill_watermark_tokens`]).
     pub fn refill_watermark_max_tokens(&self, lease_size_tokens: u64) -> u64 {
-        self.low_watermark_tokens(lease_size_tokens).max(lease_size_tokens / 2)
+        self.low_watermark_tokens(lease_size_tokens).max(lease_size_tokens.saturating_sub(1))
     }
 
     /// Most tokens one node can hold for a key of `capacity_tokens` in a region of `nodes`:
     /// a refill is asked only below the watermark, so at most `watermark - 1` remain when a
     /// full lease arrives. A key's lease is capped by its small-key cap; while the ledger
     /// divides the key the cap is doubled ([`KeyLease::lease_size_tokens`]) and the
-    /// watermark is the plain one, otherwise a warm key's watermark may reach half a lease.
+    /// watermark is the plain one, otherwise a warm key's watermark may reach the lease.
     pub fn held_tokens_max(&self, capacity_tokens: u64, nodes: u64) -> u64 {
         let cap = size_cap_tokens(capacity_tokens, nodes);
         let whole = self.max_lease_tokens.min(cap);
@@ -592,9 +594,9 @@ impl KeyLease {
 
     /// Balance below which a key of lease size `size` asks for a refill at `now_ms`: the
     /// tuning's watermark, raised to cover two recent round trips of the key's traffic (at
-    /// most half the lease) while the ledger's last answer left two leases in its bucket and
-    /// the key is not divided: a divided key asking early would only be granted less of its
-    /// share, and told to wait.
+    /// most all but one token of the lease) while the ledger's last answer left two leases in
+    /// its bucket and the key is not divided: a divided key asking early would only be
+    /// granted less of its share, and told to wait.
     fn refill_watermark_tokens(&self, tuning: &LeaseTuning, size: u64, now_ms: u64) -> u64 {
         let watermark = tuning.low_watermark_tokens(size);
         if !self.answered || self.divided || self.ledger_remaining_tokens < size.saturating_mul(2) {
@@ -604,7 +606,7 @@ impl KeyLease {
         let in_transit =
             u128::from(rate) * u128::from(self.round_trip_ms) * 2 / u128::from(MILLI * MILLI);
         let in_transit = u64::try_from(in_transit).unwrap_or(u64::MAX);
-        watermark.max(in_transit.min(size / 2))
+        watermark.max(in_transit.min(size.saturating_sub(1)))
     }
 
     /// The refill to request now, if any (see [`KeyLease::poll_lease_for`]).
