@@ -56,11 +56,12 @@ use crate::actors::lease_protocol::{CounterKey, LeaseAnswers, LeaseAsk};
 use crate::core::admission::{
     self, BypassReason, Counter, Fallback, Judged, Region, ShortKeys, Staged, Verdict,
 };
+use crate::core::dense_map::DenseMap;
 use crate::core::lease::{KeyLease, LeaseTuning, ReportAnswer, ReportDraft, size_cap_tokens};
 use crate::core::lease_key::LeaseKey;
 use crate::core::ledger::LeaseEpoch;
 use crate::core::policy::{FailureMode, PolicySet, RuleId};
-use crate::core::rate::{Algorithm, LimitSpec};
+use crate::core::rate::{Algorithm, LimitSpec, PackedLimitSpec};
 use crate::metrics::Metrics;
 
 /// Stripes per shard: enough that handlers on different cores rarely meet on one lock.
@@ -213,13 +214,14 @@ pub enum ShardError {
 struct Slot {
     lease: KeyLease,
     lease_key: LeaseKey,
-    /// The limit the counter follows (settle reports name it).
-    spec: LimitSpec,
+    /// The limit the counter follows (settle reports name it); read only off the decision
+    /// path, so kept packed.
+    spec: PackedLimitSpec,
     /// The slot's life in this process ([`LeaseEpoch::serial`]; the incarnation is the
     /// process's, kept once in [`EpochSource`]), for the ledger's settlement.
     epoch_serial: u64,
-    /// The sweep keeps the key at least until then.
-    keep_until_ms: u64,
+    /// The sweep keeps the key at least until then: node time in whole seconds, rounded up.
+    keep_until_s: u32,
     /// Only while the ledger is or was recently out of reach, or a window is overrun.
     rare: Option<Box<RareParts>>,
     /// The owning rule's id ([`NO_RULE`] for an override), for its lease tuning and gauges.
@@ -236,10 +238,10 @@ struct RareParts {
     overrun_until_ms: u64,
 }
 
-// The slot is what a tracked key costs (issue targets: resident bytes per key); a field
-// added here is a deliberate cost. With the slot boxed, a map entry is its key and a pointer.
-const _: () = assert!(size_of::<Slot>() <= 208);
-const _: () = assert!(size_of::<(CounterKey, Box<Slot>)>() == 24);
+// The slot and its key are what a tracked key costs (issue targets: resident bytes per
+// key), with 5 bytes of the stripe's table per bucket; a field added here is a deliberate
+// cost.
+const _: () = assert!(size_of::<(CounterKey, Slot)>() <= 184);
 
 impl Slot {
     fn fallback(&self) -> Option<Fallback> {
@@ -252,6 +254,10 @@ impl Slot {
 
     fn set_fallback(&mut self, fallback: Option<Fallback>) {
         self.rare_parts(|rare| rare.fallback = fallback);
+    }
+
+    fn keep_until_ms(&self) -> u64 {
+        u64::from(self.keep_until_s) * 1000
     }
 
     fn set_overrun_until_ms(&mut self, until_ms: u64) {
@@ -268,9 +274,9 @@ impl Slot {
     }
 }
 
-/// A stripe's keys. Slots are boxed: a hash table sits between half and seven eighths full,
-/// and its empty buckets then cost a pointer each rather than a whole slot.
-type Stripe = HashMap<CounterKey, Box<Slot>, BuildHasherDefault<FingerprintHasher>>;
+/// A stripe's keys, side by side: a hash table sits between half and seven eighths full, and
+/// its empty buckets then cost a 32-bit position each rather than a whole slot.
+type Stripe = DenseMap<CounterKey, Slot, BuildHasherDefault<FingerprintHasher>>;
 
 /// The published state of one shard: its stripes, and what its last sweep counted.
 struct ShardTable {
@@ -370,6 +376,9 @@ struct ShardActorState {
     key_count: usize,
     /// Next stripe to evict from when the target stripe is empty.
     eviction_cursor: usize,
+    /// Where in a stripe's entries the next eviction's sample starts: it moves on by a
+    /// sample each time, so that every key is sampled in turn.
+    eviction_sample_at: usize,
     broker: LeaseBroker,
     /// This actor, as the broker addresses its answers.
     answers_to: DerivedActorRef<LeaseAnswers>,
@@ -409,6 +418,7 @@ impl Actor for ShardActor {
             nodes_in_region: arguments.nodes_in_region,
             key_count: 0,
             eviction_cursor: 0,
+            eviction_sample_at: 0,
             broker: arguments.broker,
             answers_to: myself.get_derived(),
             epochs: arguments.epochs,
@@ -450,25 +460,26 @@ impl ShardActorState {
         let mut created = 0_u64;
         for cold in keys {
             let stripe_index = cold.stripe as usize;
-            if self.table.stripes[stripe_index].lock().contains_key(&cold.key) {
+            if self.table.stripes[stripe_index].lock().get(&cold.key).is_some() {
                 continue;
             }
             if self.key_count >= self.keys_max {
                 self.evict_one(stripe_index, now_ms);
             }
             let capacity_tokens = cold.spec.capacity_tokens();
-            let slot = Box::new(Slot {
+            let keep_until_ms = now_ms.saturating_add(FRESH_KEY_GRACE_MS);
+            let slot = Slot {
                 lease: KeyLease::new(
                     capacity_tokens,
                     size_cap_tokens(capacity_tokens, self.nodes_in_region),
                 ),
                 lease_key: cold.lease_key,
-                spec: cold.spec,
+                spec: PackedLimitSpec::pack(&cold.spec),
                 epoch_serial: self.epochs.next_serial(),
-                keep_until_ms: now_ms.saturating_add(FRESH_KEY_GRACE_MS),
+                keep_until_s: u32::try_from(keep_until_ms.div_ceil(1000)).unwrap_or(u32::MAX),
                 rare: None,
                 rule: cold.rule,
-            });
+            };
             self.table.stripes[stripe_index].lock().insert(cold.key, slot);
             self.key_count += 1;
             created += 1;
@@ -492,10 +503,11 @@ impl ShardActorState {
                     // stays at its limit.
                     admission::spend_what_is_left(&mut slot.lease, now_ms);
                 }
-                if slot.spec.algorithm != Algorithm::TokenBucket {
+                let spec = slot.spec.unpack();
+                if spec.algorithm != Algorithm::TokenBucket {
                     // A window's tokens are spent in that window or not at all (the window
                     // of the answer: the grant came between the send and now).
-                    let window_ms = slot.spec.window_ms.max(1);
+                    let window_ms = spec.window_ms.max(1);
                     slot.lease.expire_by((now_ms / window_ms + 1).saturating_mul(window_ms));
                 }
                 if matches!(answer, ReportAnswer::Settled { .. }) {
@@ -524,7 +536,7 @@ impl ShardActorState {
                 counter,
                 epoch: self.epochs.epoch(slot.epoch_serial),
                 lease_key: slot.lease_key,
-                spec: slot.spec,
+                spec: slot.spec.unpack(),
                 tuning: *tuning,
                 draft,
             };
@@ -547,10 +559,10 @@ impl ShardActorState {
             let mut stripe = self.table.stripes[index].lock();
             // A key with a report in flight stays until its answer is applied.
             let victim = stripe
-                .iter()
+                .iter_from(self.eviction_sample_at)
                 .filter(|(_, slot)| !slot.lease.in_flight())
                 .take(EVICTION_SAMPLE)
-                .min_by_key(|(_, slot)| slot.lease.last_hit_ms().max(slot.keep_until_ms))
+                .min_by_key(|(_, slot)| slot.lease.last_hit_ms().max(slot.keep_until_ms()))
                 .map(|(key, _)| *key);
             if let Some(key) = victim {
                 let mut slot = stripe.remove(&key).expect("the victim was just seen");
@@ -569,6 +581,7 @@ impl ShardActorState {
                 );
                 self.key_count -= 1;
                 self.eviction_cursor = index;
+                self.eviction_sample_at = self.eviction_sample_at.wrapping_add(EVICTION_SAMPLE);
                 self.metrics
                     .shard_evictions
                     .with_label_values(&[&self.shard_label, "capacity"])
@@ -613,9 +626,9 @@ impl ShardActorState {
                 if slot.fallback().is_some_and(|f| f.spec.is_pristine(&f.state, now_ms)) {
                     slot.set_fallback(None);
                 }
-                now_ms < slot.keep_until_ms
+                now_ms < slot.keep_until_ms()
                     || !idle
-                    || !slot.lease.is_settled(&slot.spec, now_ms)
+                    || !slot.lease.is_settled(&slot.spec.unpack(), now_ms)
                     || slot.fallback().is_some()
             });
             removed += before - stripe.len();
@@ -1164,7 +1177,7 @@ impl ShardSet {
             counter,
             epoch: self.epochs.epoch(slot.epoch_serial),
             lease_key: slot.lease_key,
-            spec: slot.spec,
+            spec: slot.spec.unpack(),
             tuning: *probe.lease,
             draft,
         }

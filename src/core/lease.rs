@@ -251,18 +251,28 @@ pub struct RateEstimate {
     decayed_milli_hits: u64,
     updated_ms: u64,
     /// Time already elapsed but not yet applied, in 1/16 ms: decay is applied in steps of
-    /// 1/16 half-life, and carrying the rest keeps frequent small updates unbiased.
-    unapplied_sixteenth_ms: u64,
-    /// When the sum last started from (next to) nothing.
-    started_ms: u64,
+    /// 1/16 half-life, and carrying the rest keeps frequent small updates unbiased. Below
+    /// one half-life, which is read as at most `u32::MAX` ms.
+    unapplied_sixteenth_ms: u32,
+    /// How long before `updated_ms` the sum last started from (next to) nothing, saturating
+    /// at `u32::MAX` ms (49 days, where a sum's weight is whole for any half-life of a day
+    /// or less).
+    started_before_update_ms: u32,
 }
+
+// Every tracked key holds one: two 32-bit fields, not two 64-bit ones, keep it at 24 bytes.
+const _: () = assert!(size_of::<RateEstimate>() == 24);
+
+/// Longest half-life a rate estimate reads: a longer one is read as this.
+const RATE_HALF_LIFE_MS_MAX: u64 = u32::MAX as u64;
 
 impl RateEstimate {
     /// Adds `hits` seen at `now_ms`.
     pub fn observe(&mut self, now_ms: u64, hits: u64, half_life_ms: u64) {
         self.decay_to(now_ms, half_life_ms);
         if self.decayed_milli_hits < MILLI {
-            self.started_ms = now_ms;
+            // At `now_ms`, which is `updated_ms` unless the clock stepped back.
+            self.started_before_update_ms = narrow_ms(self.updated_ms - now_ms);
         }
         self.decayed_milli_hits =
             self.decayed_milli_hits.saturating_add(hits.saturating_mul(MILLI));
@@ -270,10 +280,11 @@ impl RateEstimate {
 
     /// The estimated rate at `now_ms`, in milli-hits per second.
     pub fn rate_milli_per_second(&self, now_ms: u64, half_life_ms: u64) -> u64 {
-        let half_life_ms = half_life_ms.max(1);
+        let half_life_ms = half_life_ms.clamp(1, RATE_HALF_LIFE_MS_MAX);
         let mut decayed = *self;
         decayed.decay_to(now_ms, half_life_ms);
-        let observed_ms = now_ms.saturating_sub(self.started_ms).max(half_life_ms / 8).max(1);
+        let started_ms = self.updated_ms.saturating_sub(u64::from(self.started_before_update_ms));
+        let observed_ms = now_ms.saturating_sub(started_ms).max(half_life_ms / 8).max(1);
         let weight = FULL_WEIGHT - decay_factor(observed_ms, half_life_ms);
         let rate = u128::from(decayed.decayed_milli_hits) * LN_2_MICRO * u128::from(FULL_WEIGHT)
             / (u128::from(half_life_ms) * u128::from(MILLI) * u128::from(weight.max(1)));
@@ -284,12 +295,15 @@ impl RateEstimate {
         // A clock that steps back decays nothing (and is not remembered).
         let elapsed_ms = now_ms.saturating_sub(self.updated_ms);
         self.updated_ms = self.updated_ms.max(now_ms);
+        self.started_before_update_ms =
+            narrow_ms(u64::from(self.started_before_update_ms).saturating_add(elapsed_ms));
         // One step is 1/16 of a half-life, which is `half_life_ms` units of 1/16 ms.
-        let half_life_ms = half_life_ms.max(1);
+        let half_life_ms = half_life_ms.clamp(1, RATE_HALF_LIFE_MS_MAX);
         let elapsed_sixteenth_ms =
-            elapsed_ms.saturating_mul(16).saturating_add(self.unapplied_sixteenth_ms);
+            elapsed_ms.saturating_mul(16).saturating_add(u64::from(self.unapplied_sixteenth_ms));
         let steps = elapsed_sixteenth_ms / half_life_ms;
-        self.unapplied_sixteenth_ms = elapsed_sixteenth_ms % half_life_ms;
+        self.unapplied_sixteenth_ms =
+            u32::try_from(elapsed_sixteenth_ms % half_life_ms).expect("below a half-life");
         self.decayed_milli_hits = decay_by_steps(self.decayed_milli_hits, steps);
     }
 }
@@ -349,6 +363,11 @@ pub fn size_cap_tokens(capacity_tokens: u64, nodes_in_region: u64) -> u64 {
 /// than any lease means the same as the largest lease.
 fn narrow_tokens(tokens: u64) -> u32 {
     u32::try_from(tokens.min(LEASE_TOKENS_MAX)).expect("LEASE_TOKENS_MAX fits 32 bits")
+}
+
+/// `ms` in 32 bits, saturating (49 days).
+fn narrow_ms(ms: u64) -> u32 {
+    u32::try_from(ms).unwrap_or(u32::MAX)
 }
 
 /// What spending from a key's lease decided.
@@ -454,8 +473,8 @@ pub struct KeyLease {
     rate: RateEstimate,
 }
 
-// Every tracked key holds one (with the shard's slot around it): kept to 120 bytes.
-const _: () = assert!(size_of::<KeyLease>() <= 120);
+// Every tracked key holds one (with the shard's slot around it): kept to 112 bytes.
+const _: () = assert!(size_of::<KeyLease>() <= 112);
 
 impl KeyLease {
     /// A fresh key: nothing leased; `capacity_tokens` shown as the ledger's remaining count
@@ -580,11 +599,13 @@ impl KeyLease {
         if self.in_flight || now_ms < self.retry_at_ms {
             return None;
         }
-        let size = self.lease_size_tokens(tuning, now_ms);
+        // Read once: the lease's size and its raised watermark both follow it.
+        let rate = self.rate.rate_milli_per_second(now_ms, tuning.rate_half_life_ms);
+        let size = self.lease_size_for_rate(tuning, rate);
         let lacking = hits.saturating_sub(self.balance_tokens);
         let small = u64::from(self.size_cap_tokens) < tuning.min_lease_tokens;
         let below_watermark =
-            self.balance_tokens < self.refill_watermark_tokens(tuning, size, now_ms);
+            self.balance_tokens < self.refill_watermark_tokens(tuning, size, rate);
         if lacking == 0 && (small || !below_watermark) {
             return None;
         }
@@ -592,17 +613,16 @@ impl KeyLease {
         Some(self.draft(tuning, want.min(LEASE_TOKENS_MAX), now_ms))
     }
 
-    /// Balance below which a key of lease size `size` asks for a refill at `now_ms`: the
-    /// tuning's watermark, raised to cover two recent round trips of the key's traffic (at
-    /// most all but one token of the lease) while the ledger's last answer left two leases in
-    /// its bucket and the key is not divided: a divided key asking early would only be
-    /// granted less of its share, and told to wait.
-    fn refill_watermark_tokens(&self, tuning: &LeaseTuning, size: u64, now_ms: u64) -> u64 {
+    /// Balance below which a key of lease size `size` and traffic `rate_milli_per_second`
+    /// asks for a refill: the tuning's watermark, raised to cover two recent round trips of
+    /// the traffic (at most all but one token of the lease) while the ledger's last answer
+    /// left two leases in its bucket and the key is not divided: a divided key asking early
+    /// would only be granted less of its share, and told to wait.
+    fn refill_watermark_tokens(&self, tuning: &LeaseTuning, size: u64, rate: u64) -> u64 {
         let watermark = tuning.low_watermark_tokens(size);
         if !self.answered || self.divided || self.ledger_remaining_tokens < size.saturating_mul(2) {
             return watermark;
         }
-        let rate = self.rate.rate_milli_per_second(now_ms, tuning.rate_half_life_ms);
         let in_transit =
             u128::from(rate) * u128::from(self.round_trip_ms) * 2 / u128::from(MILLI * MILLI);
         let in_transit = u64::try_from(in_transit).unwrap_or(u64::MAX);
@@ -764,8 +784,12 @@ impl KeyLease {
     /// five nodes wanting the key) needs grants of a lookahead of that share, or it would
     /// ask more than 4 times a second.
     pub fn lease_size_tokens(&self, tuning: &LeaseTuning, now_ms: u64) -> u64 {
-        let size = tuning
-            .lease_size_tokens(self.rate.rate_milli_per_second(now_ms, tuning.rate_half_life_ms));
+        let rate = self.rate.rate_milli_per_second(now_ms, tuning.rate_half_life_ms);
+        self.lease_size_for_rate(tuning, rate)
+    }
+
+    fn lease_size_for_rate(&self, tuning: &LeaseTuning, rate_milli_per_second: u64) -> u64 {
+        let size = tuning.lease_size_tokens(rate_milli_per_second);
         let cap = u64::from(self.size_cap_tokens);
         let cap = if self.divided && cap >= tuning.min_lease_tokens { cap * 2 } else { cap };
         if cap == 0 { size } else { size.min(cap) }

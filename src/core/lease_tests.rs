@@ -108,6 +108,28 @@ fn a_new_key_reads_its_rate_at_once() {
     assert!((300_000..=340_000).contains(&read), "40 hits over 125 ms: {read} milli/s");
 }
 
+/// A key whose traffic has gone on for longer than the estimate counts its start (49 days,
+/// in 32 bits), on node times of the Unix epoch, reads its rate as a key a minute old does.
+#[test]
+fn a_rate_older_than_49_days_is_read_whole() {
+    let fed_for = |duration_ms: u64| {
+        let mut estimate = RateEstimate::default();
+        let end_ms = 1_800_000_000_000;
+        let mut now_ms = end_ms - duration_ms;
+        while now_ms <= end_ms {
+            estimate.observe(now_ms, 10, 1_000);
+            now_ms += 1_000;
+        }
+        estimate
+    };
+    let old = fed_for(50 * 24 * 3600 * 1000);
+    assert_eq!(old.started_before_update_ms, u32::MAX);
+    let read = |estimate: RateEstimate| estimate.rate_milli_per_second(1_800_000_000_500, 1_000);
+    let (old_read, minute_read) = (read(old), read(fed_for(60_000)));
+    assert!(old_read.abs_diff(minute_read) <= 10, "{old_read} against {minute_read} milli/s");
+    assert!(old_read.abs_diff(10_000) <= 1_000, "10 hits a second read as {old_read} milli/s");
+}
+
 /// After a long pause the estimate starts anew: a key back from idle reads its new rate
 /// as quickly as a new one.
 #[test]

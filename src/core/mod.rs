@@ -13,6 +13,7 @@
 //! - [`lease`]: node-side lease sizing, refill, expiry and the drift bound.
 //! - [`admission`]: one counter's decision on the abuse path (lease, credit, fallback).
 //! - [`lease_key`]: a counter's name in the ledger, alike on every node.
+//! - [`dense_map`]: the map a shard's stripe keeps its keys in, an entry's size a key.
 //! - [`circuit`]: the circuit breaker around ledger calls.
 //! - [`ledger`]: the regional quota ledger's deterministic state machine.
 //! - [`policy_versions`]: the region's replicated policy sets, versioned, with history.
@@ -29,6 +30,7 @@ pub mod admission;
 pub mod billing;
 pub mod canary_audit;
 pub mod circuit;
+pub mod dense_map;
 pub mod digest;
 pub mod fair_share;
 pub mod headers;

@@ -124,6 +124,58 @@ pub struct LimitSpec {
     pub burst_tokens: u64,
 }
 
+/// A [`LimitSpec`] in 16 bytes, aligned to one, for a tracked key's slot (32 bytes
+/// unpacked). A validated limit's numbers fit bit fields: `requests_per_window` and
+/// `burst_tokens` up to [`LIMIT_TOKENS_MAX`] in 40 bits each, `window_ms` up to
+/// [`WINDOW_MS_MAX`] in 36, the algorithm in 2.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PackedLimitSpec([u8; 16]);
+
+const TOKENS_BITS: u32 = 40;
+const WINDOW_BITS: u32 = 36;
+const _: () = assert!(LIMIT_TOKENS_MAX < 1 << TOKENS_BITS);
+const _: () = assert!(WINDOW_MS_MAX < 1 << WINDOW_BITS);
+const _: () = assert!(2 * TOKENS_BITS + WINDOW_BITS + 2 <= 128);
+
+impl PackedLimitSpec {
+    /// Packs `spec`. Numbers past a validated limit's bounds (only a hand-built spec has
+    /// them) are clamped to those bounds.
+    pub fn pack(spec: &LimitSpec) -> Self {
+        let algorithm: u128 = match spec.algorithm {
+            Algorithm::TokenBucket => 0,
+            Algorithm::SlidingWindow => 1,
+            Algorithm::FixedWindow => 2,
+        };
+        let requests = u128::from(spec.requests_per_window.min(LIMIT_TOKENS_MAX));
+        let burst = u128::from(spec.burst_tokens.min(LIMIT_TOKENS_MAX));
+        let window = u128::from(spec.window_ms.min(WINDOW_MS_MAX));
+        let bits = requests
+            | burst << TOKENS_BITS
+            | window << (2 * TOKENS_BITS)
+            | algorithm << (2 * TOKENS_BITS + WINDOW_BITS);
+        Self(bits.to_le_bytes())
+    }
+
+    /// The limit packed.
+    pub fn unpack(&self) -> LimitSpec {
+        let bits = u128::from_le_bytes(self.0);
+        let field = |shift: u32, width: u32| {
+            u64::try_from((bits >> shift) & ((1 << width) - 1)).expect("a field fits u64")
+        };
+        let algorithm = match field(2 * TOKENS_BITS + WINDOW_BITS, 2) {
+            0 => Algorithm::TokenBucket,
+            1 => Algorithm::SlidingWindow,
+            _ => Algorithm::FixedWindow,
+        };
+        LimitSpec {
+            algorithm,
+            requests_per_window: field(0, TOKENS_BITS),
+            window_ms: field(2 * TOKENS_BITS, WINDOW_BITS),
+            burst_tokens: field(TOKENS_BITS, TOKENS_BITS),
+        }
+    }
+}
+
 /// Why a limit's numbers were refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LimitSpecError {

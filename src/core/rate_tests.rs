@@ -1171,3 +1171,10 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #[test]
+    fn a_packed_limit_unpacks_to_itself(spec in any_valid_spec()) {
+        prop_assert_eq!(PackedLimitSpec::pack(&spec).unpack(), spec);
+    }
+}
