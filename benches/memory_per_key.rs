@@ -4,10 +4,11 @@
 //! `cargo bench --bench memory_per_key`, or `MEMORY_BENCH_KEYS=10000000 cargo bench --bench
 //! memory_per_key` to go on to 10,000,000 keys (about 3 GB, a few minutes).
 //!
-//! The figure moves with the hash tables' fill: a table doubles when seven eighths full, so
-//! a key count just past a doubling costs the most per key. 1,000,000 keys over this bench's
-//! two shards of 64 stripes is such a count (7,813 keys a stripe, in tables of 16,384
-//! buckets); 10,000,000 fill theirs to 60 %.
+//! The figure moves a little with the hash tables' fill: a stripe's keys sit side by side in
+//! a vector, found through a table of 5 bytes a bucket that doubles when seven eighths full,
+//! so a key count just past a doubling costs the most per key. 1,000,000 keys over this
+//! bench's two shards of 64 stripes is such a count (7,813 keys a stripe, in tables of
+//! 16,384 buckets: 10.5 bytes a key); 10,000,000 fill theirs to 60 %.
 //!
 //! The keys fall under a limit of 0, which every decision refuses without a lease, so the
 //! ledger (in this process) stays empty and only the shards' slots are measured; a slot's

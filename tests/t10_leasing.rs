@@ -179,6 +179,74 @@ async fn idle_balances_return_to_the_ledger() {
     shards.shutdown().await;
 }
 
+/// A shard at its key cap evicts a sampled key to make room for a new one, and settles the
+/// evicted key with the ledger (its balance goes back) rather than dropping what it holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_shard_evicts_and_settles_the_keys_it_drops() {
+    const KEYS: usize = 24;
+    // Two shards of 4 keys; no idle sweep, so only the cap removes keys.
+    let setup = support::Setup {
+        keys_per_shard_max: 4,
+        sweep_interval: Duration::from_secs(3600),
+        ..DEFAULTS
+    };
+    let (ledger, shards, metrics) = leasing(setup, true).await;
+    let spec = LimitSpec::new(Algorithm::TokenBucket, 1_000, 1_000, None).expect("a valid limit");
+    let lease = LeaseTuning::default();
+    let names: Vec<String> = (0..KEYS).map(|index| format!("e{index}")).collect();
+    let record = |name: &str| {
+        let key = LeaseKey::of("t", [("user", name)].into_iter(), 0, &spec).ledger_key();
+        ledger.host.quota().read(|machine| {
+            machine.key(&key).and_then(|entry| entry.leases.get(&NodeId(1)).copied())
+        })
+    };
+    for name in &names {
+        let probe = support::probe(
+            &shards,
+            "t",
+            ("user", name.as_str()),
+            &spec,
+            &lease,
+            FailureMode::Open,
+            1,
+        );
+        assert!(shards.decide(&probe, quotamesh::clock::now_ms()).await.expect("decides").admitted);
+        // Its first lease lands before the next key comes, so evictions find keys at rest.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while record(name).is_none() {
+            assert!(tokio::time::Instant::now() < deadline, "no lease for {name}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    let tracked = shards.key_count();
+    assert!(tracked <= 8, "{tracked} keys tracked by two shards of 4");
+    let evicted: u64 = ["0", "1"]
+        .iter()
+        .map(|shard| metrics.shard_evictions.with_label_values(&[shard, "capacity"]).get())
+        .sum();
+    assert_eq!(evicted, (KEYS - tracked) as u64, "every key not tracked was evicted for room");
+    // An evicted key's second report (after its first lease) settles it: the ledger takes its
+    // balance back and counts the one token its hit spent. A tracked key reports nothing more.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let records: Vec<_> = names.iter().filter_map(|name| record(name)).collect();
+        let settled = records.iter().filter(|record| record.seq >= 2).collect::<Vec<_>>();
+        if settled.len() as u64 == evicted {
+            for record in settled {
+                assert_eq!((record.tokens, record.spent_tokens), (0, 1), "{record:?}");
+            }
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} of {evicted} evicted keys settled: {records:?}",
+            settled.len()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    shards.shutdown().await;
+}
+
 /// With no ledger leader, a cold fail-open key admits its credit, then its short requests
 /// wait out the budget and fall back; once three calls are judged slow (against the default
 /// deadline: nothing measured yet, so a second) the circuit opens and decisions fall back
