@@ -11,6 +11,10 @@ use std::hash::{BuildHasher, Hash};
 
 use hashbrown::HashTable;
 
+/// Below this many entries' room a map never gives memory back: a stripe that holds a key
+/// or two would otherwise shrink at one sweep and grow again at its next key.
+const SHRINK_ABOVE_ENTRIES: usize = 64;
+
 /// A map of at most `u32::MAX` entries, stored densely (see the module docs).
 #[derive(Debug, Clone)]
 pub struct DenseMap<K, V, S> {
@@ -54,12 +58,12 @@ impl<K: Hash + Eq, V, S: BuildHasher> DenseMap<K, V, S> {
     /// # Panics
     /// When the map already holds `u32::MAX` entries (its callers bound it far lower).
     pub fn insert(&mut self, key: K, value: V) -> Option<V> {
-        if let Some(position) = self.position_of(&key) {
+        let hash = self.hasher.hash_one(&key);
+        if let Some(position) = self.position_hashed(hash, &key) {
             return Some(std::mem::replace(&mut self.entries[position].1, value));
         }
         let position =
             u32::try_from(self.entries.len()).expect("a dense map holds at most u32::MAX entries");
-        let hash = self.hasher.hash_one(&key);
         let Self { positions, entries, hasher } = self;
         positions.insert_unique(hash, position, |&at| hasher.hash_one(&entries[at as usize].0));
         entries.push((key, value));
@@ -76,7 +80,7 @@ impl<K: Hash + Eq, V, S: BuildHasher> DenseMap<K, V, S> {
     }
 
     /// Keeps only the entries for which `keep` is true, then gives back memory once a
-    /// quarter or less of what the map holds room for is in use.
+    /// quarter or less of what the map holds room for is in use (past a small floor).
     pub fn retain(&mut self, mut keep: impl FnMut(&K, &mut V) -> bool) {
         let mut position = 0;
         while position < self.entries.len() {
@@ -92,7 +96,8 @@ impl<K: Hash + Eq, V, S: BuildHasher> DenseMap<K, V, S> {
             // The last entry moves here: look at this position again.
             self.take(position);
         }
-        if self.entries.len() <= self.entries.capacity() / 4 {
+        let room = self.entries.capacity();
+        if room > SHRINK_ABOVE_ENTRIES && self.entries.len() <= room / 4 {
             self.entries.shrink_to_fit();
             let Self { positions, entries, hasher } = self;
             positions.shrink_to_fit(|&at| hasher.hash_one(&entries[at as usize].0));
@@ -118,7 +123,10 @@ impl<K: Hash + Eq, V, S: BuildHasher> DenseMap<K, V, S> {
     }
 
     fn position_of(&self, key: &K) -> Option<usize> {
-        let hash = self.hasher.hash_one(key);
+        self.position_hashed(self.hasher.hash_one(key), key)
+    }
+
+    fn position_hashed(&self, hash: u64, key: &K) -> Option<usize> {
         let entries = &self.entries;
         let found = self.positions.find(hash, |&at| entries[at as usize].0 == *key)?;
         Some(*found as usize)
@@ -249,5 +257,13 @@ mod tests {
         assert!(map.positions.capacity() < 1_000, "buckets {}", map.positions.capacity());
         assert_eq!(map.get(&99), Some(&99));
         assert_eq!(map.get(&100), None);
+
+        // A small map keeps its room: it would only grow again at its next entries.
+        let mut small = DenseMap::<u32, u64, std::hash::RandomState>::default();
+        for key in 0..32 {
+            small.insert(key, u64::from(key));
+        }
+        small.retain(|&key, _| key == 0);
+        assert!(small.entries.capacity() >= 32, "capacity {}", small.entries.capacity());
     }
 }
