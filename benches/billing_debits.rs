@@ -9,6 +9,8 @@
 //! (default `1,16,256`). Run with `cargo bench --bench billing_debits`; the figures are
 //! printed, never asserted.
 
+// The integration tests' node harness; this bench uses only a part of it.
+#[allow(dead_code)]
 #[path = "../tests/common/mod.rs"]
 mod common;
 

@@ -10,6 +10,7 @@
 use std::time::Duration;
 
 use quotamesh::actors::shard::ShardSet;
+use quotamesh::config::LeasingConfig;
 use quotamesh::core::admission::{BypassReason, FAIL_CLOSED_RETRY_AFTER_MS};
 use quotamesh::core::lease::LeaseTuning;
 use quotamesh::core::lease_key::LeaseKey;
@@ -134,6 +135,33 @@ async fn large_requests_lease_what_they_need() {
     assert!(!decision.admitted);
     assert_eq!(decision.outcomes[0].verdicts[0].retry_after_ms, u64::MAX);
     assert_eq!(counter(&metrics, "asks", "queued"), asks);
+    shards.shutdown().await;
+}
+
+/// A fail-closed key's first hit has no credit: it waits for its lease, and the answer to
+/// its key's stripe wakes it. A request not woken waits out the whole budget (then decides
+/// from whatever landed meanwhile: no timeout decides a count), so how long each wait took
+/// tells the two apart. Each of 20 keys waits once; a commit slower than the
+/// budget (a busy disk) may end a wait at the budget, most do not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_request_is_woken_by_its_keys_answer() {
+    let (_ledger, shards, metrics) = leasing(DEFAULTS, true).await;
+    let spec =
+        LimitSpec::new(Algorithm::TokenBucket, 100, 1_000, Some(100)).expect("a valid limit");
+    let lease = LeaseTuning::default();
+    let budget = Duration::from_millis(LeasingConfig::default().wait_budget_ms);
+    let keys = 20;
+    let mut woken_early = 0;
+    for user in 0..keys {
+        let user = format!("waiting-{user}");
+        let probe =
+            support::probe(&shards, "t", ("user", &user), &spec, &lease, FailureMode::Closed, 1);
+        let started = std::time::Instant::now();
+        shards.decide(&probe, quotamesh::clock::now_ms()).await.expect("decides");
+        woken_early += u64::from(started.elapsed() < budget);
+    }
+    assert_eq!(metrics.lease_waits.get(), keys, "every first hit waited for its lease");
+    assert!(woken_early * 2 > keys, "{woken_early} of {keys} waits ended before the budget");
     shards.shutdown().await;
 }
 

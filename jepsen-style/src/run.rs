@@ -319,7 +319,7 @@ impl Shared {
         for attempt in 0..attempts {
             let node = (position + attempt) % self.clients.len();
             match self.operation(process, node, f, value.clone()).await {
-                (EventType::Ok, reply) => return Step::Decided(reply),
+                (EventType::Ok, reply) => return Step::Decided(Box::new(reply)),
                 (EventType::Info, _) => unknown = true,
                 // The ledger's answer: another node would give the same.
                 (EventType::Fail, reply) if reply.refused && !unknown => return Step::Failed,
@@ -333,7 +333,8 @@ impl Shared {
 
 /// How one step of a transfer ended.
 enum Step {
-    Decided(OpValue),
+    /// The node's reply (boxed: a step is mostly a failure, and the reply is large).
+    Decided(Box<OpValue>),
     /// Every attempt failed: not applied.
     Failed,
     /// Some attempt may have applied.

@@ -37,7 +37,9 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher, RandomState};
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -45,7 +47,7 @@ use parking_lot::{Mutex, MutexGuard};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use siphasher::sip128::{Hash128, Hasher128, SipHasher13};
 use smallvec::SmallVec;
-use tokio::sync::{Notify, Semaphore, oneshot};
+use tokio::sync::{Notify, Semaphore, futures::Notified, oneshot};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -66,6 +68,10 @@ use crate::metrics::Metrics;
 
 /// Stripes per shard: enough that handlers on different cores rarely meet on one lock.
 pub const STRIPES_PER_SHARD: usize = 64;
+
+// A shard actor marks the stripes a batch of answers touched in one 64-bit word.
+const _: () = assert!(STRIPES_PER_SHARD <= 64);
+
 /// Cold-key admissions awaiting a shard actor at once, over all shards; beyond this the
 /// node answers `UNAVAILABLE` instead of growing the actors' unbounded mailboxes.
 pub const COLD_ADMISSIONS_INFLIGHT_MAX: usize = 4096;
@@ -281,6 +287,9 @@ type Stripe = DenseMap<CounterKey, Slot, BuildHasherDefault<FingerprintHasher>>;
 /// The published state of one shard: its stripes, and what its last sweep counted.
 struct ShardTable {
     stripes: Box<[Mutex<Stripe>]>,
+    /// Per stripe, the requests waiting for a lease on one of its keys: an answer wakes the
+    /// waiters of its own stripe only, not every waiting request of the node.
+    answered: Box<[Notify]>,
     /// Leased tokens held per rule id at the last sweep.
     held_by_rule: Mutex<HashMap<u32, u64>>,
 }
@@ -289,6 +298,7 @@ impl ShardTable {
     fn new() -> Self {
         Self {
             stripes: (0..STRIPES_PER_SHARD).map(|_| Mutex::new(Stripe::default())).collect(),
+            answered: (0..STRIPES_PER_SHARD).map(|_| Notify::new()).collect(),
             held_by_rule: Mutex::new(HashMap::new()),
         }
     }
@@ -384,7 +394,6 @@ struct ShardActorState {
     answers_to: DerivedActorRef<LeaseAnswers>,
     epochs: Arc<EpochSource>,
     policy: Arc<ArcSwap<PolicySet>>,
-    lease_events: Arc<Notify>,
     metrics: Metrics,
 }
 
@@ -397,7 +406,6 @@ struct ShardArguments {
     broker: LeaseBroker,
     epochs: Arc<EpochSource>,
     policy: Arc<ArcSwap<PolicySet>>,
-    lease_events: Arc<Notify>,
     metrics: Metrics,
 }
 
@@ -423,7 +431,6 @@ impl Actor for ShardActor {
             answers_to: myself.get_derived(),
             epochs: arguments.epochs,
             policy: arguments.policy,
-            lease_events: arguments.lease_events,
             metrics: arguments.metrics,
         })
     }
@@ -491,7 +498,10 @@ impl ShardActorState {
     /// slot's earlier life (the slot was removed after a final settle) has nothing to apply.
     fn apply_answers(&mut self, LeaseAnswers(answers): LeaseAnswers) {
         let now_ms = crate::clock::now_ms();
+        // The stripes answered, one bit each: each one's waiters are woken once, at the end.
+        let mut answered_stripes: u64 = 0;
         for (ask, answer) in answers {
+            answered_stripes |= 1 << ask.stripe;
             let mut stripe = self.table.stripes[ask.stripe as usize].lock();
             if let Some(slot) = stripe
                 .get_mut(&ask.counter)
@@ -517,7 +527,11 @@ impl ShardActorState {
                 }
             }
         }
-        self.lease_events.notify_waiters();
+        while answered_stripes != 0 {
+            let stripe = answered_stripes.trailing_zeros();
+            answered_stripes &= answered_stripes - 1;
+            self.table.answered[stripe as usize].notify_waiters();
+        }
     }
 
     /// Hands a settle report for `slot` to the broker, when the ledger's count differs.
@@ -677,7 +691,6 @@ pub struct ShardSet {
     hash_keys: (u64, u64),
     cold_permits: Arc<Semaphore>,
     lease_waiters: Arc<Semaphore>,
-    lease_events: Arc<Notify>,
     broker: LeaseBroker,
     options: ShardSetOptions,
     epochs: Arc<EpochSource>,
@@ -723,7 +736,6 @@ impl ShardSet {
         broker: LeaseBroker,
         policy: Arc<ArcSwap<PolicySet>>,
     ) -> Result<Self, ShardSpawnError> {
-        let lease_events = Arc::new(Notify::new());
         let epochs = Arc::new(EpochSource::new());
         let mut shards = Vec::with_capacity(options.shard_count);
         for index in 0..options.shard_count.max(1) {
@@ -736,7 +748,6 @@ impl ShardSet {
                 broker: broker.clone(),
                 epochs: Arc::clone(&epochs),
                 policy: Arc::clone(&policy),
-                lease_events: Arc::clone(&lease_events),
                 metrics: metrics.clone(),
             };
             let (actor, join) = Actor::spawn(None, ShardActor, arguments)
@@ -759,7 +770,6 @@ impl ShardSet {
             hash_keys: (random_word(), random_word()),
             cold_permits: Arc::new(Semaphore::new(COLD_ADMISSIONS_INFLIGHT_MAX)),
             lease_waiters: Arc::new(Semaphore::new(LEASE_WAITERS_MAX)),
-            lease_events,
             broker,
             options,
             epochs,
@@ -871,10 +881,8 @@ impl ShardSet {
         let mut decide_ms = now_ms;
         let mut waiting = None;
         loop {
-            let notified = self.lease_events.notified();
-            tokio::pin!(notified);
             // Registered before the pass, so an answer applied during it is not missed.
-            notified.as_mut().enable();
+            let mut answered = self.answered_events(probes);
             match self.try_decide(probes, decide_ms, short_keys) {
                 Ok(decision) => {
                     self.count(&decision);
@@ -898,7 +906,8 @@ impl ShardSet {
                             }
                         }
                     }
-                    if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                    if tokio::time::timeout_at(deadline, any_answered(&mut answered)).await.is_err()
+                    {
                         short_keys = ShortKeys::Fallback(BypassReason::LedgerTimeout);
                     } else if self.broker.circuit_open() {
                         short_keys = ShortKeys::Fallback(BypassReason::CircuitOpen);
@@ -908,6 +917,23 @@ impl ShardSet {
                 }
             }
         }
+    }
+
+    /// Registers for the answers to every stripe `probes` touch (a request has a few).
+    fn answered_events(&self, probes: &[Probe<'_>]) -> SmallVec<[Pin<Box<Notified<'_>>>; 2]> {
+        let mut stripes: SmallVec<[StripeId; 4]> =
+            probes.iter().map(|probe| probe.stripe).collect();
+        stripes.sort_unstable();
+        stripes.dedup();
+        stripes
+            .iter()
+            .map(|id| {
+                let table = &self.shards[id.shard as usize].table;
+                let mut notified = Box::pin(table.answered[id.stripe as usize].notified());
+                notified.as_mut().enable();
+                notified
+            })
+            .collect()
     }
 
     /// How a first pass treats keys whose balance is short: wait for their lease, unless the
@@ -1316,6 +1342,18 @@ async fn sweep_forever(
 
 fn gauge_value(tokens: u64) -> i64 {
     i64::try_from(tokens).unwrap_or(i64::MAX)
+}
+
+/// Completes when any of `events` (registered with [`ShardSet::answered_events`]) fires.
+async fn any_answered(events: &mut [Pin<Box<Notified<'_>>>]) {
+    std::future::poll_fn(|context| {
+        if events.iter_mut().any(|event| event.as_mut().poll(context).is_ready()) {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    })
+    .await;
 }
 
 /// MurmurHash3's 64-bit finalizer: every input bit affects every output bit.
