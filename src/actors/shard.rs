@@ -247,7 +247,7 @@ struct RareParts {
 // The slot and its key are what a tracked key costs (issue targets: resident bytes per
 // key), with 5 bytes of the stripe's table per bucket; a field added here is a deliberate
 // cost.
-const _: () = assert!(size_of::<(CounterKey, Slot)>() <= 184);
+const _: () = assert!(size_of::<(CounterKey, Slot)>() <= 176);
 
 impl Slot {
     fn fallback(&self) -> Option<Fallback> {

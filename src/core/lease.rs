@@ -365,6 +365,13 @@ fn narrow_tokens(tokens: u64) -> u32 {
     u32::try_from(tokens.min(LEASE_TOKENS_MAX)).expect("LEASE_TOKENS_MAX fits 32 bits")
 }
 
+/// The node time `offset_ms` after `base_ms`; an offset of 0 is no time at all (0), not
+/// `base_ms`: a request stamped before an answer was applied is decided after it, and a
+/// retry time or an expiry that had passed must not reach back to it.
+fn at_offset(base_ms: u64, offset_ms: u32) -> u64 {
+    if offset_ms == 0 { 0 } else { base_ms.saturating_add(u64::from(offset_ms)) }
+}
+
 /// `ms` in 32 bits, saturating (49 days).
 fn narrow_ms(ms: u64) -> u32 {
     u32::try_from(ms).unwrap_or(u32::MAX)
@@ -445,14 +452,20 @@ pub enum ReportAnswer {
 pub struct KeyLease {
     balance_tokens: u64,
     debt_tokens: u64,
-    expires_at_ms: u64,
     spent_tokens: u64,
     settled_tokens: u64,
     seq: u64,
-    retry_at_ms: u64,
     ledger_remaining_tokens: u64,
-    /// Node time of the last answer that said how much the ledger had left.
+    /// Node time of the last answer that said how much the ledger had left; the lease's
+    /// expiry and retry time are kept as offsets from it.
     answered_at_ms: u64,
+    /// The balance expires this long after `answered_at_ms` (0: it has expired). A lease
+    /// lives at most [`LEASE_TTL_MS_MAX`] from its report, so 32 bits hold it.
+    expires_after_answer_ms: u32,
+    /// No report before this long after `answered_at_ms` (0: none is due). Saturates at 49
+    /// days: a key told to wait longer (a window of months) asks again then, and is told
+    /// again.
+    retry_after_answer_ms: u32,
     /// What the report in flight wants (0 when none flies): the ledger may give it away.
     /// A want is at most [`LEASE_TOKENS_MAX`], so 32 bits hold it.
     in_flight_want_tokens: u32,
@@ -473,8 +486,8 @@ pub struct KeyLease {
     rate: RateEstimate,
 }
 
-// Every tracked key holds one (with the shard's slot around it): kept to 112 bytes.
-const _: () = assert!(size_of::<KeyLease>() <= 112);
+// Every tracked key holds one (with the shard's slot around it): kept to 104 bytes.
+const _: () = assert!(size_of::<KeyLease>() <= 104);
 
 impl KeyLease {
     /// A fresh key: nothing leased; `capacity_tokens` shown as the ledger's remaining count
@@ -489,7 +502,24 @@ impl KeyLease {
 
     /// Tokens this node may still spend from its leases.
     pub fn balance_tokens(&self, now_ms: u64) -> u64 {
-        if now_ms >= self.expires_at_ms { 0 } else { self.balance_tokens }
+        if now_ms >= self.expires_at_ms() { 0 } else { self.balance_tokens }
+    }
+
+    /// Node time at which the balance expires (0: it has).
+    fn expires_at_ms(&self) -> u64 {
+        at_offset(self.answered_at_ms, self.expires_after_answer_ms)
+    }
+
+    /// Node time before which no report is sent, the ledger's `retry_after` (0: none).
+    fn retry_at_ms(&self) -> u64 {
+        at_offset(self.answered_at_ms, self.retry_after_answer_ms)
+    }
+
+    /// Sets the expiry and the retry time to node times `expires_at_ms` and `retry_at_ms`,
+    /// as offsets from `answered_at_ms`: a time not after it is kept as 0, past.
+    fn set_times(&mut self, expires_at_ms: u64, retry_at_ms: u64) {
+        self.expires_after_answer_ms = narrow_ms(expires_at_ms.saturating_sub(self.answered_at_ms));
+        self.retry_after_answer_ms = narrow_ms(retry_at_ms.saturating_sub(self.answered_at_ms));
     }
 
     /// Tokens admitted beyond leases and not yet charged to the ledger.
@@ -546,8 +576,9 @@ impl KeyLease {
             self.spent_tokens = self.spent_tokens.saturating_add(hits);
             return Spend::Admitted;
         }
-        if now_ms < self.retry_at_ms {
-            return Spend::Blocked { retry_after_ms: self.retry_at_ms - now_ms };
+        let retry_at_ms = self.retry_at_ms();
+        if now_ms < retry_at_ms {
+            return Spend::Blocked { retry_after_ms: retry_at_ms - now_ms };
         }
         // Credit only while the ledger can still pay it, as far as this node knows: what it
         // had left at the last answer covers the debt, the report in flight and these hits.
@@ -583,7 +614,7 @@ impl KeyLease {
     /// still live: the key is at its limit, so a short request is rejected as the ledger
     /// would, not waited for.
     pub fn at_limit(&self, now_ms: u64) -> bool {
-        self.answered && self.ledger_remaining_tokens == 0 && now_ms < self.expires_at_ms
+        self.answered && self.ledger_remaining_tokens == 0 && now_ms < self.expires_at_ms()
     }
 
     /// The report to send now to lease for `hits` the balance does not cover (0: a refill at
@@ -596,7 +627,7 @@ impl KeyLease {
         hits: u64,
     ) -> Option<ReportDraft> {
         self.expire(now_ms);
-        if self.in_flight || now_ms < self.retry_at_ms {
+        if self.in_flight || now_ms < self.retry_at_ms() {
             return None;
         }
         // Read once: the lease's size and its raised watermark both follow it.
@@ -686,7 +717,7 @@ impl KeyLease {
             && !self.in_flight
             && self.spent_tokens.saturating_add(balance_tokens) == self.settled_tokens
             && !self.unconfirmed
-            && now_ms >= self.retry_at_ms
+            && now_ms >= self.retry_at_ms()
             && (!self.answered || self.ledger_refilled(spec, now_ms))
     }
 
@@ -717,7 +748,7 @@ impl KeyLease {
                 self.settled_tokens = self.spent_tokens;
                 self.unconfirmed = false;
                 self.answered = false;
-                self.retry_at_ms = 0;
+                self.retry_after_answer_ms = 0;
                 return;
             }
         };
@@ -732,6 +763,8 @@ impl KeyLease {
             self.divided = granted_tokens < sent.tokens_wanted && retry_after_ms > 0;
         }
         self.ledger_remaining_tokens = remaining_tokens;
+        // Read before the base they are kept from moves to this answer.
+        let mut expires_at_ms = self.expires_at_ms();
         self.answered_at_ms = now_ms;
         // The report charged the debt it carried; a grant pays the debt run up since.
         self.debt_tokens = self.debt_tokens.saturating_sub(sent.debt_tokens);
@@ -740,16 +773,17 @@ impl KeyLease {
         self.balance_tokens = self.balance_tokens.saturating_add(granted_tokens - paid_debt);
         self.settled_tokens =
             sent.spent_tokens.saturating_add(sent.held_tokens).saturating_add(granted_tokens);
-        self.retry_at_ms =
+        let retry_at_ms =
             if retry_after_ms > 0 { sent.sent_at_ms.saturating_add(retry_after_ms) } else { 0 };
         if granted_tokens > 0 {
             // The ledger extends every outstanding token of this node and key to the newest
             // grant's expiry, so the node may do the same, counted from when it sent.
-            self.expires_at_ms = sent
+            expires_at_ms = sent
                 .sent_at_ms
                 .saturating_add(tuning.lease_ttl_ms)
                 .saturating_sub(tuning.expiry_margin_ms);
         }
+        self.set_times(expires_at_ms, retry_at_ms);
     }
 
     /// Ends the lease by `at_ms` at the latest. A window algorithm's tokens count in the
@@ -758,7 +792,8 @@ impl KeyLease {
     /// the limit in it. What expires goes back as a normal expiry (the ledger credits none
     /// of it to a window that has ended).
     pub fn expire_by(&mut self, at_ms: u64) {
-        self.expires_at_ms = self.expires_at_ms.min(at_ms);
+        let expires_at_ms = self.expires_at_ms().min(at_ms);
+        self.set_times(expires_at_ms, self.retry_at_ms());
     }
 
     /// Takes the balance above the current lease size, to settle back to the ledger (the
@@ -796,7 +831,7 @@ impl KeyLease {
     }
 
     fn expire(&mut self, now_ms: u64) {
-        if now_ms >= self.expires_at_ms {
+        if now_ms >= self.expires_at_ms() {
             self.balance_tokens = 0;
         }
     }

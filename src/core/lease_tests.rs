@@ -303,6 +303,43 @@ fn lease_ended_at_a_window_end_drops_its_balance() {
     assert_eq!((settle.held_tokens, settle.spent_tokens), (0, 0));
 }
 
+/// The expiry and the retry time are kept as offsets from the last answer: an answer that
+/// grants nothing moves that base but leaves the lease's expiry where it was, and a retry
+/// further off than 32 bits of ms (49 days) comes then, not never.
+#[test]
+fn lease_times_survive_a_moving_base() {
+    let tuning = LeaseTuning::default();
+    let mut lease = KeyLease::new(1_000, 1_000);
+    let draft = lease.poll_lease_for(&tuning, 1_000, 1).expect("a lease");
+    lease.apply_answer(&tuning, &draft, settled(10, 0, 990), 1_001);
+    assert_eq!(lease.spend(&tuning, Credit::NONE, 1_100, 10), Spend::Admitted);
+    let refill = lease.poll_lease_for(&tuning, 1_200, 0).expect("a refill");
+    lease.apply_answer(&tuning, &refill, settled(0, 0, 990), 1_300);
+    assert_eq!(lease.balance_tokens(1_300), 0, "spent");
+    let more = lease.poll_lease_for(&tuning, 1_300, 0).expect("another refill");
+    lease.apply_answer(&tuning, &more, settled(5, 0, 985), 1_301);
+    // Granted with the report sent at 1,300: expires at 1,300 + 500 - 50.
+    let empty = lease.poll_lease_for(&tuning, 1_400, 6).expect("a report for 6");
+    lease.apply_answer(&tuning, &empty, settled(0, 0, 985), 1_420);
+    assert_eq!(lease.balance_tokens(1_749), 5, "the grant of 1,300 still runs");
+    assert_eq!(lease.balance_tokens(1_750), 0);
+    // A request stamped before that last answer, decided after it: no retry time was set,
+    // so it is short (it may ask), not told to wait until the answer's time.
+    assert_eq!(lease.spend(&tuning, Credit::NONE, 1_410, 6), Spend::Short);
+
+    let day_ms = 86_400_000;
+    let mut blocked = KeyLease::new(1_000, 1_000);
+    let draft = blocked.poll_lease_for(&tuning, 1_000, 1).expect("a lease");
+    blocked.apply_answer(&tuning, &draft, settled(0, 60 * day_ms, 0), 1_010);
+    let until_ms = 1_010 + u64::from(u32::MAX);
+    assert_eq!(
+        blocked.spend(&tuning, Credit::NONE, until_ms - 1, 1),
+        Spend::Blocked { retry_after_ms: 1 }
+    );
+    assert!(blocked.poll_lease_for(&tuning, until_ms - 1, 1).is_none());
+    assert!(blocked.poll_lease_for(&tuning, until_ms, 1).is_some(), "asks again after 49 days");
+}
+
 /// When the ledger grants nothing, the key is rejected locally until `retry_after_ms`
 /// (counted from the send) without another report, and gets no credit past an empty
 /// answer; then it asks again.
