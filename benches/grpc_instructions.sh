@@ -9,11 +9,15 @@
 # a Raft commit every 25 requests instead of every 500 as it does at full speed (2,000
 # decisions/s and more). The node is measured twice: on the shipped defaults, and with the
 # policy's lease pinned at the 500 tokens the defaults reach at full speed, which counts the
-# work per request of a hot key at full speed.
+# work per request of a hot key at full speed. It is measured a third time on the deny path:
+# a rule of 5 a minute, so all but the first five answers are OVER_LIMIT, decided from
+# memory (the ledger said when the key has a token again), with the full set of rate-limit
+# header fields and a Retry-After.
 #
 # Needs valgrind and h2load (Debian packages valgrind, nghttp2-client) and a release build:
 #   cargo build --release && benches/grpc_instructions.sh [requests]
-# (QUOTAMESH_BIN=path measures another build, to compare two commits in one session.)
+# (QUOTAMESH_BIN=path measures another build, to compare two commits in one session;
+# CALLGRIND_OUT_DIR=dir keeps the profiles there, for callgrind_annotate.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,6 +35,7 @@ descriptors:
     rate_limit: {unit: second, requests_per_unit: 1000000000}
 YAML
 sed 's/^    rate_limit: .*/&\n    lease: {min_tokens: 500, max_tokens: 500}/' "$work/policy.yaml" >"$work/pinned.yaml"
+sed 's/^    rate_limit: .*/    rate_limit: {unit: minute, requests_per_unit: 5}/' "$work/policy.yaml" >"$work/deny.yaml"
 "$binary" bench encode-request --domain bench --entry api_key=alice --out "$work/body.bin"
 
 # load PORT N: sends N requests, prints how many succeeded
@@ -57,6 +62,7 @@ measure() {
   [ "$done_count" -gt 0 ] || { echo "no request succeeded against $name" >&2; exit 1; }
   callgrind_control -d "$pid" >/dev/null
   kill -INT "$pid"; wait "$pid" 2>/dev/null || true
+  [ -z "${CALLGRIND_OUT_DIR:-}" ] || { mkdir -p "$CALLGRIND_OUT_DIR" && cp "$work/$name.out".* "$CALLGRIND_OUT_DIR/"; }
   local total; total=$(grep -h '^summary:' "$work/$name.out".* | head -1 | cut -d' ' -f2)
   echo $((total / done_count))
 }
@@ -66,7 +72,10 @@ node=$(measure quotamesh 18281 "$binary" serve --rls-addr 127.0.0.1:18281 \
   --metrics-addr 127.0.0.1:16271 --data-dir "$work/data" --policy "$work/policy.yaml")
 pinned=$(measure pinned 18282 "$binary" serve --rls-addr 127.0.0.1:18282 \
   --metrics-addr 127.0.0.1:16272 --data-dir "$work/pinned-data" --policy "$work/pinned.yaml")
-printf 'instructions per request: ceiling %s, quotamesh %s (defaults at valgrind pace), %s (lease of 500)\n' \
-  "$ceiling" "$node" "$pinned"
+deny=$(measure deny 18283 "$binary" serve --rls-addr 127.0.0.1:18283 \
+  --metrics-addr 127.0.0.1:16273 --data-dir "$work/deny-data" --policy "$work/deny.yaml")
+printf 'instructions per request: ceiling %s, quotamesh %s (defaults at valgrind pace), %s (lease of 500), %s (deny path)\n' \
+  "$ceiling" "$node" "$pinned" "$deny"
 awk -v a="$node" -v b="$ceiling" 'BEGIN {printf "CPU (instructions) per request ratio quotamesh/ceiling   %.3f (defaults at valgrind pace)\n", a / b}'
 awk -v a="$pinned" -v b="$ceiling" 'BEGIN {printf "CPU (instructions) per request ratio quotamesh/ceiling   %.3f (lease of 500, as at full speed)\n", a / b}'
+awk -v a="$deny" -v b="$ceiling" 'BEGIN {printf "CPU (instructions) per request ratio quotamesh/ceiling   %.3f (deny path)\n", a / b}'

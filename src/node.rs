@@ -38,8 +38,8 @@ use crate::actors::shard::{ShardSet, ShardSetOptions, ShardSpawnError};
 use crate::api::admin::{AdminNode, AdminService};
 use crate::api::grpc_limits::{self, Bounded};
 use crate::api::grpc_metrics::GrpcMetricsLayer;
-use crate::api::proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use crate::api::rls::{REQUEST_BYTES_MAX, RlsService};
+use crate::api::rls_wire::RlsServer;
 use crate::api::shadow_events::ShadowSink;
 use crate::config::{ConfigError, NodeConfig};
 use crate::core::circuit::BreakerSettings;
@@ -595,13 +595,13 @@ async fn grpc_server(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<JoinHandle<()>, NodeError> {
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    health_reporter.set_serving::<RateLimitServiceServer<RlsService>>().await;
+    health_reporter.set_serving::<RlsServer>().await;
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::api::proto::FILE_DESCRIPTOR_SET)
         .build_v1()
         .map_err(|error| NodeError::Setup { what: "gRPC reflection", reason: error.to_string() })?;
     // Envoy's requests are a few KiB; tonic refuses a larger one before decoding it.
-    let rls = RateLimitServiceServer::new(rls).max_decoding_message_size(REQUEST_BYTES_MAX);
+    let rls = RlsServer::new(rls, REQUEST_BYTES_MAX);
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let router = Server::builder()
         .layer(GrpcMetricsLayer::new(metrics))

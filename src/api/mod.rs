@@ -2,6 +2,7 @@
 //! endpoints for Prometheus and health checks. No rate-limit rule lives here.
 //!
 //! - [`rls`]: Envoy Rate Limit Service v3 (`ShouldRateLimit`).
+//! - [`rls_wire`]: the RLS answer, encoded straight onto the wire, and its gRPC service.
 //! - [`rule_metrics`]: the active policy's rule counters, resolved once per policy.
 //! - [`shadow_events`]: the JSON-lines file of shadow rules' would-be rejections.
 //! - [`admin`]: the admin API (`quotamesh.admin.v1.Admin`): the groups' membership and
@@ -23,6 +24,7 @@ pub mod http;
 pub mod operators;
 pub mod proto;
 pub mod rls;
+pub mod rls_wire;
 pub mod rule_metrics;
 pub mod shadow_events;
 pub mod status;

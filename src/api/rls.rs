@@ -25,26 +25,23 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use smallvec::{SmallVec, smallvec};
-use tonic::{Request, Response, Status};
+use tonic::Status;
 
 use crate::actors::shard::{Decision, Deferred, LedgerName, Probe, ProbeCounter, ShardSet};
-use crate::api::proto::envoy::config::core::v3::HeaderValue;
 use crate::api::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use crate::api::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+use crate::api::proto::envoy::service::ratelimit::v3::RateLimitRequest;
+use crate::api::proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use crate::api::proto::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit as ProtoUnit;
-use crate::api::proto::envoy::service::ratelimit::v3::rate_limit_response::{
-    Code, DescriptorStatus, RateLimit,
-};
-use crate::api::proto::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
-use crate::api::proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use crate::api::proto::envoy::r#type::v3::RateLimitUnit;
+use crate::api::rls_wire::{CurrentLimit, RlsAnswer, StatusAnswer};
 use crate::api::rule_metrics::{
     DescriptorCode, DomainCounters, ResolvedRules, RuleCounters, RuleMetrics,
 };
 use crate::api::shadow_events::ShadowSink;
 use crate::api::status::InvalidRequest;
 use crate::core::admission::Verdict;
-use crate::core::headers::{HeaderOptions, LimitReport, Warning, emit_headers, format_warning};
+use crate::core::headers::{HeaderOptions, LimitReport, Warning, emit_headers, push_warning};
 use crate::core::hit_stats::{HitCounts, NEAR_LIMIT_RATIO_PERMILLE_DEFAULT, classify};
 use crate::core::lease::LeaseTuning;
 use crate::core::policy::FailureMode;
@@ -190,7 +187,7 @@ impl RlsService {
         &self,
         request: &RateLimitRequest,
         now_ms: u64,
-    ) -> Result<RateLimitResponse, Status> {
+    ) -> Result<Box<RlsAnswer>, Status> {
         match self.decide_from_memory(request, now_ms) {
             Ok(answer) => answer,
             // Keys to create or a lease to wait for: the waiting path, its future boxed, so
@@ -205,7 +202,7 @@ impl RlsService {
         &self,
         request: &RateLimitRequest,
         now_ms: u64,
-    ) -> Result<Result<RateLimitResponse, Status>, Deferred> {
+    ) -> Result<Result<Box<RlsAnswer>, Status>, Deferred> {
         if let Err(invalid) = validate(request) {
             self.metrics.rls_rejected_requests.with_label_values(&[invalid.reason_label()]).inc();
             return Ok(Err(invalid.into()));
@@ -236,7 +233,7 @@ impl RlsService {
         request: &RateLimitRequest,
         now_ms: u64,
         deferred: Deferred,
-    ) -> Result<RateLimitResponse, Status> {
+    ) -> Result<Box<RlsAnswer>, Status> {
         let policy = self.policy.load();
         let rule_counters = self.rule_metrics.of(&policy);
         let overrides = self.overrides(&policy, request, Counting::Off)?;
@@ -449,26 +446,22 @@ impl RlsService {
         decision: &Decision,
         probes: &[Probe<'_>],
         now_ms: u64,
-    ) -> RateLimitResponse {
+    ) -> Box<RlsAnswer> {
         let domain = request.domain.as_str();
         let domain_label = &*domain_counters.label;
         let mut metadata: Option<serde_json::Map<String, serde_json::Value>> = None;
-        let mut statuses = Vec::with_capacity(plans.len());
+        let mut statuses = SmallVec::with_capacity(plans.len());
         let mut reports: SmallVec<[LimitReport<'_>; 4]> = SmallVec::new();
         let mut retry_after_ms: Option<u64> = None;
         let mut warning: Option<Warning<'_>> = None;
         for (plan, descriptor) in plans.iter().zip(&request.descriptors) {
             let (rule, limits, probe) = match plan {
                 Plan::Unmatched => {
-                    statuses.push(DescriptorStatus { code: Code::Ok.into(), ..Default::default() });
+                    statuses.push(StatusAnswer::ok(0));
                     continue;
                 }
                 Plan::Unlimited => {
-                    statuses.push(DescriptorStatus {
-                        code: Code::Ok.into(),
-                        limit_remaining: u32::MAX,
-                        ..Default::default()
-                    });
+                    statuses.push(StatusAnswer::ok(u32::MAX));
                     continue;
                 }
                 Plan::Limited { rule, limits, probe } => (rule, limits, *probe),
@@ -572,36 +565,26 @@ impl RlsService {
                 }
             }
             let (limit, evaluation) = (limits[shown], &evaluations[shown]);
-            statuses.push(DescriptorStatus {
-                code: code.into(),
+            statuses.push(StatusAnswer {
+                code,
                 current_limit: Some(current_limit(limit)),
                 limit_remaining: u32::try_from(evaluation.remaining).unwrap_or(u32::MAX),
-                duration_until_reset: Some(whole_seconds_of_ms(evaluation.reset_ms)),
-                quota: None,
+                reset_seconds: Some(whole_seconds_of_ms(evaluation.reset_ms)),
             });
         }
         let overall = if decision.admitted { Code::Ok } else { Code::OverLimit };
         domain_counters.count_answer(decision.admitted);
         let retry_after_ms = if decision.admitted { None } else { retry_after_ms };
-        let mut response_headers_to_add = Vec::new();
-        let mut add = |key: &str, value| {
-            response_headers_to_add.push(HeaderValue {
-                key: key.to_owned(),
-                value,
-                raw_value: Vec::new(),
-            });
-        };
-        emit_headers(&reports, retry_after_ms, self.headers, &mut add);
+        let mut answer = RlsAnswer::new(overall);
+        answer.statuses = statuses;
+        emit_headers(&reports, retry_after_ms, self.headers, &mut answer.headers);
         if let Some(warning) = warning {
-            add("ratelimit-warning", format_warning(warning));
+            answer.headers.push_with("ratelimit-warning", |out| push_warning(out, warning));
         }
-        RateLimitResponse {
-            overall_code: overall.into(),
-            statuses,
-            response_headers_to_add,
-            dynamic_metadata: metadata.map(|metadata| dynamic_metadata(request, metadata)),
-            ..Default::default()
-        }
+        answer.dynamic_metadata = metadata.map(|metadata| dynamic_metadata(request, metadata));
+        // Boxed: the answer passes through several futures on its way to the wire, and a
+        // pointer moves cheaper than its statuses and header fields.
+        Box::new(answer)
     }
 
     /// Upstream's statistics for one descriptor: its hits classified against the limit
@@ -761,16 +744,19 @@ fn struct_value(json: &serde_json::Value) -> prost_types::Value {
     prost_types::Value { kind: Some(kind) }
 }
 
-#[tonic::async_trait]
-impl RateLimitService for RlsService {
-    async fn should_rate_limit(
+impl RlsService {
+    /// `ShouldRateLimit`: decides `request` now, timed.
+    ///
+    /// # Errors
+    /// As [`RlsService::decide`].
+    pub async fn should_rate_limit(
         &self,
-        request: Request<RateLimitRequest>,
-    ) -> Result<Response<RateLimitResponse>, Status> {
+        request: &RateLimitRequest,
+    ) -> Result<Box<RlsAnswer>, Status> {
         let timer = self.metrics.rls_request_duration.start_timer();
-        let result = self.decide(request.get_ref(), crate::clock::now_ms()).await;
+        let result = self.decide(request, crate::clock::now_ms()).await;
         timer.observe_duration();
-        result.map(Response::new)
+        result
     }
 }
 
@@ -935,7 +921,7 @@ fn report<'p>(
 
 /// The limit a descriptor status shows; its `name` is the limit's own, empty without one as
 /// upstream's (Envoy shows it in `x-ratelimit-limit`), never the rule path.
-fn current_limit(limit: &RuleLimit) -> RateLimit {
+fn current_limit(limit: &RuleLimit) -> CurrentLimit {
     let unit = match limit.unit {
         Some(Unit::Second) => ProtoUnit::Second,
         Some(Unit::Minute) => ProtoUnit::Minute,
@@ -947,19 +933,16 @@ fn current_limit(limit: &RuleLimit) -> RateLimit {
         // An arbitrary window (`window: 30s`) has no Envoy unit.
         None => ProtoUnit::Unknown,
     };
-    RateLimit {
+    CurrentLimit {
         name: limit.name.clone().unwrap_or_default(),
         requests_per_unit: u32::try_from(limit.spec.requests_per_window).unwrap_or(u32::MAX),
-        unit: unit.into(),
+        unit,
     }
 }
 
 /// `duration_until_reset` in whole seconds, rounded up, as envoyproxy/ratelimit answers (a
 /// per-second window says 1 s, not 0 s and some nanoseconds: Envoy's `x-ratelimit-reset`
 /// header shows the seconds).
-fn whole_seconds_of_ms(ms: u64) -> prost_types::Duration {
-    prost_types::Duration {
-        seconds: i64::try_from(ms.div_ceil(1000)).unwrap_or(i64::MAX),
-        nanos: 0,
-    }
+fn whole_seconds_of_ms(ms: u64) -> i64 {
+    i64::try_from(ms.div_ceil(1000)).unwrap_or(i64::MAX)
 }

@@ -12,6 +12,8 @@
 use std::borrow::Cow;
 use std::fmt::Write;
 
+use smallvec::SmallVec;
+
 /// One limit as the client should see it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LimitReport<'n> {
@@ -38,55 +40,80 @@ pub struct HeaderOptions {
     pub retry_after: bool,
 }
 
-/// Formats the header fields for the given limits, handing each `(name, value)` to `emit`
-/// as it is made (none when `reports` is empty): the caller builds its answer's own list,
-/// with no list in between, on every answer. `retry_after_ms` is set when the request is
-/// over the limit.
+/// What an answer's header fields usually take: two policies' draft-10 fields and a
+/// `Retry-After`.
+const FIELDS_BYTES_USUAL: usize = 128;
+
+/// An answer's header fields, their values written one after another into one string: the
+/// fields of an answer cost one allocation, not two each, on every answer.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HeaderFields {
+    text: String,
+    /// Each field's name and the end of its value in `text` (it starts where the last ended).
+    ends: SmallVec<[(&'static str, usize); 4]>,
+}
+
+impl HeaderFields {
+    /// Adds the field `name` whose value `write` appends.
+    pub fn push_with(&mut self, name: &'static str, write: impl FnOnce(&mut String)) {
+        if self.text.capacity() == 0 {
+            // Room for an answer's usual fields at once, not grown a few bytes at a time.
+            self.text.reserve(FIELDS_BYTES_USUAL);
+        }
+        write(&mut self.text);
+        self.ends.push((name, self.text.len()));
+    }
+
+    /// The fields in the order they were added: `(name, value)`.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = (&'static str, &str)> + '_ {
+        let mut start = 0;
+        self.ends.iter().map(move |&(name, end)| {
+            let value = &self.text[start..end];
+            start = end;
+            (name, value)
+        })
+    }
+}
+
+/// Writes the header fields for the given limits into `fields` (none when `reports` is
+/// empty). `retry_after_ms` is set when the request is over the limit.
 pub fn emit_headers(
     reports: &[LimitReport<'_>],
     retry_after_ms: Option<u64>,
     options: HeaderOptions,
-    mut emit: impl FnMut(&'static str, String),
+    fields: &mut HeaderFields,
 ) {
     if reports.is_empty() {
         return;
     }
     if options.ietf_draft10 {
-        // Written in place: this runs on every answer, so no intermediate strings.
-        let mut policies = String::with_capacity(32 * reports.len());
-        let mut states = String::with_capacity(32 * reports.len());
-        for (index, report) in reports.iter().enumerate() {
-            // One item per policy name: a rule met by two descriptors is one policy.
-            if reports[..index].iter().any(|earlier| earlier.policy_name == report.policy_name) {
-                continue;
-            }
-            if !policies.is_empty() {
-                policies.push_str(", ");
-                states.push_str(", ");
-            }
-            // The name is quoted once and copied.
-            let quoted_at = policies.len();
-            push_structured_string(&mut policies, &report.policy_name);
-            states.push_str(&policies[quoted_at..]);
-            push_parameter(&mut policies, ";q=", report.quota);
-            push_parameter(&mut policies, ";w=", window_seconds(report.window_ms));
-            push_parameter(&mut states, ";r=", report.remaining);
-            push_parameter(&mut states, ";t=", ceil_seconds(report.reset_ms));
-        }
-        emit("ratelimit-policy", policies);
-        emit("ratelimit", states);
+        fields.push_with("ratelimit-policy", |out| {
+            push_items(out, reports, |out, report| {
+                push_parameter(out, ";q=", report.quota);
+                push_parameter(out, ";w=", window_seconds(report.window_ms));
+            });
+        });
+        fields.push_with("ratelimit", |out| {
+            push_items(out, reports, |out, report| {
+                push_parameter(out, ";r=", report.remaining);
+                push_parameter(out, ";t=", ceil_seconds(report.reset_ms));
+            });
+        });
     }
     if options.legacy {
         let tightest = reports
             .iter()
             .min_by(|a, b| a.remaining.cmp(&b.remaining).then(b.reset_ms.cmp(&a.reset_ms)))
             .expect("reports is not empty");
-        emit("ratelimit-limit", integer(tightest.quota));
-        emit("ratelimit-remaining", integer(tightest.remaining));
-        emit("ratelimit-reset", integer(ceil_seconds(tightest.reset_ms)));
+        fields.push_with("ratelimit-limit", |out| push_integer(out, tightest.quota));
+        fields.push_with("ratelimit-remaining", |out| push_integer(out, tightest.remaining));
+        fields
+            .push_with("ratelimit-reset", |out| push_integer(out, ceil_seconds(tightest.reset_ms)));
     }
     if let (true, Some(retry_after_ms)) = (options.retry_after, retry_after_ms) {
-        emit("retry-after", integer(ceil_seconds(retry_after_ms).max(1)));
+        fields.push_with("retry-after", |out| {
+            push_integer(out, ceil_seconds(retry_after_ms).max(1));
+        });
     }
 }
 
@@ -117,12 +144,10 @@ impl Warning<'_> {
     }
 }
 
-/// The `RateLimit-Warning` field of a warned request: `20% over quota; enforcement begins
+/// Appends the `RateLimit-Warning` field of a warned request: `20% over quota; enforcement begins
 /// 2027-01-08` (`over quota` when how far is not known; `not enforced yet` without a day).
 /// Percentages round to the nearest whole one, and never show an over-limit caller as 0 %.
-#[must_use]
-pub fn format_warning(warning: Warning<'_>) -> String {
-    let mut value = String::with_capacity(64);
+pub fn push_warning(value: &mut String, warning: Warning<'_>) {
     match warning.over_permille.filter(|permille| *permille > 0) {
         Some(permille) => {
             let percent = permille.saturating_add(5) / 10;
@@ -136,7 +161,25 @@ pub fn format_warning(warning: Warning<'_>) -> String {
         }
         None => value.push_str("; not enforced yet"),
     }
-    value
+}
+
+/// Appends a draft-10 list: one item per policy name (a rule met by two descriptors is one
+/// policy), each the quoted name and the parameters `push_parameters` appends.
+fn push_items(
+    out: &mut String,
+    reports: &[LimitReport<'_>],
+    push_parameters: impl Fn(&mut String, &LimitReport<'_>),
+) {
+    for (index, report) in reports.iter().enumerate() {
+        if reports[..index].iter().any(|earlier| earlier.policy_name == report.policy_name) {
+            continue;
+        }
+        if index > 0 {
+            out.push_str(", ");
+        }
+        push_structured_string(out, &report.policy_name);
+        push_parameters(out, report);
+    }
 }
 
 /// Whole seconds, rounded up: a client that waits this long is never early.
@@ -151,9 +194,9 @@ fn push_parameter(out: &mut String, name: &str, value: u64) {
     out.push_str(itoa::Buffer::new().format(value));
 }
 
-/// A header value of one integer.
-fn integer(value: u64) -> String {
-    itoa::Buffer::new().format(value).to_owned()
+/// Appends a header value of one integer.
+fn push_integer(out: &mut String, value: u64) {
+    out.push_str(itoa::Buffer::new().format(value));
 }
 
 /// The draft forbids sub-second and zero windows: at least one second.
@@ -194,9 +237,15 @@ mod tests {
         retry_after_ms: Option<u64>,
         options: HeaderOptions,
     ) -> Vec<(&'static str, String)> {
-        let mut headers = Vec::new();
-        emit_headers(reports, retry_after_ms, options, |name, value| headers.push((name, value)));
-        headers
+        let mut fields = HeaderFields::default();
+        emit_headers(reports, retry_after_ms, options, &mut fields);
+        fields.iter().map(|(name, value)| (name, value.to_owned())).collect()
+    }
+
+    fn format_warning(warning: Warning<'_>) -> String {
+        let mut value = String::new();
+        push_warning(&mut value, warning);
+        value
     }
 
     fn structured_string(text: &str) -> String {
@@ -265,6 +314,26 @@ mod tests {
         assert_eq!(header(&headers, "retry-after"), None);
     }
 
+    /// A rule met by two descriptors is one policy: its name is listed once, in the order
+    /// first met, and the fields after it read back whole from the shared string.
+    #[test]
+    fn a_policy_met_twice_is_listed_once() {
+        let reports = [
+            report("per-ip", 10, 1_000, 9, 1_000),
+            report("burst", 100, 60_000, 50, 30_000),
+            report("per-ip", 10, 1_000, 3, 1_000),
+        ];
+        let headers = format_headers(&reports, Some(1_500), ALL);
+        assert_eq!(
+            header(&headers, "ratelimit-policy"),
+            Some("\"per-ip\";q=10;w=1, \"burst\";q=100;w=60")
+        );
+        assert_eq!(header(&headers, "ratelimit"), Some("\"per-ip\";r=9;t=1, \"burst\";r=50;t=30"));
+        assert_eq!(header(&headers, "ratelimit-remaining"), Some("3"));
+        assert_eq!(header(&headers, "retry-after"), Some("2"));
+        assert_eq!(headers.len(), 6);
+    }
+
     /// Retry-After rounds up and is at least one second; sub-second windows say w=1.
     #[test]
     fn retry_after_rounds_up() {
@@ -331,7 +400,9 @@ mod tests {
             let mut parameter = String::new();
             push_parameter(&mut parameter, ";q=", value);
             prop_assert_eq!(parameter, format!(";q={value}"));
-            prop_assert_eq!(integer(value), value.to_string());
+            let mut integer = String::new();
+            push_integer(&mut integer, value);
+            prop_assert_eq!(integer, value.to_string());
         }
 
         /// ceil_seconds never under-reports: seconds * 1000 >= ms and is the smallest such.
