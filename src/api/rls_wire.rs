@@ -94,7 +94,7 @@ pub struct CurrentLimit {
 }
 
 impl RlsAnswer {
-    /// The answer for a request of no descriptor, or none with a rule.
+    /// An answer of `overall_code` with no status, header field or metadata yet.
     pub fn new(overall_code: Code) -> Self {
         Self {
             overall_code,
