@@ -81,6 +81,51 @@ async fn malformed_requests_are_refused() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The RLS service answers an unknown method with UNIMPLEMENTED and bytes that are no
+/// `RateLimitRequest` with a decode error, allocates nothing for either, and goes on
+/// answering.
+#[tokio::test]
+async fn unknown_methods_and_undecodable_messages_are_refused() -> anyhow::Result<()> {
+    let directory = tempfile::tempdir()?;
+    let node = NodeProcess::start(&write_file(directory.path(), "p.yaml", POLICY))?;
+    let channel =
+        tonic::transport::Endpoint::new(format!("http://{}", node.rls_addr))?.connect().await?;
+    // A message the client encodes as field 1 = varint 5, where the service reads field 1
+    // as the domain, a string: not a RateLimitRequest.
+    let not_a_request = prost_types::Duration { seconds: 5, nanos: 0 };
+    let call = |path: &'static str| {
+        let mut grpc = tonic::client::Grpc::new(channel.clone());
+        let message = not_a_request;
+        async move {
+            grpc.ready().await?;
+            let codec =
+                tonic_prost::ProstCodec::<prost_types::Duration, prost_types::Duration>::default();
+            let path = http::uri::PathAndQuery::from_static(path);
+            anyhow::Ok(grpc.unary(tonic::Request::new(message), path, codec).await)
+        }
+    };
+    let unknown = call("/envoy.service.ratelimit.v3.RateLimitService/ShouldNotRateLimit")
+        .await?
+        .expect_err("no such method");
+    assert_eq!(unknown.code(), GrpcCode::Unimplemented, "{unknown:?}");
+    let undecodable = call("/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit")
+        .await?
+        .expect_err("not a RateLimitRequest");
+    assert_eq!(undecodable.code(), GrpcCode::Internal, "{undecodable:?}");
+    assert!(undecodable.message().contains("decode"), "{}", undecodable.message());
+
+    let metrics = node.metrics()?;
+    assert_eq!(metric_sum(&metrics, "quotamesh_shard_keys"), 0.0, "no state allocated:\n{metrics}");
+    let good = node
+        .client()
+        .await?
+        .should_rate_limit(request("t30", vec![descriptor(&[("k", "v")])]))
+        .await?
+        .into_inner();
+    assert_eq!(good.overall_code(), Code::Ok);
+    Ok(())
+}
+
 /// `quotamesh policy validate` reports every error with file and line and exits non-zero;
 /// a good file passes.
 #[test]

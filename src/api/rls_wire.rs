@@ -22,9 +22,11 @@ use tonic::codegen::{BoxFuture, StdError};
 use tonic::server::{Grpc, NamedService, UnaryService};
 use tonic::{Request, Response, Status};
 
-use crate::api::proto::envoy::service::ratelimit::v3::RateLimitRequest;
 use crate::api::proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use crate::api::proto::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+use crate::api::proto::envoy::service::ratelimit::v3::{
+    RateLimitRequest, rate_limit_service_server,
+};
 use crate::api::rls::RlsService;
 use crate::core::headers::HeaderFields;
 
@@ -265,7 +267,7 @@ impl RlsServer {
 }
 
 impl NamedService for RlsServer {
-    const NAME: &'static str = "envoy.service.ratelimit.v3.RateLimitService";
+    const NAME: &'static str = rate_limit_service_server::SERVICE_NAME;
 }
 
 /// `ShouldRateLimit` as tonic's unary call.
