@@ -1,9 +1,12 @@
 //! Three quota-group Raft nodes in one test process, each with its own directory (real redb
 //! and sled) and its own gRPC server on a 127.0.0.1 socket: election, writes forwarded from a
-//! follower, identical replicas, restart from disk, and catch-up from a snapshot.
+//! follower, identical replicas, restart from disk, catch-up from a snapshot, and a stop
+//! under load that logs no error.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
@@ -16,6 +19,7 @@ use quotamesh::ledger::{
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
+use tracing_subscriber::layer::{Layer, SubscriberExt};
 
 /// Generous for a shared 2-core machine running debug builds.
 const WAIT: Duration = Duration::from_secs(20);
@@ -229,8 +233,7 @@ async fn a_follower_behind_a_compacted_log_catches_up_from_a_snapshot() -> Resul
     // Purging follows the snapshot asynchronously.
     nodes[writer]
         .group
-        .raft()
-        .wait(Some(WAIT))
+        .wait(WAIT)
         .metrics(|metrics| metrics.purged.is_some(), "the leader purged its log after a snapshot")
         .await?;
 
@@ -301,5 +304,101 @@ async fn a_node_outside_the_group_writes_through_its_seeds() -> Result<()> {
     for node in nodes {
         node.stop().await?;
     }
+    Ok(())
+}
+
+/// The ERROR events seen on the threads it is installed on, past the node's own filter of
+/// openraft's expected ones (`quotamesh::logging`).
+#[derive(Clone, Default)]
+struct ErrorEvents(Arc<Mutex<Vec<String>>>);
+
+impl<S: tracing::Subscriber> Layer<S> for ErrorEvents {
+    fn on_event(
+        &self,
+        event: &tracing::Event<'_>,
+        _context: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        if *event.metadata().level() == tracing::Level::ERROR {
+            let mut fields = String::new();
+            event.record(&mut |field: &tracing::field::Field, value: &dyn std::fmt::Debug| {
+                fields.push_str(&format!(" {}={value:?}", field.name()));
+            });
+            let line = format!("{}:{fields}", event.metadata().target());
+            self.0.lock().expect("not poisoned").push(line);
+        }
+    }
+}
+
+/// Writes on `node` from `writers` tasks until `stop` is set or a write fails; returns the
+/// count of writes that committed.
+fn spawn_writers(node: &TestNode, writers: usize, stop: &Arc<AtomicBool>) -> Vec<JoinHandle<u64>> {
+    (0..writers)
+        .map(|writer| {
+            let (group, id, stop) = (node.group.clone(), node.id, Arc::clone(stop));
+            tokio::spawn(async move {
+                let mut committed = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    let now_ms = 1_000 + committed;
+                    let batch = lease_batch(now_ms, id, 2, writer);
+                    if group.write(batch, WRITE_TIMEOUT).await.is_err() {
+                        break;
+                    }
+                    committed += 1;
+                }
+                committed
+            })
+        })
+        .collect()
+}
+
+// Proves that nodes stopped while writes and replication are in flight log no ERROR: a
+// follower stopped under the leader's stream of appends, then the leader under its clients'
+// writes, then the last node. openraft logs a call its core stopped under as an ERROR; the
+// group closes its gate first, so none is left in flight. The tracing subscriber is the
+// node's filter plus a recorder, on this test's runtime threads only.
+#[test]
+fn nodes_stopped_under_a_stream_of_writes_log_no_error() -> Result<()> {
+    let errors = ErrorEvents::default();
+    let dispatch = tracing::Dispatch::new(
+        tracing_subscriber::registry()
+            .with(quotamesh::logging::ExpectedOpenraftEvents)
+            .with(errors.clone()),
+    );
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .on_thread_start(move || {
+            // Installed for the thread's whole life: every task of the test runs on these.
+            std::mem::forget(tracing::dispatcher::set_default(&dispatch));
+        })
+        .build()?;
+    runtime.block_on(async {
+        let root = tempfile::tempdir()?;
+        let mut nodes = start_cluster(root.path(), 10_000).await?;
+        let leader = agreed_leader(&nodes).await?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let writers: Vec<JoinHandle<u64>> =
+            nodes.iter().flat_map(|node| spawn_writers(node, 8, &stop)).collect();
+        let streaming = highest_applied(&nodes).unwrap_or(0) + 50;
+        digests_at(&nodes, streaming).await?;
+
+        let follower = follower_of(&nodes, leader);
+        nodes.remove(follower).stop().await?;
+        let leading = nodes.iter().position(|node| node.id == leader).context("leader")?;
+        nodes.remove(leading).stop().await?;
+        stop.store(true, Ordering::Relaxed);
+        for node in nodes {
+            node.stop().await?;
+        }
+        let mut committed = 0;
+        for writer in writers {
+            committed += writer.await?;
+        }
+        assert!(committed >= 50, "the writes flowed before the stops: {committed}");
+        anyhow::Ok(())
+    })?;
+    drop(runtime);
+    let errors = errors.0.lock().expect("not poisoned");
+    assert!(errors.is_empty(), "ERROR events while stopping: {errors:#?}");
     Ok(())
 }

@@ -23,6 +23,10 @@
 //! or knows no leader clears it. A follower seed answers `ForwardToLeader` with the leader's
 //! id and address (`service.rs` runs the write there, never forwards it), so a write from a
 //! gateway takes at most two hops: a seed, then the leader it names.
+//!
+//! Every call into openraft's core, this node's own and its peers' messages alike, passes the
+//! group's gate (`core_gate`): shutdown closes it first, so the core stops with no call
+//! waiting on it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -30,7 +34,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use openraft::error::{ClientWriteError, InitializeError, RaftError};
+use openraft::error::{
+    CheckIsLeaderError, ClientWriteError, InitializeError, InstallSnapshotError, RaftError,
+};
+use openraft::metrics::Wait;
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
+    VoteRequest, VoteResponse,
+};
 use openraft::storage::RaftLogStorage;
 use openraft::{
     ChangeMembers, Config, ConfigError, Raft, RaftMetrics, ServerState, SnapshotPolicy,
@@ -39,6 +50,7 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::core_gate::CoreGate;
 use super::ledger_time::{ClockOffsets, Forwarded, Stamper};
 use super::log_store::{LogOpenError, LogStore};
 use super::network::{PeerCallError, PeerChannels, PeerNetwork, Rpc};
@@ -266,6 +278,8 @@ pub struct RaftGroup<C: GroupConfig> {
     name: Arc<str>,
     node_id: NodeId,
     raft: Raft<C>,
+    /// Every call into `raft`'s core passes it, so that shutdown stops the core idle.
+    gate: CoreGate,
     view: MachineView<C::Machine>,
     channels: PeerChannels,
     storage: StorageLiveness,
@@ -364,6 +378,7 @@ impl<C: GroupConfig> Clone for RaftGroup<C> {
             name: Arc::clone(&self.name),
             node_id: self.node_id,
             raft: self.raft.clone(),
+            gate: self.gate.clone(),
             view: self.view.clone(),
             channels: self.channels.clone(),
             storage: self.storage.clone(),
@@ -438,6 +453,7 @@ impl<C: GroupConfig> RaftGroup<C> {
             name,
             node_id: settings.node_id,
             raft,
+            gate: CoreGate::default(),
             view,
             channels,
             storage,
@@ -458,9 +474,53 @@ impl<C: GroupConfig> RaftGroup<C> {
         self.node_id
     }
 
-    /// The openraft handle, for what this wrapper does not cover (waits, triggers).
-    pub fn raft(&self) -> &Raft<C> {
-        &self.raft
+    /// Whether the group's core has stopped (shutdown, or a storage failure).
+    pub(crate) fn core_stopped(&self) -> bool {
+        self.raft.metrics().borrow().running_state.is_err()
+    }
+
+    /// Waits on the group's metrics (an applied index, a purge), for at most `timeout`.
+    pub fn wait(&self, timeout: Duration) -> Wait<NodeId, BasicNode, openraft::TokioRuntime> {
+        self.raft.wait(Some(timeout))
+    }
+
+    /// Confirms with a quorum that this node still leads, for a linearizable read; returns
+    /// the log id the read must see applied.
+    ///
+    /// # Errors
+    /// openraft's, when this node does not lead or no quorum answered; `Fatal::Stopped`
+    /// when the group is stopping.
+    pub async fn ensure_linearizable(
+        &self,
+    ) -> Result<
+        Option<openraft::LogId<NodeId>>,
+        RaftError<NodeId, CheckIsLeaderError<NodeId, BasicNode>>,
+    > {
+        self.gate.call(self.raft.ensure_linearizable()).await
+    }
+
+    /// Hands a leader's `AppendEntries` to this node's core (the transport's server side).
+    pub(crate) async fn append_entries(
+        &self,
+        request: AppendEntriesRequest<C>,
+    ) -> Result<AppendEntriesResponse<NodeId>, RaftError<NodeId>> {
+        self.gate.call(self.raft.append_entries(request)).await
+    }
+
+    /// Hands a candidate's `Vote` to this node's core.
+    pub(crate) async fn vote(
+        &self,
+        request: VoteRequest<NodeId>,
+    ) -> Result<VoteResponse<NodeId>, RaftError<NodeId>> {
+        self.gate.call(self.raft.vote(request)).await
+    }
+
+    /// Hands a leader's snapshot chunk to this node's core.
+    pub(crate) async fn install_snapshot(
+        &self,
+        request: InstallSnapshotRequest<C>,
+    ) -> Result<InstallSnapshotResponse<NodeId>, RaftError<NodeId, InstallSnapshotError>> {
+        self.gate.call(self.raft.install_snapshot(request)).await
     }
 
     /// Forms a new group from `members` (voters with their Raft addresses). Call it on one
@@ -477,7 +537,7 @@ impl<C: GroupConfig> RaftGroup<C> {
         if self.is_initialized().await? {
             return Err(MembershipError::AlreadyInitialized);
         }
-        match self.raft.initialize(members).await {
+        match self.gate.call(self.raft.initialize(members)).await {
             Ok(()) => Ok(()),
             Err(RaftError::APIError(InitializeError::NotAllowed(_))) => {
                 Err(MembershipError::AlreadyInitialized)
@@ -499,7 +559,11 @@ impl<C: GroupConfig> RaftGroup<C> {
         node_id: NodeId,
         node: BasicNode,
     ) -> Result<(), MembershipError> {
-        self.raft.add_learner(node_id, node, true).await.map(|_| ()).map_err(membership_error)
+        self.gate
+            .call(self.raft.add_learner(node_id, node, true))
+            .await
+            .map(|_| ())
+            .map_err(membership_error)
     }
 
     /// Makes `voters` the voting members (each must be a member already, e.g. a learner);
@@ -508,7 +572,11 @@ impl<C: GroupConfig> RaftGroup<C> {
     /// # Errors
     /// [`MembershipError`] when this node is not the leader or the change is refused.
     pub async fn change_voters(&self, voters: BTreeSet<NodeId>) -> Result<(), MembershipError> {
-        self.raft.change_membership(voters, true).await.map(|_| ()).map_err(membership_error)
+        self.gate
+            .call(self.raft.change_membership(voters, true))
+            .await
+            .map(|_| ())
+            .map_err(membership_error)
     }
 
     /// Makes the learner `node_id` a voter (joint consensus). Run it on the leader.
@@ -518,7 +586,11 @@ impl<C: GroupConfig> RaftGroup<C> {
     /// another change is in progress.
     pub async fn promote_voter(&self, node_id: NodeId) -> Result<(), MembershipError> {
         let change = ChangeMembers::AddVoterIds(BTreeSet::from([node_id]));
-        self.raft.change_membership(change, false).await.map(|_| ()).map_err(membership_error)
+        self.gate
+            .call(self.raft.change_membership(change, false))
+            .await
+            .map(|_| ())
+            .map_err(membership_error)
     }
 
     /// Removes `node_id` from the group altogether: a voter leaves the voters (joint
@@ -543,7 +615,11 @@ impl<C: GroupConfig> RaftGroup<C> {
         } else {
             ChangeMembers::RemoveNodes(ids)
         };
-        self.raft.change_membership(change, false).await.map(|_| ()).map_err(membership_error)
+        self.gate
+            .call(self.raft.change_membership(change, false))
+            .await
+            .map(|_| ())
+            .map_err(membership_error)
     }
 
     /// Whether the group has a membership on this node (initialized here or joined).
@@ -551,8 +627,8 @@ impl<C: GroupConfig> RaftGroup<C> {
     /// # Errors
     /// [`MembershipError::Stopped`] when the group has stopped.
     pub async fn is_initialized(&self) -> Result<bool, MembershipError> {
-        self.raft
-            .is_initialized()
+        self.gate
+            .call(self.raft.is_initialized())
             .await
             .map_err(|fatal| MembershipError::Stopped(fatal.to_string()))
     }
@@ -562,8 +638,8 @@ impl<C: GroupConfig> RaftGroup<C> {
     /// # Errors
     /// [`MembershipError::Stopped`] when the group has stopped.
     pub async fn committed_index(&self) -> Result<Option<u64>, MembershipError> {
-        self.raft
-            .with_raft_state(|state| state.committed.map(|id| id.index))
+        self.gate
+            .call(self.raft.with_raft_state(|state| state.committed.map(|id| id.index)))
             .await
             .map_err(|fatal| MembershipError::Stopped(fatal.to_string()))
     }
@@ -731,7 +807,7 @@ impl<C: GroupConfig> RaftGroup<C> {
         }
         let mut command = forwarded.command;
         self.stamp(&mut command);
-        self.raft.client_write(command).await.map(|written| written.data)
+        self.gate.call(self.raft.client_write(command)).await.map(|written| written.data)
     }
 
     /// The clock offsets this node saw while leading (shared with the process's other groups).
@@ -742,7 +818,8 @@ impl<C: GroupConfig> RaftGroup<C> {
     async fn write_here(&self, command: &C::D, remaining: Duration) -> Attempt<C::R> {
         let mut command = command.clone();
         self.stamp(&mut command);
-        match tokio::time::timeout(remaining, self.raft.client_write(command)).await {
+        match tokio::time::timeout(remaining, self.gate.call(self.raft.client_write(command))).await
+        {
             Err(_) => Attempt::Done(Err(WriteError::Timeout)),
             Ok(Ok(written)) => Attempt::Done(Ok(written.data)),
             Ok(Err(error)) => self.classify(self.node_id, error),
@@ -881,11 +958,13 @@ impl<C: GroupConfig> RaftGroup<C> {
     }
 
     /// Stops the Raft node and waits until its storage is closed, so the same directory can
-    /// be opened again (a restart in the same process).
+    /// be opened again (a restart in the same process). Calls into the core stop first
+    /// (refused, or dropped in flight), so the core stops with none waiting on it.
     ///
     /// # Errors
     /// [`ShutdownError`] when openraft failed while stopping or kept the storage open.
     pub async fn shutdown(&self) -> Result<(), ShutdownError> {
+        self.gate.close().await;
         self.raft.shutdown().await.map_err(|e| ShutdownError::Raft(e.to_string()))?;
         // openraft's worker tasks drop the stores shortly after the core stops.
         let deadline = Instant::now() + STORAGE_RELEASE_TIMEOUT;

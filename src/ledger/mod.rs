@@ -25,6 +25,7 @@
 //! - [`network`]: the client side of the transport (`RaftNetworkFactory`).
 //! - [`service`]: the server side, one tonic service routing to every group of the process.
 //! - [`group`]: [`RaftGroup`], the handle a node uses: open, initialize, write, read, members.
+//! - `core_gate`: the door every call into openraft's core passes, closed first at shutdown.
 //! - [`ledger_time`]: the leader's stamp on every command, and the clock offsets it sees.
 //! - [`quota`]: the quota group's type configuration over `crate::core::ledger`.
 //! - [`billing`]: the billing group's type configuration over `crate::core::billing`.
@@ -33,6 +34,7 @@
 #![allow(clippy::result_large_err)]
 
 pub mod billing;
+mod core_gate;
 pub mod group;
 pub mod ledger_time;
 pub mod log_store;

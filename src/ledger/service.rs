@@ -1,7 +1,8 @@
 //! The server side of the Raft transport: one tonic `RaftPeer` service per process, routing
-//! each request by its group name to that group's openraft handle.
+//! each request by its group name to that group's handle ([`RaftGroup`]).
 //!
-//! The service decodes openraft's request from postcard, calls the group's `Raft`, and
+//! The service decodes openraft's request from postcard, hands it to the group's core
+//! through the handle (whose gate a shutdown closes before the core stops), and
 //! encodes `Result<response, RaftError>` back, so a remote Raft error reaches the caller's
 //! openraft as a value (`RemoteError`), never as a gRPC status. Statuses mean transport
 //! trouble: `NOT_FOUND` for a group this process does not host (yet), `INVALID_ARGUMENT` for
@@ -36,7 +37,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use openraft::Raft;
 use openraft::error::{ClientWriteError, InstallSnapshotError, RaftError};
 use parking_lot::RwLock;
 use serde::Serialize;
@@ -98,8 +98,8 @@ trait GroupEndpoint: Send + Sync + 'static {
 }
 
 struct Endpoint<C: GroupConfig> {
-    raft: Raft<C>,
-    /// The group's handle: forwarded writes go through it to be stamped with ledger time.
+    /// The group's handle: messages reach the core through its gate, and forwarded writes
+    /// are stamped with ledger time.
     group: RaftGroup<C>,
 }
 
@@ -137,11 +137,11 @@ fn check_raft_sender(
 }
 
 impl<C: GroupConfig> Endpoint<C> {
-    /// Refuses a Raft message once the group's core has stopped: a stopping node keeps its
-    /// group registered until the storage is released, and openraft logs a call to a stopped
+    /// Refuses a Raft message once the group's core has stopped, on a storage failure or at
+    /// shutdown (the group's gate refuses those too): openraft logs every call to a stopped
     /// core as an ERROR. The peer sees UNAVAILABLE, as for a node that is down.
     fn check_running(&self) -> Result<(), Status> {
-        if self.raft.metrics().borrow().running_state.is_err() {
+        if self.group.core_stopped() {
             return Err(Status::unavailable("this node's Raft group is stopping"));
         }
         Ok(())
@@ -158,14 +158,14 @@ impl<C: GroupConfig> GroupEndpoint for Endpoint<C> {
         let request: openraft::raft::AppendEntriesRequest<C> = decode(payload)?;
         check_raft_sender("AppendEntries", request.vote.leader_id().voted_for(), sender)?;
         self.check_running()?;
-        encode(&self.raft.append_entries(request).await)
+        encode(&self.group.append_entries(request).await)
     }
 
     async fn vote(&self, payload: &[u8], sender: Option<Sender>) -> Result<Vec<u8>, Status> {
         let request: openraft::raft::VoteRequest<NodeId> = decode(payload)?;
         check_raft_sender("Vote", request.vote.leader_id().voted_for(), sender)?;
         self.check_running()?;
-        encode(&self.raft.vote(request).await)
+        encode(&self.group.vote(request).await)
     }
 
     async fn install_snapshot(
@@ -177,7 +177,7 @@ impl<C: GroupConfig> GroupEndpoint for Endpoint<C> {
         check_raft_sender("InstallSnapshot", request.vote.leader_id().voted_for(), sender)?;
         self.check_running()?;
         let reply: Result<_, RaftError<NodeId, InstallSnapshotError>> =
-            self.raft.install_snapshot(request).await;
+            self.group.install_snapshot(request).await;
         encode(&reply)
     }
 
@@ -263,7 +263,7 @@ impl RaftPeerService {
         if groups.len() >= GROUPS_PER_PROCESS_MAX {
             return Err(RegisterError::TooMany);
         }
-        let endpoint = Endpoint { raft: group.raft().clone(), group: group.clone() };
+        let endpoint = Endpoint { group: group.clone() };
         groups.insert(group.name().to_owned(), Arc::new(endpoint));
         Ok(())
     }

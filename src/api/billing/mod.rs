@@ -183,7 +183,7 @@ impl BillingService {
         // A leader that has not applied what its log held at its start may have kept its
         // leadership across a crash without knowing what was committed: a barrier tells it.
         if self.group.leader() == Some(self.group.node_id()) && self.group.recovered() {
-            match tokio::time::timeout(remaining(), self.group.raft().ensure_linearizable()).await {
+            match tokio::time::timeout(remaining(), self.group.ensure_linearizable()).await {
                 Err(_) => return Err(unavailable("leadership not confirmed by a quorum")),
                 Ok(Ok(_)) => leader_read_done = true,
                 // Leadership moved, or no quorum answered: try the barrier through whoever
@@ -203,8 +203,7 @@ impl BillingService {
                 .await
                 .map_err(|error| unavailable(&error.to_string()))?;
             self.group
-                .raft()
-                .wait(Some(remaining()))
+                .wait(remaining())
                 .applied_index_at_least(Some(committed.ledger_index), "billing read barrier")
                 .await
                 .map_err(|error| unavailable(&error.to_string()))?;
