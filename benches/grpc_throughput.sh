@@ -5,7 +5,8 @@
 #
 # The two servers are loaded in alternation for several rounds (this machine is shared and
 # noisy); each figure is the median of its rounds. Prints requests/s, mean latency and
-# server CPU per request for both, and the ratios.
+# server CPU per request for both, and the ratios; per round also each server's context
+# switches per request and how its CPU split between its threads (by thread name).
 #
 # The node is a single-node region on loopback: every decision goes through local-first
 # leasing from its embedded quota ledger (fsync on). The request's descriptor matches a
@@ -69,6 +70,37 @@ fi
 # cpu_ticks PID: "user system" clock ticks of a process so far.
 cpu_ticks() { awk '{print $14, $15}' "/proc/$1/stat"; }
 
+# threads PID: one line per thread of the process: "name ticks switches", its name (spaces
+# made underscores), CPU clock ticks so far (user and system) and context switches so far
+# (voluntary and not).
+threads() {
+  local task stat name
+  for task in /proc/"$1"/task/*; do
+    stat=$(cat "$task/stat" 2>/dev/null) || continue
+    name=${stat#*(}; name=${name%)*}
+    stat=${stat##*) }
+    printf '%s %s %s\n' "${name// /_}" \
+      "$(awk '{print $12 + $13}' <<<"$stat")" \
+      "$(awk '/ctxt_switches/ {n += $2} END {print n}' "$task/status" 2>/dev/null)"
+  done
+}
+
+# thread_split BEFORE AFTER N: context switches per request, and each thread name's share
+# of the process's CPU, between two `threads` listings (a thread that ended between them is
+# left out).
+thread_split() {
+  awk -v n="$3" 'FNR == NR {ticks[$1] -= $2; switches[$1] -= $3; next}
+    {ticks[$1] += $2; switches[$1] += $3}
+    END {
+      for (name in ticks) if (ticks[name] > 0) total += ticks[name]
+      for (name in switches) all += switches[name]
+      for (name in switches) if (switches[name] * 1000 >= n) split_by = split_by sprintf(" %s %.3f", name, switches[name] / n)
+      printf "  context switches per request %.3f%s; CPU by thread:", all / n, (split_by == "" ? "" : " (by thread:" split_by ")")
+      for (name in ticks) if (ticks[name] > 0) printf " %s %.1f%%", name, ticks[name] * 100 / total
+      printf "\n"
+    }' <(sort "$1") <(sort "$2")
+}
+
 # run NAME PORT PID: loads 127.0.0.1:PORT, prints the round's figures and appends
 # "rps cpu_us kernel_us" (per request) to NAME.result
 run() {
@@ -77,11 +109,13 @@ run() {
   taskset -c 1 h2load -n 20000 -c 4 -m 32 -t 1 \
     -H 'content-type: application/grpc' -H 'te: trailers' -d "$work/body.bin" \
     "http://127.0.0.1:$port/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit" >/dev/null
+  threads "$pid" > "$work/threads.before"
   local before; before=$(cpu_ticks "$pid")
   taskset -c 1 h2load -n "$requests" -c 4 -m 32 -t 1 \
     -H 'content-type: application/grpc' -H 'te: trailers' -d "$work/body.bin" \
     "http://127.0.0.1:$port/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit" > "$work/$name.txt"
   local after; after=$(cpu_ticks "$pid")
+  threads "$pid" > "$work/threads.after"
   local rps mean failed
   rps=$(grep -oE '[0-9.]+ req/s' "$work/$name.txt" | head -1 | cut -d' ' -f1)
   mean=$(awk '/^time for request:/ {print $6}' "$work/$name.txt")
@@ -93,6 +127,7 @@ run() {
   kernel_us=$(awk -v t="$(( ${after#* } - ${before#* } ))" -v hz="$hz" -v n="$requests" "BEGIN $per_request")
   printf '%-12s %10s req/s   mean %8s   server CPU %6s us/request (kernel %s)   failed %s\n' \
     "$name" "$rps" "$mean" "$cpu_us" "$kernel_us" "$failed"
+  thread_split "$work/threads.before" "$work/threads.after" "$requests"
   echo "$rps $cpu_us $kernel_us" >> "$work/$name.result"
 }
 
