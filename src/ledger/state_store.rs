@@ -2,8 +2,9 @@
 //!
 //! sled holds the materialized ledger (DESIGN.md section 2: the role Redis plays in the
 //! product brief) but is not the source of truth: sled 0.34's `flush()` does not survive a
-//! power loss. So each applied batch writes the changed records together with the applied log
-//! id and membership in one atomic sled batch, and durability comes from elsewhere:
+//! power loss. So the records changed by applied entries are written together with the
+//! applied log id and membership in one atomic sled batch, and durability comes from
+//! elsewhere:
 //!
 //! - snapshots are written to a temporary file, fsync'd, renamed into place and the directory
 //!   fsync'd; only the latest is kept;
@@ -11,10 +12,19 @@
 //!   snapshot install was cut short), sled is rebuilt from that snapshot, and openraft then
 //!   replays the committed log after it from the redb log (`log_store`).
 //!
+//! Since sled is not the source of truth, it is written behind the machine: once every
+//! [`SLED_WRITE_EVERY_APPLIES`] applied batches (or [`UNWRITTEN_RECORDS_MAX`] changed
+//! records), before a snapshot is taken, and when the store closes. Each sled batch hands a
+//! write of sled's log buffer to its I/O pool, which wakes all its threads for it: with one
+//! per applied batch, that pool switched context more often than a hot node's request
+//! thread. A crash loses at most the unwritten batches from sled; its applied id says so,
+//! and openraft replays them.
+//!
 //! The machine itself ([`GroupMachine`]) works in memory; this file rebuilds it from sled's
 //! records on open and after a snapshot install. Snapshot data is held in memory while it
 //! moves (`Cursor<Vec<u8>>`), bounded by [`SNAPSHOT_BYTES_MAX`].
 
+use std::collections::HashMap;
 use std::io::{Cursor, Write};
 use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
@@ -40,6 +50,10 @@ type Meta = SnapshotMeta<NodeId, BasicNode>;
 /// and resident memory runs well above it (dependencies.md section 2), so keep it small:
 /// the machine's working state is in memory anyway.
 const SLED_CACHE_BYTES: u64 = 64 * 1024 * 1024;
+/// Applied batches between two writes to sled (module documentation).
+pub const SLED_WRITE_EVERY_APPLIES: u32 = 32;
+/// Changed records held unwritten at most: a large batch is written at once.
+pub const UNWRITTEN_RECORDS_MAX: usize = 4_096;
 /// How long opening waits for sled's directory lock (see `open_sled`).
 const SLED_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 /// Key prefix of the machine's records in sled.
@@ -229,6 +243,15 @@ pub struct StateStore<C: GroupConfig> {
     applied: Arc<RwLock<Applied<C::Machine>>>,
     snapshots: Arc<SnapshotFiles>,
     signal: Arc<tokio::sync::watch::Sender<u64>>,
+    unwritten: Unwritten,
+}
+
+/// What the machine applied that sled does not hold yet: each changed record's latest value
+/// (`None`: removed), and how many applied batches that covers.
+#[derive(Default)]
+struct Unwritten {
+    records: HashMap<Vec<u8>, Option<Vec<u8>>>,
+    batches: u32,
 }
 
 impl<C: GroupConfig> StateStore<C> {
@@ -295,7 +318,13 @@ impl<C: GroupConfig> StateStore<C> {
         }
         let applied = load_applied::<C::Machine>(&db)?;
         let signal = Arc::new(tokio::sync::watch::Sender::new(applied.machine.change_signal()));
-        Ok(Self { db: Arc::new(db), applied: Arc::new(RwLock::new(applied)), snapshots, signal })
+        Ok(Self {
+            db: Arc::new(db),
+            applied: Arc::new(RwLock::new(applied)),
+            snapshots,
+            signal,
+            unwritten: Unwritten::default(),
+        })
     }
 
     /// Dies when the store is dropped: sled holds a lock on its directory until then.
@@ -303,9 +332,41 @@ impl<C: GroupConfig> StateStore<C> {
         Arc::downgrade(&self.db)
     }
 
+    /// Writes what sled does not hold yet, with the pointers as applied now, in one atomic
+    /// batch: sled's records and its applied id never disagree.
+    fn write_unwritten(&mut self) -> Result<(), sled::Error> {
+        if self.unwritten.batches == 0 && self.unwritten.records.is_empty() {
+            return Ok(());
+        }
+        let mut batch = sled::Batch::default();
+        for (key, value) in self.unwritten.records.drain() {
+            match value {
+                Some(value) => batch.insert(record_key(&key), value),
+                None => batch.remove(record_key(&key)),
+            }
+        }
+        self.unwritten.batches = 0;
+        {
+            let applied = self.applied.read();
+            batch.insert(KEY_MEMBERSHIP, encode(&applied.membership));
+            batch.insert(KEY_APPLIED, encode(&applied.last_applied));
+        }
+        self.db.apply_batch(batch)
+    }
+
     /// A read handle on the machine, for the group's handle.
     pub fn view(&self) -> MachineView<C::Machine> {
         MachineView { applied: Arc::clone(&self.applied), signal: Arc::clone(&self.signal) }
+    }
+}
+
+impl<C: GroupConfig> Drop for StateStore<C> {
+    /// Writes what sled does not hold yet, so a clean restart has nothing to replay; if that
+    /// fails, the restart replays it from the log.
+    fn drop(&mut self) {
+        if let Err(error) = self.write_unwritten() {
+            tracing::warn!(%error, "the state database missed its last writes; a restart replays them");
+        }
     }
 }
 
@@ -450,7 +511,7 @@ impl<C: GroupConfig> RaftStateMachine<C> for StateStore<C> {
         I::IntoIter: Send,
     {
         let mut responses = Vec::new();
-        let (changes, last_applied, membership, signal) = {
+        let (changes, signal) = {
             let mut applied = self.applied.write();
             for entry in entries {
                 applied.last_applied = Some(entry.log_id);
@@ -467,43 +528,36 @@ impl<C: GroupConfig> RaftStateMachine<C> for StateStore<C> {
                 };
                 responses.push(response);
             }
-            let signal = applied.machine.change_signal();
-            (
-                applied.machine.take_changes(),
-                applied.last_applied,
-                applied.membership.clone(),
-                signal,
-            )
+            (applied.machine.take_changes(), applied.machine.change_signal())
         };
-        // One atomic batch: records and the applied id never disagree in sled.
-        let mut batch = sled::Batch::default();
         for change in changes {
-            match change.value {
-                Some(value) => batch.insert(record_key(&change.key), value),
-                None => batch.remove(record_key(&change.key)),
-            }
+            self.unwritten.records.insert(change.key, change.value);
         }
-        batch.insert(KEY_MEMBERSHIP, encode(&membership));
-        batch.insert(KEY_APPLIED, encode(&last_applied));
-        self.db.apply_batch(batch).map_err(|e| sm_error(ErrorVerb::Write, &e))?;
-        // After the write, so whoever follows the signal reads records a restart would too.
+        self.unwritten.batches += 1;
+        if self.unwritten.batches >= SLED_WRITE_EVERY_APPLIES
+            || self.unwritten.records.len() >= UNWRITTEN_RECORDS_MAX
+        {
+            self.write_unwritten().map_err(|e| sm_error(ErrorVerb::Write, &e))?;
+        }
         publish_signal(&self.signal, signal);
         Ok(responses)
     }
 
     async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
         // Captured here, under `&mut self`, so no apply runs in between: the records and the
-        // pointers agree. A failed scan leaves the builder empty and its build reports it.
+        // pointers agree. A failed write or scan leaves the builder empty and its build
+        // reports it.
+        let written = self.write_unwritten();
         let body = {
             let applied = self.applied.read();
-            match scan_records(&self.db) {
+            match written.and_then(|()| scan_records(&self.db)) {
                 Ok(records) => Some(SnapshotBody {
                     last_applied: applied.last_applied,
                     membership: applied.membership.clone(),
                     records,
                 }),
                 Err(error) => {
-                    tracing::error!(%error, "cannot read the state database for a snapshot");
+                    tracing::error!(%error, "cannot write or read the state database for a snapshot");
                     None
                 }
             }
@@ -548,6 +602,8 @@ impl<C: GroupConfig> RaftStateMachine<C> for StateStore<C> {
             .await
             .map_err(|e| snapshot_error(ErrorVerb::Write, &e))?
             .map_err(|e| snapshot_error(ErrorVerb::Write, &e))?;
+        // What was unwritten is older than the snapshot, which replaces it all.
+        self.unwritten = Unwritten::default();
         replace_contents(&self.db, &body).map_err(|e| sm_error(ErrorVerb::Write, &e))?;
         let signal = machine.change_signal();
         *self.applied.write() =
