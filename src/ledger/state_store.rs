@@ -244,6 +244,10 @@ pub struct StateStore<C: GroupConfig> {
     snapshots: Arc<SnapshotFiles>,
     signal: Arc<tokio::sync::watch::Sender<u64>>,
     unwritten: Unwritten,
+    /// A write to sled failed: nothing is written any more, not even at close, since a later
+    /// batch would move the applied id past records that never reached sled. sled stays at
+    /// its last whole batch (or without an applied id, mid-install), which a reopen repairs.
+    failed: bool,
 }
 
 /// What the machine applied that sled does not hold yet: each changed record's latest value
@@ -324,6 +328,7 @@ impl<C: GroupConfig> StateStore<C> {
             snapshots,
             signal,
             unwritten: Unwritten::default(),
+            failed: false,
         })
     }
 
@@ -335,6 +340,9 @@ impl<C: GroupConfig> StateStore<C> {
     /// Writes what sled does not hold yet, with the pointers as applied now, in one atomic
     /// batch: sled's records and its applied id never disagree.
     fn write_unwritten(&mut self) -> Result<(), sled::Error> {
+        if self.failed {
+            return Err(earlier_write_failed());
+        }
         if self.unwritten.batches == 0 && self.unwritten.records.is_empty() {
             return Ok(());
         }
@@ -351,7 +359,9 @@ impl<C: GroupConfig> StateStore<C> {
             batch.insert(KEY_MEMBERSHIP, encode(&applied.membership));
             batch.insert(KEY_APPLIED, encode(&applied.last_applied));
         }
-        self.db.apply_batch(batch)
+        let written = self.db.apply_batch(batch);
+        self.failed = written.is_err();
+        written
     }
 
     /// A read handle on the machine, for the group's handle.
@@ -368,6 +378,10 @@ impl<C: GroupConfig> Drop for StateStore<C> {
             tracing::warn!(%error, "the state database missed its last writes; a restart replays them");
         }
     }
+}
+
+fn earlier_write_failed() -> sled::Error {
+    sled::Error::Io(std::io::Error::other("an earlier write to the state database failed"))
 }
 
 /// Opens sled, waiting out a directory lock for up to [`SLED_LOCK_WAIT`].
@@ -604,7 +618,13 @@ impl<C: GroupConfig> RaftStateMachine<C> for StateStore<C> {
             .map_err(|e| snapshot_error(ErrorVerb::Write, &e))?;
         // What was unwritten is older than the snapshot, which replaces it all.
         self.unwritten = Unwritten::default();
-        replace_contents(&self.db, &body).map_err(|e| sm_error(ErrorVerb::Write, &e))?;
+        if self.failed {
+            return Err(sm_error(ErrorVerb::Write, &earlier_write_failed()));
+        }
+        if let Err(error) = replace_contents(&self.db, &body) {
+            self.failed = true;
+            return Err(sm_error(ErrorVerb::Write, &error));
+        }
         let signal = machine.change_signal();
         *self.applied.write() =
             Applied { machine, last_applied: body.last_applied, membership: body.membership };
@@ -619,5 +639,58 @@ impl<C: GroupConfig> RaftStateMachine<C> for StateStore<C> {
             .map_err(|e| snapshot_error(ErrorVerb::Read, &e))?
             .map_err(|reason| snapshot_error(ErrorVerb::Read, &std::io::Error::other(reason)))?;
         Ok(loaded.map(|(meta, body)| Snapshot { meta, snapshot: Box::new(Cursor::new(body)) }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use openraft::{CommittedLeaderId, Entry};
+
+    use super::*;
+    use crate::core::ledger::{LeaseRequest, QuotaCommand};
+    use crate::core::rate::{Algorithm, LimitSpec};
+    use crate::ledger::QuotaGroup;
+
+    fn grant_entry(index: u64) -> Entry<QuotaGroup> {
+        let limit = LimitSpec::new(Algorithm::TokenBucket, 100, 1_000, None).expect("a limit");
+        Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, NodeId(1)), index),
+            payload: EntryPayload::Normal(QuotaCommand::AcquireLeases {
+                now_ms: 1_000 + index,
+                node_id: NodeId(1),
+                requests: vec![LeaseRequest {
+                    key: format!("rl:test:key{index}"),
+                    limit,
+                    tokens_wanted: 5,
+                    lease_ttl_ms: 500,
+                }],
+            }),
+        }
+    }
+
+    /// Once a write to sled failed, the store writes nothing more, not even when it closes:
+    /// sled keeps its last whole batch, and a reopen finds the applied id of that batch.
+    #[tokio::test]
+    async fn after_a_failed_write_sled_keeps_its_last_whole_batch() {
+        let directory = tempfile::tempdir().expect("a temporary directory");
+        let written = u64::from(SLED_WRITE_EVERY_APPLIES);
+        {
+            let mut state =
+                StateStore::<QuotaGroup>::open(directory.path()).expect("the store opens");
+            for index in 1..=written {
+                state.apply([grant_entry(index)]).await.expect("apply");
+            }
+            // As if the next write had failed, with its batch's records lost from sled.
+            state.failed = true;
+            let mut refused = false;
+            for index in written + 1..=2 * written {
+                refused |= state.apply([grant_entry(index)]).await.is_err();
+            }
+            assert!(refused, "a store whose write failed refuses its next write");
+        }
+        let mut state = StateStore::<QuotaGroup>::open(directory.path()).expect("reopens");
+        let (applied, _) = state.applied_state().await.expect("applied state");
+        let last_whole = LogId::new(CommittedLeaderId::new(1, NodeId(1)), written);
+        assert_eq!(applied, Some(last_whole), "the log replays what came after");
     }
 }
