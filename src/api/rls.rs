@@ -551,8 +551,8 @@ impl RlsService {
                     }
                 }
             } else {
-                for (index, (limit, evaluation)) in limits.iter().zip(&evaluations).enumerate() {
-                    reports.push(report(rule.path, index, limits.len(), limit, evaluation));
+                for (limit, evaluation) in limits.iter().zip(&evaluations) {
+                    reports.push(report(limit, evaluation));
                     // A warned caller is admitted: nothing to wait for.
                     if !evaluation.admitted && rule.stage == Stage::Enforce {
                         let wait_ms = if evaluation.retry_after_ms == u64::MAX {
@@ -849,7 +849,7 @@ fn override_limit(
         None,
     )
     .map_err(|error| bad(error.to_string()))?;
-    Ok(Some(RuleLimit { spec, policy_spec: spec, unit: Some(unit), name: None }))
+    Ok(Some(RuleLimit::new(spec, spec, Some(unit), None, ("override", 0, 1))))
 }
 
 /// When the request as a whole was not admitted nothing was consumed, so a limit that
@@ -888,32 +888,9 @@ fn shown_limit(evaluations: &[Verdict], admitted: bool) -> usize {
     chosen.map_or(0, |(index, _)| index)
 }
 
-/// The name a limit goes by in the headers: its own name, else the rule's path (numbered
-/// when the rule has several unnamed limits).
-fn policy_name<'p>(
-    path: &'p str,
-    index: usize,
-    count: usize,
-    limit: &'p RuleLimit,
-) -> Cow<'p, str> {
-    match (&limit.name, count) {
-        (Some(name), _) => Cow::Borrowed(name),
-        (None, 1) => Cow::Borrowed(path),
-        (None, _) => Cow::Owned(format!("{path}#{index}")),
-    }
-}
-
-fn report<'p>(
-    path: &'p str,
-    index: usize,
-    count: usize,
-    limit: &'p RuleLimit,
-    evaluation: &Verdict,
-) -> LimitReport<'p> {
+fn report<'p>(limit: &'p RuleLimit, evaluation: &Verdict) -> LimitReport<'p> {
     LimitReport {
-        policy_name: policy_name(path, index, count, limit),
-        quota: limit.spec.requests_per_window,
-        window_ms: limit.spec.window_ms,
+        policy: &limit.header,
         remaining: evaluation.remaining,
         reset_ms: evaluation.reset_ms,
     }

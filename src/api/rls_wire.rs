@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use prost::bytes::BufMut;
-use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, key_len};
+use prost::encoding::{WireType, encode_varint, encoded_len_varint, key_len};
 use smallvec::SmallVec;
 use tonic::body::Body;
 use tonic::codec::{BufferSettings, Codec, EncodeBuf, Encoder};
@@ -49,6 +49,11 @@ const LIMIT_NAME: u32 = 3;
 const HEADER_KEY: u32 = 1;
 const HEADER_VALUE: u32 = 2;
 const DURATION_SECONDS: u32 = 1;
+
+/// Every field number above is below 16, so each field's key is one byte.
+const FIELD_NUMBER_END: u32 = 16;
+const _: () = assert!(RESPONSE_DYNAMIC_METADATA < FIELD_NUMBER_END);
+const _: () = assert!(STATUS_DURATION_UNTIL_RESET < FIELD_NUMBER_END);
 
 /// The answer to one `ShouldRateLimit` request.
 #[derive(Debug, Clone, PartialEq)]
@@ -199,8 +204,8 @@ fn nested_len(tag: u32, len: usize) -> usize {
 
 fn put_varint(tag: u32, value: u64, buf: &mut impl BufMut) {
     if value != 0 {
-        encode_key(tag, WireType::Varint, buf);
-        encode_varint(value, buf);
+        put_key(tag, WireType::Varint, buf);
+        put_varint_value(value, buf);
     }
 }
 
@@ -217,8 +222,25 @@ fn put_string(tag: u32, text: &str, buf: &mut impl BufMut) {
 
 /// The key and length of a length-delimited field; its `len` bytes follow.
 fn put_nested(tag: u32, len: usize, buf: &mut impl BufMut) {
-    encode_key(tag, WireType::LengthDelimited, buf);
-    encode_varint(len as u64, buf);
+    put_key(tag, WireType::LengthDelimited, buf);
+    put_varint_value(len as u64, buf);
+}
+
+/// A field's key: one byte, as every field number here is below [`FIELD_NUMBER_END`].
+#[inline]
+fn put_key(tag: u32, wire_type: WireType, buf: &mut impl BufMut) {
+    debug_assert!(tag < FIELD_NUMBER_END);
+    buf.put_u8(u8::try_from((tag << 3) | wire_type as u32).expect("a field number below 16"));
+}
+
+/// A varint written inline when it takes one byte, as most here do (codes, lengths, small
+/// counts): prost's loop is a call of its own per value.
+#[inline]
+fn put_varint_value(value: u64, buf: &mut impl BufMut) {
+    match u8::try_from(value) {
+        Ok(byte) if byte < 0x80 => buf.put_u8(byte),
+        _ => encode_varint(value, buf),
+    }
 }
 
 /// Decodes `RateLimitRequest` with prost and encodes [`RlsAnswer`].
@@ -240,13 +262,30 @@ impl Codec for RlsCodec {
     }
 }
 
+/// Most a thread keeps of a large answer's scratch vector; usual answers take a few hundred
+/// bytes.
+const ENCODE_SCRATCH_BYTES_KEPT: usize = 16 * 1024;
+
+thread_local! {
+    static ENCODE_SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 impl Encoder for RlsCodec {
     type Item = Box<RlsAnswer>;
     type Error = Status;
 
     fn encode(&mut self, answer: Box<RlsAnswer>, buf: &mut EncodeBuf<'_>) -> Result<(), Status> {
-        // No length first: the buffer grows as it is written (tonic starts it at 8 KiB).
-        answer.encode(buf);
+        // Written into this thread's scratch vector, then copied whole: tonic's buffer takes
+        // each byte through a chain of calls, a vector in a few inlined instructions. No
+        // length first: the vector grows as it is written.
+        ENCODE_SCRATCH.with_borrow_mut(|scratch| {
+            scratch.clear();
+            answer.encode(scratch);
+            buf.put_slice(scratch);
+            if scratch.capacity() > ENCODE_SCRATCH_BYTES_KEPT {
+                *scratch = Vec::new();
+            }
+        });
         Ok(())
     }
 }

@@ -9,20 +9,53 @@
 //!
 //! Pure formatting: the RLS service (`crate::api::rls`) gathers the numbers.
 
-use std::borrow::Cow;
 use std::fmt::Write;
 
 use smallvec::SmallVec;
 
-/// One limit as the client should see it.
+/// What a limit's header fields say that no answer changes: its policy name, quoted, and
+/// its `RateLimit-Policy` item. Formatted once, when the policy loads (or a request's own
+/// limit is read), so an answer copies them instead of formatting them again.
 #[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyHeader {
+    /// The policy name as a Structured Field String: `"name"`.
+    quoted_name: String,
+    /// `"name";q=100;w=60`.
+    policy_item: String,
+    /// Quota per window (`q`), the legacy `RateLimit-Limit`.
+    quota: u64,
+    /// The window in whole seconds, at least 1 (`w`).
+    window_s: u64,
+}
+
+impl PolicyHeader {
+    /// The fields of a limit of `quota` per `window_ms` (`w`, whole seconds, at least 1),
+    /// under the policy name `name`.
+    pub fn new(name: &str, quota: u64, window_ms: u64) -> Self {
+        let mut quoted_name = String::with_capacity(name.len() + 2);
+        push_structured_string(&mut quoted_name, name);
+        Self::formatted(quoted_name, quota, window_seconds(window_ms))
+    }
+
+    /// The same policy with a quota of `quota` (a region's slice of a limit moved).
+    #[must_use]
+    pub fn with_quota(&self, quota: u64) -> Self {
+        Self::formatted(self.quoted_name.clone(), quota, self.window_s)
+    }
+
+    fn formatted(quoted_name: String, quota: u64, window_s: u64) -> Self {
+        let mut policy_item = quoted_name.clone();
+        push_parameter(&mut policy_item, ";q=", quota);
+        push_parameter(&mut policy_item, ";w=", window_s);
+        Self { quoted_name, policy_item, quota, window_s }
+    }
+}
+
+/// One limit as the client should see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LimitReport<'n> {
-    /// Stable policy name (the rule's `name`, or its path).
-    pub policy_name: Cow<'n, str>,
-    /// Quota per window (`q`).
-    pub quota: u64,
-    /// Window length in ms (`w`, sent as whole seconds, at least 1).
-    pub window_ms: u64,
+    /// The limit's fixed part.
+    pub policy: &'n PolicyHeader,
     /// Hits left (`r`).
     pub remaining: u64,
     /// Milliseconds until the limit has fully reset (`t`, sent as whole seconds, rounded up).
@@ -88,13 +121,11 @@ pub fn emit_headers(
     }
     if options.ietf_draft10 {
         fields.push_with("ratelimit-policy", |out| {
-            push_items(out, reports, |out, report| {
-                push_parameter(out, ";q=", report.quota);
-                push_parameter(out, ";w=", window_seconds(report.window_ms));
-            });
+            push_items(out, reports, |out, report| out.push_str(&report.policy.policy_item));
         });
         fields.push_with("ratelimit", |out| {
             push_items(out, reports, |out, report| {
+                out.push_str(&report.policy.quoted_name);
                 push_parameter(out, ";r=", report.remaining);
                 push_parameter(out, ";t=", ceil_seconds(report.reset_ms));
             });
@@ -105,7 +136,7 @@ pub fn emit_headers(
             .iter()
             .min_by(|a, b| a.remaining.cmp(&b.remaining).then(b.reset_ms.cmp(&a.reset_ms)))
             .expect("reports is not empty");
-        fields.push_with("ratelimit-limit", |out| push_integer(out, tightest.quota));
+        fields.push_with("ratelimit-limit", |out| push_integer(out, tightest.policy.quota));
         fields.push_with("ratelimit-remaining", |out| push_integer(out, tightest.remaining));
         fields
             .push_with("ratelimit-reset", |out| push_integer(out, ceil_seconds(tightest.reset_ms)));
@@ -164,21 +195,21 @@ pub fn push_warning(value: &mut String, warning: Warning<'_>) {
 }
 
 /// Appends a draft-10 list: one item per policy name (a rule met by two descriptors is one
-/// policy), each the quoted name and the parameters `push_parameters` appends.
+/// policy), each what `push_item` appends.
 fn push_items(
     out: &mut String,
     reports: &[LimitReport<'_>],
-    push_parameters: impl Fn(&mut String, &LimitReport<'_>),
+    push_item: impl Fn(&mut String, &LimitReport<'_>),
 ) {
     for (index, report) in reports.iter().enumerate() {
-        if reports[..index].iter().any(|earlier| earlier.policy_name == report.policy_name) {
+        let quoted_name = &report.policy.quoted_name;
+        if reports[..index].iter().any(|earlier| earlier.policy.quoted_name == *quoted_name) {
             continue;
         }
         if index > 0 {
             out.push_str(", ");
         }
-        push_structured_string(out, &report.policy_name);
-        push_parameters(out, report);
+        push_item(out, report);
     }
 }
 
@@ -257,14 +288,8 @@ mod tests {
     const ALL: HeaderOptions =
         HeaderOptions { ietf_draft10: true, legacy: true, retry_after: true };
 
-    fn report(
-        name: &str,
-        quota: u64,
-        window_ms: u64,
-        remaining: u64,
-        reset_ms: u64,
-    ) -> LimitReport<'_> {
-        LimitReport { policy_name: Cow::Borrowed(name), quota, window_ms, remaining, reset_ms }
+    fn report(policy: &PolicyHeader, remaining: u64, reset_ms: u64) -> LimitReport<'_> {
+        LimitReport { policy, remaining, reset_ms }
     }
 
     /// The warning says how far over and when, rounds to whole percents without ever
@@ -300,8 +325,9 @@ mod tests {
     /// Two limits give two draft-10 items each, and the legacy fields follow the tighter one.
     #[test]
     fn two_limits_format_as_draft10_lists() {
-        let reports =
-            [report("burst", 100, 60_000, 50, 30_000), report("daily", 1000, 86_400_000, 999, 10)];
+        let (burst, daily) =
+            (PolicyHeader::new("burst", 100, 60_000), PolicyHeader::new("daily", 1000, 86_400_000));
+        let reports = [report(&burst, 50, 30_000), report(&daily, 999, 10)];
         let headers = format_headers(&reports, None, ALL);
         assert_eq!(
             header(&headers, "ratelimit-policy"),
@@ -318,11 +344,10 @@ mod tests {
     /// first met, and the fields after it read back whole from the shared string.
     #[test]
     fn a_policy_met_twice_is_listed_once() {
-        let reports = [
-            report("per-ip", 10, 1_000, 9, 1_000),
-            report("burst", 100, 60_000, 50, 30_000),
-            report("per-ip", 10, 1_000, 3, 1_000),
-        ];
+        let (per_ip, burst) =
+            (PolicyHeader::new("per-ip", 10, 1_000), PolicyHeader::new("burst", 100, 60_000));
+        let reports =
+            [report(&per_ip, 9, 1_000), report(&burst, 50, 30_000), report(&per_ip, 3, 1_000)];
         let headers = format_headers(&reports, Some(1_500), ALL);
         assert_eq!(
             header(&headers, "ratelimit-policy"),
@@ -334,10 +359,23 @@ mod tests {
         assert_eq!(headers.len(), 6);
     }
 
+    /// A moved region slice changes the quota and keeps the name and window.
+    #[test]
+    fn a_new_quota_keeps_the_name_and_window() {
+        let policy = PolicyHeader::new("per \"ip\"", 10, 60_000);
+        let sliced = policy.with_quota(4);
+        assert_eq!(sliced, PolicyHeader::new("per \"ip\"", 4, 60_000));
+        let reports = [report(&sliced, 3, 0)];
+        let headers = format_headers(&reports, None, ALL);
+        assert_eq!(header(&headers, "ratelimit-policy"), Some("\"per \\\"ip\\\"\";q=4;w=60"));
+        assert_eq!(header(&headers, "ratelimit-limit"), Some("4"));
+    }
+
     /// Retry-After rounds up and is at least one second; sub-second windows say w=1.
     #[test]
     fn retry_after_rounds_up() {
-        let reports = [report("per-ip", 10, 500, 0, 1)];
+        let per_ip = PolicyHeader::new("per-ip", 10, 500);
+        let reports = [report(&per_ip, 0, 1)];
         let headers = format_headers(&reports, Some(1_001), ALL);
         assert_eq!(header(&headers, "retry-after"), Some("2"));
         assert_eq!(header(&headers, "ratelimit-policy"), Some("\"per-ip\";q=10;w=1"));
@@ -348,7 +386,8 @@ mod tests {
     /// Disabled generations are not emitted, and no limits means no headers.
     #[test]
     fn options_select_generations() {
-        let reports = [report("a", 1, 1000, 1, 0)];
+        let policy = PolicyHeader::new("a", 1, 1000);
+        let reports = [report(&policy, 1, 0)];
         let only_legacy = HeaderOptions { ietf_draft10: false, legacy: true, retry_after: false };
         let headers = format_headers(&reports, Some(5), only_legacy);
         assert_eq!(headers.len(), 3);

@@ -1374,14 +1374,14 @@ impl Assembly {
             u32::try_from(self.rules.len())
                 .expect("RULES_PER_SET_MAX fits in u32 and was enforced"),
         );
+        let count = draft.limits.len();
         let limits: Vec<RuleLimit> = draft
             .limits
             .into_iter()
-            .map(|limit| RuleLimit {
-                spec: limit.spec,
-                policy_spec: limit.spec,
-                unit: limit.unit,
-                name: limit.name,
+            .enumerate()
+            .map(|(index, limit)| {
+                let place = (draft.path.as_str(), index, count);
+                RuleLimit::new(limit.spec, limit.spec, limit.unit, limit.name, place)
             })
             .collect();
         for name in limits.iter().filter_map(|limit| limit.name.as_deref()) {

@@ -49,6 +49,7 @@ mod tests;
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
+use crate::core::headers::PolicyHeader;
 use crate::core::lease::LeaseTuning;
 use crate::core::rate::{Algorithm, LimitSpec};
 use crate::core::region::transfer::SliceKey;
@@ -254,6 +255,28 @@ pub struct RuleLimit {
     pub unit: Option<Unit>,
     /// The limit's `name`: a target for `replaces`, and the policy name in `RateLimit` headers.
     pub name: Option<String>,
+    /// Its header fields' fixed part, for the limit as this node enforces it (`spec`).
+    pub header: PolicyHeader,
+}
+
+impl RuleLimit {
+    /// The `index`-th of a rule's `count` limits, at `path`: its header policy name is its
+    /// own `name`, else the rule's path (numbered when the rule has several limits).
+    pub fn new(
+        spec: LimitSpec,
+        policy_spec: LimitSpec,
+        unit: Option<Unit>,
+        name: Option<String>,
+        (path, index, count): (&str, usize, usize),
+    ) -> Self {
+        let header_name = match (&name, count) {
+            (Some(name), _) => Cow::Borrowed(name.as_str()),
+            (None, 1) => Cow::Borrowed(path),
+            (None, _) => Cow::Owned(format!("{path}#{index}")),
+        };
+        let header = PolicyHeader::new(&header_name, spec.requests_per_window, spec.window_ms);
+        Self { spec, policy_spec, unit, name, header }
+    }
 }
 
 /// One descriptor of a policy file, at one level of its tree.
@@ -544,6 +567,7 @@ impl PolicySet {
                     None => shares.slice_spec(region, &limit.spec),
                 };
                 limit.spec = sliced.expect("a slice of a valid limit is a valid limit");
+                limit.header = limit.header.with_quota(limit.spec.requests_per_window);
             }
         }
         self

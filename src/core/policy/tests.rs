@@ -1442,6 +1442,26 @@ fn error_metadata_must_be_a_mapping() {
 }
 
 #[test]
+fn header_policy_names_are_fixed_when_the_policy_loads() {
+    // A limit's own name, else the rule's path, numbered when the rule has several limits.
+    let set = parse(&[
+        "domain: rl",
+        "descriptors:",
+        "  - key: two",
+        "    rate_limits:",
+        "      - {unit: second, requests_per_unit: 10}",
+        "      - {unit: hour, requests_per_unit: 100, name: hourly}",
+        "  - key: one",
+        "    rate_limit: {unit: minute, requests_per_unit: 5}",
+    ]);
+    let two = &matched(&set, "rl", &[("two", "x")]).limits;
+    assert_eq!(two[0].header, PolicyHeader::new("two#0", 10, 1_000));
+    assert_eq!(two[1].header, PolicyHeader::new("hourly", 100, 3_600_000));
+    let one = &matched(&set, "rl", &[("one", "x")]).limits;
+    assert_eq!(one[0].header, PolicyHeader::new("one", 5, 60_000));
+}
+
+#[test]
 fn regions_slice_the_limits_per_region() {
     // A rule with `regions` keeps its global limit in the set; each region's view carries
     // its slice of the rate and of the burst, a region not named gets a limit of 0, and
@@ -1486,6 +1506,10 @@ fn regions_slice_the_limits_per_region() {
     let moved = set.clone().for_region_slices("us-east", &moved);
     assert_eq!(global(&moved, "global"), (900, 1_800));
     assert_eq!(global(&moved, "thirds"), (100, 100));
+    // The headers show the slice the node enforces.
+    let header = |set: &PolicySet| matched(set, "rl", &[("global", "x")]).limits[0].header.clone();
+    assert_eq!(header(&east), PolicyHeader::new("global", 600, 1_000));
+    assert_eq!(header(&moved), PolicyHeader::new("global", 900, 1_000));
     assert_eq!(global(&set.clone().for_region_slices("a", &BTreeMap::new()), "thirds").0, 34);
     let unsliced = parse(&[
         "domain: rl",
