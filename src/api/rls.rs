@@ -304,11 +304,17 @@ impl RlsService {
                 None => self.matched_rule(policy, domain, descriptor, counting),
             })
             .collect();
-        let replaced: SmallVec<[&str; 4]> = matched
-            .iter()
-            .flatten()
-            .flat_map(|rule| rule.replaces.iter().map(String::as_str))
-            .collect();
+        // Almost no rule replaces another's limits: nothing to gather then.
+        let replaced: SmallVec<[&str; 4]> =
+            if matched.iter().flatten().all(|rule| rule.replaces.is_empty()) {
+                SmallVec::new()
+            } else {
+                matched
+                    .iter()
+                    .flatten()
+                    .flat_map(|rule| rule.replaces.iter().map(String::as_str))
+                    .collect()
+            };
 
         for ((descriptor, overridden), rule) in
             request.descriptors.iter().zip(overrides.each()).zip(&matched)
@@ -338,13 +344,13 @@ impl RlsService {
                             limit.name.as_deref().is_none_or(|name| !replaced.contains(&name))
                         })
                         .collect();
-                    let values: SmallVec<[&str; 4]> =
-                        descriptor.entries.iter().map(|entry| entry.value.as_str()).collect();
                     let view = RuleView {
                         path: &rule.path,
                         stage: rule.stage,
                         enforce_after: rule.enforce_after.as_deref(),
-                        stats_key: rule.stats_key(&values),
+                        stats_key: rule.stats_key(|level| {
+                            descriptor.entries.get(level).map(|entry| entry.value.as_str())
+                        }),
                         metadata: rule.metadata.as_ref(),
                         counters: rule_counters.rule(rule.id),
                     };

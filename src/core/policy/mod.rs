@@ -363,13 +363,17 @@ impl Rule {
     /// `key_value`, joined by `.`. The configured value names a level, except that
     /// `detailed_metric` names every level by its runtime value, and `value_to_metric` its
     /// own level; a `share_threshold` level is always named by its pattern, so a shared
-    /// counter has one series. Borrowed (the rule's path) unless a runtime value is used.
+    /// counter has one series. Borrowed (the rule's path) unless a runtime value is used;
+    /// `runtime_value(level)` is read only for a level named by its runtime value.
     #[must_use]
-    pub fn stats_key<'a>(&'a self, runtime_values: &[&str]) -> Cow<'a, str> {
+    pub fn stats_key<'a, 'v>(
+        &'a self,
+        runtime_value: impl Fn(usize) -> Option<&'v str>,
+    ) -> Cow<'a, str> {
         let runtime = |index: usize, level: &RuleLevel| {
             !level.share_threshold
                 && (self.detailed_metric || level.value_to_metric)
-                && runtime_values.get(index).is_some_and(|value| !value.is_empty())
+                && runtime_value(index).is_some_and(|value| !value.is_empty())
         };
         if !self.levels.iter().enumerate().any(|(index, level)| runtime(index, level)) {
             return Cow::Borrowed(&self.path);
@@ -380,11 +384,8 @@ impl Rule {
                 key.push('.');
             }
             key.push_str(&level.key);
-            let value = if runtime(index, level) {
-                runtime_values.get(index).copied()
-            } else {
-                level.value.as_deref()
-            };
+            let value =
+                if runtime(index, level) { runtime_value(index) } else { level.value.as_deref() };
             if let Some(value) = value {
                 key.push('_');
                 key.push_str(value);

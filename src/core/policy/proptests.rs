@@ -430,7 +430,9 @@ proptest! {
             format!("a_{request_value}")
         };
         let child = if detailed && !child_value.is_empty() { format!("b_{child_value}") } else { "b".to_owned() };
-        prop_assert_eq!(rule.stats_key(&[request_value, child_value]), format!("{top}.{child}"));
+        let runtime_values = [request_value, child_value];
+        let key = rule.stats_key(|level| runtime_values.get(level).copied());
+        prop_assert_eq!(key, format!("{top}.{child}"));
     }
 }
 

@@ -8,6 +8,11 @@ use super::*;
 use crate::core::lease::{LEASE_TOKENS_MAX, LeaseTuning};
 use crate::core::rate::Algorithm;
 
+/// The runtime values of a descriptor's levels, as `Rule::stats_key` reads them.
+fn values<'v>(values: &'v [&'v str]) -> impl Fn(usize) -> Option<&'v str> {
+    move |level| values.get(level).copied()
+}
+
 /// One text from its lines.
 fn text(lines: &[&str]) -> String {
     let mut text = lines.join("\n");
@@ -1302,13 +1307,13 @@ fn upstream_keys_carry_their_meaning() {
     );
     let files = matched(&set, "rl", &[("files", "files/a.pdf")]);
     assert_eq!(files.counter_value(0, "files/a.pdf"), "files/*");
-    assert_eq!(files.stats_key(&["files/a.pdf"]), "files_files/*");
+    assert_eq!(files.stats_key(values(&["files/a.pdf"])), "files_files/*");
     let method = matched(&set, "rl", &[("route", "api"), ("method", "GET")]);
     assert_eq!(method.counter_value(0, "api"), "api", "no share_threshold: own counter");
-    assert_eq!(method.stats_key(&["api", "GET"]), "route_api.method");
+    assert_eq!(method.stats_key(values(&["api", "GET"])), "route_api.method");
     let user = matched(&set, "rl", &[("user", "alice")]);
-    assert_eq!(user.stats_key(&["alice"]), "user_alice");
-    assert_eq!(user.stats_key(&[""]), "user", "an empty value adds nothing");
+    assert_eq!(user.stats_key(values(&["alice"])), "user_alice");
+    assert_eq!(user.stats_key(values(&[""])), "user", "an empty value adds nothing");
 }
 
 #[test]
@@ -1340,9 +1345,12 @@ fn share_threshold_levels_and_statistics_follow_upstream() {
         .map(|(level, value)| rule.counter_value(level, value))
         .collect();
     assert_eq!(counted, ["user/*", "file/x", "get"]);
-    assert_eq!(rule.stats_key(&["user/7", "file/x", "get"]), "user_user/*.file_file/*.action");
+    assert_eq!(
+        rule.stats_key(values(&["user/7", "file/x", "get"])),
+        "user_user/*.file_file/*.action"
+    );
     let mid = matched(&set, "d", &[("midroute", "/api/items/v2")]);
-    assert_eq!(mid.stats_key(&["/api/items/v2"]), "midroute_/api*v2");
+    assert_eq!(mid.stats_key(values(&["/api/items/v2"])), "midroute_/api*v2");
 }
 
 /// The options that make a migrating user's files count as upstream's.
