@@ -7,24 +7,29 @@
 //! index. The state machine and snapshots are `state_store`'s.
 //!
 //! Group commit. openraft 0.9 calls `append` once per client write and waits for it, so an
-//! fsync inside `append` would allow one commit per fsync. Instead `append` commits the
-//! entries with `Durability::None` (visible to readers at once, lost on a crash) and hands its
-//! callback to this store's flusher thread, which commits an empty `Durability::Immediate`
-//! transaction (persisting every earlier commit with one fsync) and only then completes all the
-//! callbacks it collected meanwhile, in order:
+//! fsync inside `append` would allow one commit per fsync. Instead `append` encodes the
+//! entries, puts them in memory where readers find them at once (`Unflushed`), and queues
+//! them with their callback for this store's flusher thread. The flusher writes every entry
+//! queued meanwhile in one `Durability::Immediate` transaction (one fsync), and only then
+//! drops them from memory and completes their callbacks, in order:
 //!
 //! ```text
-//!  append(e1) ─▶ commit(None) ─▶ queue cb1 ┐
-//!  append(e2) ─▶ commit(None) ─▶ queue cb2 ┼─▶ flusher: commit(Immediate) = fsync ─▶ cb1, cb2
+//!  append(e1) ─▶ unflushed += e1 ─▶ queue (e1, cb1) ┐
+//!  append(e2) ─▶ unflushed += e2 ─▶ queue (e2, cb2) ┼─▶ flusher: write e1, e2; commit(Immediate)
+//!                                                    │   = fsync ─▶ unflushed -= e1, e2 ─▶ cb1, cb2
 //!  truncate/purge/save_vote ─▶ barrier: wait until every queued callback completed ─▶ commit(Immediate)
 //! ```
 //!
-//! The barrier keeps openraft's view of IO in the order it issued it, as a synchronous store
-//! would. `save_committed` is a hint openraft may lose, so it only notes the id in memory and
-//! the flusher writes it into its next fsync's transaction: one transaction fewer per entry.
-//! Transactions run on tokio's blocking pool, so a commit never stalls the runtime's worker
+//! One thread writes the appended entries, so a write never waits for another's fsync and the
+//! runtime hands each append to no other thread than the flusher's (a transaction of its own
+//! on tokio's blocking pool cost a second commit and two thread switches per append). The
+//! barrier keeps openraft's view of IO in the order it issued it, as a synchronous store
+//! would, and leaves nothing unflushed. `save_committed` is a hint openraft may lose, so it
+//! only notes the id in memory and the flusher writes it into its next transaction. The other
+//! transactions run on tokio's blocking pool, so a commit never stalls the runtime's worker
 //! threads.
 
+use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::marker::PhantomData;
 use std::ops::{Bound, RangeBounds};
@@ -34,7 +39,7 @@ use std::sync::Arc;
 use openraft::storage::{LogFlushed, RaftLogStorage};
 use openraft::{ErrorSubject, ErrorVerb, LogId, LogState, RaftLogReader, StorageError, Vote};
 use parking_lot::Mutex;
-use redb::{Durability, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{ReadableDatabase, ReadableTable, TableDefinition};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{GroupConfig, NodeId, storage_io};
@@ -53,8 +58,8 @@ const FLUSH_QUEUE_MAX: usize = 4096;
 
 /// What the flusher thread is asked to do, in order.
 enum FlushRequest<C: openraft::RaftTypeConfig> {
-    /// Complete this callback once everything committed so far is fsync'd.
-    Appended(LogFlushed<C>),
+    /// Write these entries, fsync, then complete this callback.
+    Appended(Vec<UnflushedEntry>, LogFlushed<C>),
     /// Answer once every request queued before it has been completed.
     Barrier(oneshot::Sender<()>),
 }
@@ -83,11 +88,24 @@ pub enum LogOpenError {
 /// The latest committed id openraft reported, postcard-encoded, until the flusher writes it.
 type PendingCommitted = Arc<Mutex<Option<Vec<u8>>>>;
 
+/// An appended entry: its index, log id and postcard encoding.
+#[derive(Clone)]
+struct UnflushedEntry {
+    index: u64,
+    log_id: LogId<NodeId>,
+    bytes: Arc<[u8]>,
+}
+
+/// The entries appended but not yet written by the flusher, by index: always the log's last
+/// entries, as the flusher writes them in order. Bounded by the flusher's queue.
+type Unflushed = Arc<Mutex<BTreeMap<u64, UnflushedEntry>>>;
+
 /// The Raft log store of one group; cheap to clone (openraft reads through clones).
 pub struct LogStore<C: openraft::RaftTypeConfig> {
     db: Arc<redb::Database>,
     flusher: mpsc::Sender<FlushRequest<C>>,
     committed: PendingCommitted,
+    unflushed: Unflushed,
     _config: PhantomData<fn() -> C>,
 }
 
@@ -97,18 +115,20 @@ impl<C: openraft::RaftTypeConfig> Clone for LogStore<C> {
             db: Arc::clone(&self.db),
             flusher: self.flusher.clone(),
             committed: Arc::clone(&self.committed),
+            unflushed: Arc::clone(&self.unflushed),
             _config: PhantomData,
         }
     }
 }
 
-/// The flusher thread: one fsync for every batch of queued callbacks, carrying the latest
-/// committed id. It holds the database only while it commits, so the file closes as soon as
-/// the last [`LogStore`] handle is dropped (a restart in the same process reopens it at once);
-/// then it stops.
+/// The flusher thread: one transaction and fsync for every batch of queued appends, carrying
+/// the latest committed id. It holds the database only while it commits, so the file closes
+/// as soon as the last [`LogStore`] handle is dropped (a restart in the same process reopens
+/// it at once); then it stops.
 fn run_flusher<C: openraft::RaftTypeConfig>(
     db: std::sync::Weak<redb::Database>,
     committed: PendingCommitted,
+    unflushed: Unflushed,
     mut requests: mpsc::Receiver<FlushRequest<C>>,
 ) {
     let mut batch = Vec::new();
@@ -120,24 +140,44 @@ fn run_flusher<C: openraft::RaftTypeConfig>(
                 Err(_) => break,
             }
         }
-        let needs_fsync = batch.iter().any(|request| matches!(request, FlushRequest::Appended(_)));
+        let entries: Vec<&UnflushedEntry> = batch
+            .iter()
+            .flat_map(|request| match request {
+                FlushRequest::Appended(entries, _) => entries.as_slice(),
+                FlushRequest::Barrier(_) => &[],
+            })
+            .collect();
+        let needs_fsync = batch.iter().any(|request| matches!(request, FlushRequest::Appended(..)));
         let flushed: Result<(), String> = if needs_fsync {
             match db.upgrade() {
-                // A commit with Immediate durability persists every earlier commit.
                 Some(db) => {
-                    fsync_with_committed(&db, &committed).map_err(|error| error.to_string())
+                    write_and_fsync(&db, &entries, &committed).map_err(|error| error.to_string())
                 }
                 None => Err("the Raft log was closed before it was fsync'd".to_owned()),
             }
         } else {
             Ok(())
         };
-        if let Err(error) = &flushed {
-            tracing::error!(%error, "the Raft log could not be fsync'd");
+        match &flushed {
+            // Readers find them in redb now. A failed write leaves them in memory: openraft
+            // stops the group on the error, and nothing after them is written.
+            Ok(()) => {
+                let mut unflushed = unflushed.lock();
+                for entry in &entries {
+                    if unflushed
+                        .get(&entry.index)
+                        .is_some_and(|kept| Arc::ptr_eq(&kept.bytes, &entry.bytes))
+                    {
+                        unflushed.remove(&entry.index);
+                    }
+                }
+            }
+            Err(error) => tracing::error!(%error, "the Raft log could not be fsync'd"),
         }
+        drop(entries);
         for request in batch.drain(..) {
             match request {
-                FlushRequest::Appended(callback) => {
+                FlushRequest::Appended(_, callback) => {
                     callback.log_io_completed(flushed.clone().map_err(std::io::Error::other))
                 }
                 FlushRequest::Barrier(done) => {
@@ -148,12 +188,20 @@ fn run_flusher<C: openraft::RaftTypeConfig>(
     }
 }
 
-/// Commits with `Durability::Immediate`, writing the pending committed id if there is one.
-fn fsync_with_committed(
+/// Writes `entries` and the pending committed id, if there is one, in one transaction
+/// committed with `Durability::Immediate`.
+fn write_and_fsync(
     db: &redb::Database,
+    entries: &[&UnflushedEntry],
     committed: &PendingCommitted,
 ) -> Result<(), redb::Error> {
     let txn = db.begin_write()?;
+    {
+        let mut table = txn.open_table(ENTRIES)?;
+        for entry in entries {
+            table.insert(entry.index, &*entry.bytes)?;
+        }
+    }
     if let Some(bytes) = committed.lock().take() {
         txn.open_table(META)?.insert(META_COMMITTED, bytes.as_slice())?;
     }
@@ -180,12 +228,16 @@ impl<C: GroupConfig> LogStore<C> {
         let (flusher, requests) = mpsc::channel(FLUSH_QUEUE_MAX);
         let flusher_db = Arc::downgrade(&db);
         let committed = PendingCommitted::default();
-        let flusher_committed = Arc::clone(&committed);
+        let unflushed = Unflushed::default();
+        let (flusher_committed, flusher_unflushed) =
+            (Arc::clone(&committed), Arc::clone(&unflushed));
         std::thread::Builder::new()
             .name("raft-log-flush".to_owned())
-            .spawn(move || run_flusher::<C>(flusher_db, flusher_committed, requests))
+            .spawn(move || {
+                run_flusher::<C>(flusher_db, flusher_committed, flusher_unflushed, requests)
+            })
             .map_err(LogOpenError::Flusher)?;
-        Ok(Self { db, flusher, committed, _config: PhantomData })
+        Ok(Self { db, flusher, committed, unflushed, _config: PhantomData })
     }
 
     /// Waits until every append queued before this call has been fsync'd and completed.
@@ -211,11 +263,10 @@ impl<C: GroupConfig> LogStore<C> {
         Arc::downgrade(&self.db)
     }
 
-    /// Runs one write transaction on the blocking pool and commits it with `durability`.
+    /// Runs one write transaction on the blocking pool and commits it, fsync'd.
     async fn write<F>(
         &self,
         verb_subject: (ErrorSubject<NodeId>, ErrorVerb),
-        durability: Durability,
         body: F,
     ) -> Result<(), StorageError<NodeId>>
     where
@@ -224,10 +275,9 @@ impl<C: GroupConfig> LogStore<C> {
         let db = Arc::clone(&self.db);
         let (subject, verb) = verb_subject;
         let outcome = tokio::task::spawn_blocking(move || -> Result<(), redb::Error> {
-            let mut txn = db.begin_write()?;
-            txn.set_durability(durability)?;
+            let txn = db.begin_write()?;
             body(&txn)?;
-            // With Durability::Immediate, commit returns after the fsync.
+            // Durability::Immediate, redb's default: commit returns after the fsync.
             txn.commit()?;
             Ok(())
         })
@@ -260,11 +310,10 @@ impl<C: GroupConfig> LogStore<C> {
         key: &'static str,
         value: &T,
         subject: ErrorSubject<NodeId>,
-        durability: Durability,
     ) -> Result<(), StorageError<NodeId>> {
         let bytes = postcard::to_allocvec(value)
             .map_err(|e| storage_io(subject.clone(), ErrorVerb::Write, &e))?;
-        self.write((subject, ErrorVerb::Write), durability, move |txn| {
+        self.write((subject, ErrorVerb::Write), move |txn| {
             txn.open_table(META)?.insert(key, bytes.as_slice())?;
             Ok(())
         })
@@ -282,14 +331,26 @@ impl<C: GroupConfig> RaftLogReader<C> for LogStore<C> {
         let fail = |error: &(dyn std::error::Error + 'static)| {
             storage_io(ErrorSubject::Logs, ErrorVerb::Read, error)
         };
-        let txn = self.db.begin_read().map_err(|e| fail(&e))?;
-        let table = txn.open_table(ENTRIES).map_err(|e| fail(&e))?;
         let bounds: (Bound<u64>, Bound<u64>) =
             (range.start_bound().cloned(), range.end_bound().cloned());
+        // The unflushed entries first, then redb: an entry the flusher writes in between is
+        // dropped from memory only after its commit, so it is in one or the other. The
+        // unflushed ones are the log's last, so redb is read only below the first of them.
+        let unflushed: Vec<UnflushedEntry> =
+            self.unflushed.lock().range(bounds).map(|(_, entry)| entry.clone()).collect();
+        let redb_end = match unflushed.first() {
+            Some(first) => Bound::Excluded(first.index),
+            None => bounds.1,
+        };
+        let txn = self.db.begin_read().map_err(|e| fail(&e))?;
+        let table = txn.open_table(ENTRIES).map_err(|e| fail(&e))?;
         let mut entries = Vec::new();
-        for item in table.range::<u64>(bounds).map_err(|e| fail(&e))? {
+        for item in table.range::<u64>((bounds.0, redb_end)).map_err(|e| fail(&e))? {
             let (_, bytes) = item.map_err(|e| fail(&e))?;
             entries.push(postcard::from_bytes(bytes.value()).map_err(|e| fail(&e))?);
+        }
+        for entry in unflushed {
+            entries.push(postcard::from_bytes(&entry.bytes).map_err(|e| fail(&e))?);
         }
         Ok(entries)
     }
@@ -304,6 +365,9 @@ impl<C: GroupConfig> RaftLogStorage<C> for LogStore<C> {
         let fail = |error: &(dyn std::error::Error + 'static)| {
             storage_io(ErrorSubject::Logs, ErrorVerb::Read, error)
         };
+        if let Some((_, last)) = self.unflushed.lock().last_key_value() {
+            return Ok(LogState { last_purged_log_id, last_log_id: Some(last.log_id) });
+        }
         let txn = self.db.begin_read().map_err(|e| fail(&e))?;
         let table = txn.open_table(ENTRIES).map_err(|e| fail(&e))?;
         let last_log_id = match table.last().map_err(|e| fail(&e))? {
@@ -322,7 +386,7 @@ impl<C: GroupConfig> RaftLogStorage<C> for LogStore<C> {
 
     async fn save_vote(&mut self, vote: &Vote<NodeId>) -> Result<(), StorageError<NodeId>> {
         self.barrier(ErrorSubject::Vote, ErrorVerb::Write).await?;
-        self.write_meta(META_VOTE, vote, ErrorSubject::Vote, Durability::Immediate).await
+        self.write_meta(META_VOTE, vote, ErrorSubject::Vote).await
     }
 
     async fn read_vote(&mut self) -> Result<Option<Vote<NodeId>>, StorageError<NodeId>> {
@@ -361,33 +425,21 @@ impl<C: GroupConfig> RaftLogStorage<C> for LogStore<C> {
         I: IntoIterator<Item = C::Entry> + Send,
         I::IntoIter: Send,
     {
-        // Encode first, then write the whole batch in one transaction; the flusher fsyncs it.
         let mut encoded = Vec::new();
         for entry in entries {
             let bytes = postcard::to_allocvec(&entry)
                 .map_err(|e| storage_io(ErrorSubject::Logs, ErrorVerb::Write, &e))?;
-            encoded.push((entry.log_id.index, bytes));
-        }
-        let outcome = self
-            .write((ErrorSubject::Logs, ErrorVerb::Write), Durability::None, move |txn| {
-                let mut table = txn.open_table(ENTRIES)?;
-                for (index, bytes) in &encoded {
-                    table.insert(*index, bytes.as_slice())?;
-                }
-                Ok(())
-            })
-            .await;
-        if let Err(error) = &outcome {
-            callback.log_io_completed(Err(std::io::Error::other(error.to_string())));
-            return outcome;
+            let (index, log_id) = (entry.log_id.index, entry.log_id);
+            encoded.push(UnflushedEntry { index, log_id, bytes: bytes.into() });
         }
         // Readable now, durable only after the flusher's fsync: only then may openraft count
         // this node's copy towards a quorum.
+        self.unflushed.lock().extend(encoded.iter().map(|entry| (entry.index, entry.clone())));
         if let Err(mpsc::error::SendError(request)) =
-            self.flusher.send(FlushRequest::Appended(callback)).await
+            self.flusher.send(FlushRequest::Appended(encoded, callback)).await
         {
             let error = std::io::Error::other("the Raft log flusher stopped");
-            if let FlushRequest::Appended(callback) = request {
+            if let FlushRequest::Appended(_, callback) = request {
                 callback.log_io_completed(Err(std::io::Error::other(error.to_string())));
             }
             return Err(storage_io(ErrorSubject::Logs, ErrorVerb::Write, &error));
@@ -397,7 +449,7 @@ impl<C: GroupConfig> RaftLogStorage<C> for LogStore<C> {
 
     async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
         self.barrier(ErrorSubject::Logs, ErrorVerb::Delete).await?;
-        self.write((ErrorSubject::Logs, ErrorVerb::Delete), Durability::Immediate, move |txn| {
+        self.write((ErrorSubject::Logs, ErrorVerb::Delete), move |txn| {
             txn.open_table(ENTRIES)?.retain_in(log_id.index.., |_, _| false)?;
             Ok(())
         })
@@ -409,7 +461,7 @@ impl<C: GroupConfig> RaftLogStorage<C> for LogStore<C> {
             .map_err(|e| storage_io(ErrorSubject::Logs, ErrorVerb::Delete, &e))?;
         // Marker and deletion in one transaction: a crash never leaves a hole before the marker.
         self.barrier(ErrorSubject::Logs, ErrorVerb::Delete).await?;
-        self.write((ErrorSubject::Logs, ErrorVerb::Delete), Durability::Immediate, move |txn| {
+        self.write((ErrorSubject::Logs, ErrorVerb::Delete), move |txn| {
             txn.open_table(META)?.insert(META_LAST_PURGED, marker.as_slice())?;
             txn.open_table(ENTRIES)?.retain_in(..=log_id.index, |_, _| false)?;
             Ok(())
