@@ -1,12 +1,14 @@
 //! The quota group's storage (redb log, sled state, snapshot files) against openraft's own
-//! storage conformance suite, the sled rebuild from a snapshot after sled loses data, and sled
-//! written behind the machine.
+//! storage conformance suite, the sled rebuild from a snapshot after sled loses data, sled
+//! written behind the machine, and log entries readable before the flusher has written them.
 
 use std::collections::BTreeSet;
 
 use openraft::storage::{RaftLogStorage, RaftLogStorageExt, RaftStateMachine};
 use openraft::testing::{StoreBuilder, Suite};
-use openraft::{Entry, EntryPayload, LogId, Membership, RaftSnapshotBuilder, StorageError};
+use openraft::{
+    Entry, EntryPayload, LogId, Membership, RaftLogReader, RaftSnapshotBuilder, StorageError,
+};
 use quotamesh::core::ledger::{LeaseRequest, NodeId, QuotaCommand, QuotaResponse};
 use quotamesh::core::rate::{Algorithm, LimitSpec};
 use quotamesh::ledger::QuotaGroup;
@@ -140,4 +142,44 @@ async fn log_survives_reopen() {
     let state = log.get_log_state().await.expect("log state");
     assert_eq!(state.last_purged_log_id, Some(log_id(1, 2)));
     assert_eq!(state.last_log_id, Some(log_id(1, 5)));
+}
+
+// Proves appended entries are readable as soon as `append` returns, before the flusher has
+// written them (openraft's replication reads them at once), and are durable once their
+// callback has said so.
+#[tokio::test]
+async fn appended_entries_are_readable_before_they_are_flushed() {
+    let directory = tempfile::tempdir().expect("a temporary directory");
+    let path = directory.path().join("raft-log.redb");
+    let mut log = LogStore::<QuotaGroup>::open(&path).expect("the log opens");
+    let db = log.liveness().upgrade().expect("the log is open");
+    // redb has one writer at a time: while this transaction is open the flusher cannot write.
+    let held = db.begin_write().expect("a write transaction");
+    let mut appender = log.clone();
+    let entries: Vec<Entry<QuotaGroup>> =
+        (1..=3).map(|index| grant_entry(index, 1_000 + index)).collect();
+    let appended = tokio::spawn(async move { appender.blocking_append(entries).await });
+    let mut reader = log.get_log_reader().await;
+    let read = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            let read = reader.try_get_log_entries(1..=3).await.expect("the log reads");
+            if read.len() == 3 {
+                return read;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the appended entries are readable while the flusher waits");
+    let indexes: Vec<u64> = read.iter().map(|entry| entry.log_id.index).collect();
+    assert_eq!(indexes, [1, 2, 3]);
+    let state = log.get_log_state().await.expect("log state");
+    assert_eq!(state.last_log_id, Some(log_id(1, 3)));
+    assert!(!appended.is_finished(), "the append is not durable before the flusher wrote it");
+    held.abort().expect("the held transaction ends");
+    appended.await.expect("the append task").expect("append");
+    drop((db, reader, log));
+    let mut reopened = LogStore::<QuotaGroup>::open(&path).expect("the log reopens");
+    let state = reopened.get_log_state().await.expect("log state");
+    assert_eq!(state.last_log_id, Some(log_id(1, 3)));
 }
