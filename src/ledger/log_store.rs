@@ -124,7 +124,8 @@ impl<C: openraft::RaftTypeConfig> Clone for LogStore<C> {
 /// The flusher thread: one transaction and fsync for every batch of queued appends, carrying
 /// the latest committed id. It holds the database only while it commits, so the file closes
 /// as soon as the last [`LogStore`] handle is dropped (a restart in the same process reopens
-/// it at once); then it stops.
+/// it at once); then it stops. Once a write has failed it writes nothing more and fails every
+/// later append: a later batch would leave a hole where the failed one's entries belong.
 fn run_flusher<C: openraft::RaftTypeConfig>(
     db: std::sync::Weak<redb::Database>,
     committed: PendingCommitted,
@@ -132,6 +133,7 @@ fn run_flusher<C: openraft::RaftTypeConfig>(
     mut requests: mpsc::Receiver<FlushRequest<C>>,
 ) {
     let mut batch = Vec::new();
+    let mut failed: Option<String> = None;
     while let Some(first) = requests.blocking_recv() {
         batch.push(first);
         while batch.len() < FLUSH_QUEUE_MAX {
@@ -148,19 +150,19 @@ fn run_flusher<C: openraft::RaftTypeConfig>(
             })
             .collect();
         let needs_fsync = batch.iter().any(|request| matches!(request, FlushRequest::Appended(..)));
-        let flushed: Result<(), String> = if needs_fsync {
-            match db.upgrade() {
+        let flushed: Result<(), String> = match (&failed, needs_fsync) {
+            (Some(error), _) => Err(error.clone()),
+            (None, false) => Ok(()),
+            (None, true) => match db.upgrade() {
                 Some(db) => {
                     write_and_fsync(&db, &entries, &committed).map_err(|error| error.to_string())
                 }
                 None => Err("the Raft log was closed before it was fsync'd".to_owned()),
-            }
-        } else {
-            Ok(())
+            },
         };
         match &flushed {
-            // Readers find them in redb now. A failed write leaves them in memory: openraft
-            // stops the group on the error, and nothing after them is written.
+            // Readers find them in redb now. A failed write leaves them in memory, and
+            // openraft stops the group on the error.
             Ok(()) => {
                 let mut unflushed = unflushed.lock();
                 for entry in &entries {
@@ -172,7 +174,12 @@ fn run_flusher<C: openraft::RaftTypeConfig>(
                     }
                 }
             }
-            Err(error) => tracing::error!(%error, "the Raft log could not be fsync'd"),
+            Err(error) => {
+                if failed.is_none() {
+                    tracing::error!(%error, "the Raft log could not be fsync'd");
+                    failed = Some(error.clone());
+                }
+            }
         }
         drop(entries);
         for request in batch.drain(..) {
