@@ -32,7 +32,7 @@ use tonic::body::Body;
 use tonic::codegen::http;
 use tonic::server::NamedService;
 
-use crate::api::grpc_metrics::GRPC_STATUS;
+use crate::api::grpc_metrics::{GRPC_STATUS, grpc_status_value};
 
 /// Largest request metadata (HTTP/2 header list: names, values and 32 bytes per entry, as
 /// HTTP/2 counts it) a call may carry; the rest is refused with `RESOURCE_EXHAUSTED`. hyper's
@@ -146,7 +146,7 @@ fn oversized_as_resource_exhausted(headers: &mut http::HeaderMap) {
     let out_of_range = |code: &http::HeaderValue| {
         tonic::Code::from_bytes(code.as_bytes()) == tonic::Code::OutOfRange
     };
-    if headers.get(&GRPC_STATUS).is_some_and(out_of_range) {
+    if grpc_status_value(headers).is_some_and(out_of_range) {
         let exhausted = http::HeaderValue::from(tonic::Code::ResourceExhausted as i32);
         headers.insert(&GRPC_STATUS, exhausted);
     }

@@ -456,7 +456,13 @@ impl RlsService {
         let domain = request.domain.as_str();
         let domain_label = &*domain_counters.label;
         let mut metadata: Option<serde_json::Map<String, serde_json::Value>> = None;
-        let mut statuses = SmallVec::with_capacity(plans.len());
+        // Boxed from the start and filled in place: the answer passes through several
+        // futures on its way to the wire, where a pointer moves cheaper than its statuses and
+        // header fields, and nothing built beside it is moved into it.
+        let mut answer =
+            Box::new(RlsAnswer::new(if decision.admitted { Code::Ok } else { Code::OverLimit }));
+        let statuses = &mut answer.statuses;
+        statuses.reserve(plans.len());
         let mut reports: SmallVec<[LimitReport<'_>; 4]> = SmallVec::new();
         let mut retry_after_ms: Option<u64> = None;
         let mut warning: Option<Warning<'_>> = None;
@@ -578,19 +584,14 @@ impl RlsService {
                 reset_seconds: Some(whole_seconds_of_ms(evaluation.reset_ms)),
             });
         }
-        let overall = if decision.admitted { Code::Ok } else { Code::OverLimit };
         domain_counters.count_answer(decision.admitted);
         let retry_after_ms = if decision.admitted { None } else { retry_after_ms };
-        let mut answer = RlsAnswer::new(overall);
-        answer.statuses = statuses;
         emit_headers(&reports, retry_after_ms, self.headers, &mut answer.headers);
         if let Some(warning) = warning {
             answer.headers.push_with("ratelimit-warning", |out| push_warning(out, warning));
         }
         answer.dynamic_metadata = metadata.map(|metadata| dynamic_metadata(request, metadata));
-        // Boxed: the answer passes through several futures on its way to the wire, and a
-        // pointer moves cheaper than its statuses and header fields.
-        Box::new(answer)
+        answer
     }
 
     /// Upstream's statistics for one descriptor: its hits classified against the limit
