@@ -3,6 +3,9 @@
 # callgrind: repeatable on a shared, noisy machine where wall-clock figures are not.
 # Compares a real node with the constant-OK ceiling (`quotamesh bench constant-ok`), both
 # driven by the same h2load command: a warm-up, then counters zeroed, then the measured run.
+# The ceiling is measured twice: on tokio's multi-threaded runtime, and on a single-threaded
+# runtime on a thread of its own (`--single-thread`), the layout a node serves its RLS port
+# with (`rls_threads`).
 #
 # Valgrind slows the node about fifty-fold, and leases are sized by the key's traffic (250 ms
 # of it, 5 to 500 tokens): at valgrind's pace a lease is about 25 tokens, so the node makes
@@ -68,14 +71,18 @@ measure() {
 }
 
 ceiling=$(measure ceiling 18291 "$binary" bench constant-ok --rls-addr 127.0.0.1:18291)
+ceiling_st=$(measure ceiling-single-thread 18292 "$binary" bench constant-ok --single-thread \
+  --rls-addr 127.0.0.1:18292)
 node=$(measure quotamesh 18281 "$binary" serve --rls-addr 127.0.0.1:18281 \
   --metrics-addr 127.0.0.1:16271 --data-dir "$work/data" --policy "$work/policy.yaml")
 pinned=$(measure pinned 18282 "$binary" serve --rls-addr 127.0.0.1:18282 \
   --metrics-addr 127.0.0.1:16272 --data-dir "$work/pinned-data" --policy "$work/pinned.yaml")
 deny=$(measure deny 18283 "$binary" serve --rls-addr 127.0.0.1:18283 \
   --metrics-addr 127.0.0.1:16273 --data-dir "$work/deny-data" --policy "$work/deny.yaml")
-printf 'instructions per request: ceiling %s, quotamesh %s (defaults at valgrind pace), %s (lease of 500), %s (deny path)\n' \
-  "$ceiling" "$node" "$pinned" "$deny"
-awk -v a="$node" -v b="$ceiling" 'BEGIN {printf "CPU (instructions) per request ratio quotamesh/ceiling   %.3f (defaults at valgrind pace)\n", a / b}'
-awk -v a="$pinned" -v b="$ceiling" 'BEGIN {printf "CPU (instructions) per request ratio quotamesh/ceiling   %.3f (lease of 500, as at full speed)\n", a / b}'
-awk -v a="$deny" -v b="$ceiling" 'BEGIN {printf "CPU (instructions) per request ratio quotamesh/ceiling   %.3f (deny path)\n", a / b}'
+printf 'instructions per request: ceiling %s, single-threaded ceiling %s, quotamesh %s (defaults at valgrind pace), %s (lease of 500), %s (deny path)\n' \
+  "$ceiling" "$ceiling_st" "$node" "$pinned" "$deny"
+for case in "defaults at valgrind pace:$node" "lease of 500, as at full speed:$pinned" "deny path:$deny"; do
+  awk -v a="${case##*:}" -v b="$ceiling" -v c="$ceiling_st" -v what="${case%:*}" 'BEGIN {
+    printf "CPU (instructions) per request ratio quotamesh/ceiling   %.3f, /single-threaded ceiling %.3f (%s)\n", a / b, a / c, what
+  }'
+done

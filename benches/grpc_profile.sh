@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Where a node's CPU per ShouldRateLimit request goes, part by part, beside the constant-OK
-# ceiling (`quotamesh bench constant-ok`): `perf record` samples each server on its CPU
+# ceiling (`quotamesh bench constant-ok --single-thread`, served the way the node serves its
+# RLS port: a single-threaded runtime on a thread of its own): `perf record` samples each
+# server on its CPU
 # clock (with DWARF call stacks) while the same h2load command loads it, and each sample is
 # charged to the first part its thread or call stack names:
 #
 #   Raft log flush thread   the thread that writes and fsyncs the Raft log (ledger rounds)
-#   other node threads      any thread but the tokio worker and the flush thread
-#   ledger round (worker)   openraft, the ledger, the lease broker, sled, on the worker
+#   other node threads      any thread but the flush thread, the RLS serving thread and the
+#                           node's tokio worker (the ledger, the broker, the shard actors)
+#   ledger round            openraft, the ledger, the lease broker, sled, on those two
 #   RLS handler             the decision and its answer (the ceiling's: a constant answer)
 #   request decoding        tonic decoding the request message
 #   service layers          tonic's service stack: metrics, limits, timeout, routing
@@ -55,7 +58,8 @@ printf 'domain: bench\ndescriptors:\n  - key: api_key\n    rate_limit: %s\n' "$l
 mkdir "$work/perf"
 "$binary" bench encode-request --domain bench --entry api_key=alice --out "$work/body.bin"
 
-TOKIO_WORKER_THREADS=1 taskset -c 0 "$binary" bench constant-ok --rls-addr 127.0.0.1:18091 2>/dev/null &
+TOKIO_WORKER_THREADS=1 taskset -c 0 "$binary" bench constant-ok --single-thread \
+  --rls-addr 127.0.0.1:18091 2>/dev/null &
 ceiling_pid=$!
 TOKIO_WORKER_THREADS=1 taskset -c 0 "$binary" serve --config "$work/node.toml" \
   --rls-addr 127.0.0.1:18081 --metrics-addr 127.0.0.1:16070 --billing-addr 127.0.0.1:18082 \
@@ -98,10 +102,12 @@ import collections, sys
 ceiling_file, node_file, requests, frequency, path = sys.argv[1:]
 requests, frequency = int(requests), int(frequency)
 # An idle server takes no samples: the half second before the load starts costs nothing.
+# The threads that serve requests or run the node's runtime; any other is reported apart.
+SERVING_THREADS = ("tokio-rt-worker", "rls-", "constant-ok")
 PARTS = [
     ("Raft log flush thread", lambda comm, stack: comm.startswith("raft-log-flush")),
-    ("other node threads", lambda comm, stack: not comm.startswith("tokio-rt-worker")),
-    ("ledger round (worker)", lambda comm, stack: any(
+    ("other node threads", lambda comm, stack: not comm.startswith(SERVING_THREADS)),
+    ("ledger round", lambda comm, stack: any(
         word in frame for frame in stack
         for word in ("openraft", "quotamesh::ledger", "lease_broker", "sled::", "ractor"))),
     ("RLS handler", lambda comm, stack: any(

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # End-to-end gRPC throughput of ShouldRateLimit with h2load, beside the ceiling: a
 # constant-OK tonic RLS (`quotamesh bench constant-ok`) loaded by the same h2load command in
-# the same run. Server pinned to core 0 with one tokio worker, h2load to core 1.
+# the same run. Servers pinned to core 0 with one tokio worker, h2load to core 1. The ceiling
+# runs twice: on tokio's multi-threaded runtime ("ceiling"), and on a single-threaded runtime
+# on a thread of its own ("ceiling-1t", `--single-thread`), the layout the node serves its RLS
+# port with (one `rls_threads` thread on one core), which spends far less kernel time.
 #
 # The two servers are loaded in alternation for several rounds (this machine is shared and
 # noisy); each figure is the median of its rounds. Prints requests/s, mean latency and
@@ -133,6 +136,9 @@ run() {
 
 TOKIO_WORKER_THREADS=1 taskset -c 0 "$binary" bench constant-ok --rls-addr 127.0.0.1:18091 2>/dev/null &
 ceiling_pid=$!
+TOKIO_WORKER_THREADS=1 taskset -c 0 "$binary" bench constant-ok --single-thread \
+  --rls-addr 127.0.0.1:18092 2>/dev/null &
+ceiling_1t_pid=$!
 # Every listener on loopback, off the default ports, so a node running beside is not met.
 TOKIO_WORKER_THREADS=1 taskset -c 0 "$binary" serve --config "$work/node.toml" \
   --rls-addr 127.0.0.1:18081 --metrics-addr 127.0.0.1:16070 --billing-addr 127.0.0.1:18082 \
@@ -154,6 +160,7 @@ echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
 
 for _ in $(seq "$rounds"); do
   run ceiling 18091 "$ceiling_pid"
+  run ceiling-1t 18092 "$ceiling_1t_pid"
   run quotamesh 18081 "$node_pid"
 done
 
@@ -196,17 +203,18 @@ if [ $((bypassed * 100)) -gt "$ok" ]; then
 fi
 
 median() { sort -g | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
-ceiling_rps=$(cut -d' ' -f1 "$work/ceiling.result" | median)
-ceiling_cpu=$(cut -d' ' -f2 "$work/ceiling.result" | median)
-node_rps=$(cut -d' ' -f1 "$work/quotamesh.result" | median)
-node_cpu=$(cut -d' ' -f2 "$work/quotamesh.result" | median)
-ceiling_kernel=$(cut -d' ' -f3 "$work/ceiling.result" | median)
-node_kernel=$(cut -d' ' -f3 "$work/quotamesh.result" | median)
-printf 'median of %s rounds: ceiling %s req/s %s us CPU (kernel %s); quotamesh %s req/s %s us CPU (kernel %s)\n' \
-  "$rounds" "$ceiling_rps" "$ceiling_cpu" "$ceiling_kernel" "$node_rps" "$node_cpu" "$node_kernel"
-awk -v a="$node_rps" -v b="$ceiling_rps" -v c="$node_cpu" -v d="$ceiling_cpu" \
-  -v e="$node_kernel" -v f="$ceiling_kernel" -v note="$leased_note" 'BEGIN {
-  printf "throughput ratio quotamesh/ceiling   %.3f%s\n", a / b, note
-  printf "CPU per request ratio                %.3f\n", c / d
-  printf "kernel time per request ratio        %.3f\n", (f > 0 ? e / f : 0)
-}'
+# figure NAME COLUMN: the median of a server's rounds (1 req/s, 2 CPU us, 3 kernel us)
+figure() { cut -d' ' -f"$2" "$work/$1.result" | median; }
+printf 'median of %s rounds:' "$rounds"
+for name in ceiling ceiling-1t quotamesh; do
+  printf ' %s %s req/s %s us CPU (kernel %s);' "$name" "$(figure "$name" 1)" "$(figure "$name" 2)" "$(figure "$name" 3)"
+done
+printf '\n'
+for name in ceiling ceiling-1t; do
+  awk -v a="$(figure quotamesh 1)" -v b="$(figure "$name" 1)" -v c="$(figure quotamesh 2)" -v d="$(figure "$name" 2)" \
+    -v e="$(figure quotamesh 3)" -v f="$(figure "$name" 3)" -v note="$leased_note" -v name="$name" 'BEGIN {
+    printf "throughput ratio quotamesh/%-11s %.3f%s\n", name, a / b, note
+    printf "CPU per request ratio vs %-11s %.3f\n", name, c / d
+    printf "kernel time per request vs %-11s %.3f\n", name, (f > 0 ? e / f : 0)
+  }'
+done

@@ -9,6 +9,8 @@
 //! policy = "cluster/policies"      # a YAML file or a directory of them; absent = embedded example
 //!                                  # (or `path` in a [policy] table, with the settings below)
 //! rls_addr = "0.0.0.0:8081"
+//! rls_threads = 0                  # threads serving rls_addr, each its own connections on a
+//!                                  # runtime of its own; 0 = one per core
 //! metrics_addr = "0.0.0.0:6070"
 //! raft_node_id = 1                 # this node in its region's Raft groups; never changes
 //! cluster_id = "local"             # the region's cluster; stored in data_dir on first start
@@ -149,6 +151,8 @@ pub const BILLING_ALL_TENANTS: &str = "*";
 pub const DATA_DIR_DEFAULT: &str = "./quotamesh-data";
 /// Most shard actors a node may run.
 pub const SHARD_COUNT_MAX: usize = 1024;
+/// Most threads serving the RLS port.
+pub const RLS_THREADS_MAX: usize = 256;
 /// Most keys one shard may track; with about 100 bytes a key this bounds a shard near 10 GiB.
 pub const KEYS_PER_SHARD_MAX_LIMIT: usize = 100_000_000;
 /// Largest configuration file read.
@@ -170,6 +174,9 @@ pub struct NodeConfig {
     pub policy: PolicyConfig,
     /// Envoy RLS v3 gRPC listen address.
     pub rls_addr: SocketAddr,
+    /// Threads serving `rls_addr`, each on a single-threaded runtime of its own with the
+    /// connections handed to it; 0 means one per available core.
+    pub rls_threads: usize,
     /// Prometheus `/metrics`, `/healthz` and `/readyz` listen address.
     pub metrics_addr: SocketAddr,
     /// Billing-debit gRPC listen address.
@@ -715,6 +722,7 @@ impl Default for NodeConfig {
             data_dir: PathBuf::from(DATA_DIR_DEFAULT),
             policy: PolicyConfig::default(),
             rls_addr: RLS_ADDR_DEFAULT.parse().expect("constant address parses"),
+            rls_threads: 0,
             metrics_addr: METRICS_ADDR_DEFAULT.parse().expect("constant address parses"),
             billing_addr: BILLING_ADDR_DEFAULT.parse().expect("constant address parses"),
             billing: BillingConfig::default(),
@@ -840,6 +848,9 @@ impl NodeConfig {
         }
         if self.shards.count > SHARD_COUNT_MAX {
             return invalid(format!("shards.count must be at most {SHARD_COUNT_MAX}"));
+        }
+        if self.rls_threads > RLS_THREADS_MAX {
+            return invalid(format!("rls_threads must be at most {RLS_THREADS_MAX}"));
         }
         if self.shards.keys_per_shard_max == 0
             || self.shards.keys_per_shard_max > KEYS_PER_SHARD_MAX_LIMIT
@@ -1068,8 +1079,21 @@ impl NodeConfig {
         if self.shards.count > 0 {
             return self.shards.count;
         }
-        std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+        available_cores()
     }
+
+    /// The number of threads serving the RLS port: the configured count, or one per core.
+    pub fn rls_thread_count(&self) -> usize {
+        if self.rls_threads > 0 {
+            return self.rls_threads;
+        }
+        available_cores().min(RLS_THREADS_MAX)
+    }
+}
+
+/// The cores this process may run on (its CPU affinity included).
+fn available_cores() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
 }
 
 /// Checks a token's name and digest (billing and admin tokens alike).
@@ -1206,6 +1230,20 @@ mod tests {
         bad_digest.billing.tokens[0].sha256 = "abc".to_owned();
         assert!(bad_digest.validate().is_err());
         assert!(NodeConfig::from_toml("[billing]\nvoters = []").is_err());
+    }
+
+    /// The RLS port's threads: one per core unless set, at most [`RLS_THREADS_MAX`].
+    #[test]
+    fn rls_threads_default_to_the_cores() {
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        assert_eq!(NodeConfig::default().rls_thread_count(), cores.min(RLS_THREADS_MAX));
+        let three = NodeConfig::from_toml("rls_threads = 3").expect("parses");
+        assert!(three.validate().is_ok());
+        assert_eq!(three.rls_thread_count(), 3);
+        let too_many = NodeConfig::from_toml(&format!("rls_threads = {}", RLS_THREADS_MAX + 1))
+            .expect("parses");
+        let message = format!("{}", too_many.validate().expect_err("too many"));
+        assert!(message.contains("rls_threads"), "{message}");
     }
 
     /// Out-of-range values are refused by validate.

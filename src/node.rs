@@ -3,7 +3,8 @@
 //! ```text
 //! start:    config ─▶ data dir lock ─▶ metrics ─▶ policy ─▶ listeners ─▶ Raft groups
 //!           (identity, quota and billing groups, Raft peer listener) ─▶ lease broker ─▶ shard
-//!           actors ─▶ servers (RLS, admin, billing API in node/billing.rs) ─▶ group watches
+//!           actors ─▶ servers (RLS on its own threads in node/rls.rs, admin, billing API in
+//!           node/billing.rs) ─▶ group watches
 //!           (raft_health.rs) ─▶ the region's policy version installed, then followed
 //!           (policy_follow.rs) ─▶ demand reports and, on a gateway, the ledger's slices
 //!           (slice_follow.rs) ─▶ QUIC endpoint and rebalancer (with [[regions]]) ─▶ ready
@@ -29,17 +30,13 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tonic::transport::Server;
-use tonic::transport::server::TcpIncoming;
 
 use crate::actors::lease_broker::{BrokerSettings, LeaseBroker};
 use crate::actors::rebalancer::{Rebalancer, RebalancerParts, RegionBoard};
 use crate::actors::shard::{ShardSet, ShardSetOptions, ShardSpawnError};
 use crate::api::admin::{AdminNode, AdminService};
-use crate::api::grpc_limits::{self, Bounded};
 use crate::api::grpc_metrics::GrpcMetricsLayer;
-use crate::api::rls::{REQUEST_BYTES_MAX, RlsService};
-use crate::api::rls_wire::RlsServer;
+use crate::api::rls::RlsService;
 use crate::api::shadow_events::ShadowSink;
 use crate::config::{ConfigError, NodeConfig};
 use crate::core::circuit::BreakerSettings;
@@ -51,6 +48,7 @@ use crate::raft_host::{RaftHost, RaftHostError};
 use crate::tls::credentials::Accept;
 
 mod billing;
+mod rls;
 
 /// Concurrent HTTP/2 streams per client connection (Envoy multiplexes on few connections).
 pub const GRPC_STREAMS_PER_CONNECTION_MAX: u32 = 4096;
@@ -216,14 +214,15 @@ impl Node {
 
         let (stop, stopped) = watch::channel(false);
         let ready = Arc::new(AtomicBool::new(false));
-        let grpc =
-            match grpc_server(rls, &metrics, rls_listener, until_stopped(stopped.clone())).await {
-                Ok(grpc) => grpc,
-                Err(error) => {
-                    unwind(&stop, Vec::new(), shards, broker, raft).await;
-                    return Err(error);
-                }
-            };
+        let rls_threads = config.rls_thread_count();
+        let grpc = match rls::serve(rls, &metrics, rls_listener, rls_threads, stopped.clone()).await
+        {
+            Ok(grpc) => grpc,
+            Err(error) => {
+                unwind(&stop, Vec::new(), shards, broker, raft).await;
+                return Err(error);
+            }
+        };
         let admin_tls = raft.credentials().filter(|_| config.admin.tls).map(|credentials| {
             crate::tls::transport::server_config(credentials, Accept::NodesAndOperators)
         });
@@ -585,36 +584,4 @@ fn local_addr(
 /// Resolves once the stop flag is raised (or its sender is gone).
 async fn until_stopped(mut stopped: watch::Receiver<bool>) {
     let _ = stopped.wait_for(|stop| *stop).await;
-}
-
-/// The gRPC server: Envoy RLS, gRPC health and reflection.
-async fn grpc_server(
-    rls: RlsService,
-    metrics: &Metrics,
-    listener: tokio::net::TcpListener,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<JoinHandle<()>, NodeError> {
-    let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    health_reporter.set_serving::<RlsServer>().await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(crate::api::proto::FILE_DESCRIPTOR_SET)
-        .build_v1()
-        .map_err(|error| NodeError::Setup { what: "gRPC reflection", reason: error.to_string() })?;
-    // Envoy's requests are a few KiB; tonic refuses a larger one before decoding it.
-    let rls = RlsServer::new(rls, REQUEST_BYTES_MAX);
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    let router = Server::builder()
-        .layer(GrpcMetricsLayer::new(metrics))
-        // No per-call server timer: a decision never waits except for a cold key, which is
-        // bounded by the shard's own admission timeout, and Envoy sets its own deadline.
-        .max_concurrent_streams(GRPC_STREAMS_PER_CONNECTION_MAX)
-        .http2_max_header_list_size(grpc_limits::HEADER_LIST_BYTES_MAX)
-        .add_service(health_service)
-        .add_service(reflection)
-        .add_service(Bounded::new(rls));
-    Ok(tokio::spawn(async move {
-        if let Err(error) = router.serve_with_incoming_shutdown(incoming, shutdown).await {
-            tracing::error!(%error, "gRPC server stopped");
-        }
-    }))
 }

@@ -344,3 +344,43 @@ async fn health_and_reflection_are_served() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// A node serving its RLS port from three threads hands each its share of the connections,
+/// and they decide against one set of counters: a limit of 3 a minute admits three hits in
+/// all over six connections, whichever thread each landed on.
+#[tokio::test]
+async fn serving_threads_share_the_counters() -> anyhow::Result<()> {
+    let directory = tempfile::tempdir()?;
+    let policy = write_file(directory.path(), "t10.yaml", POLICY);
+    let config = write_file(directory.path(), "node.toml", "rls_threads = 3\n");
+    let config = config.to_str().expect("UTF-8 path");
+    let node =
+        NodeProcess::start_with(&policy, &directory.path().join("data"), &["--config", config])?;
+    let pid = node.pid().expect("a running node");
+    let mut names = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        names.push(std::fs::read_to_string(task?.path().join("comm"))?.trim().to_owned());
+    }
+    for thread in ["rls-0", "rls-1", "rls-2"] {
+        assert!(names.iter().any(|name| name == thread), "no {thread} among {names:?}");
+    }
+    assert!(!names.iter().any(|name| name == "rls-3"), "a fourth serving thread: {names:?}");
+
+    // Each client is a connection of its own, handed to the threads in turn.
+    let mut clients = Vec::new();
+    for _ in 0..6 {
+        clients.push(node.client().await?);
+    }
+    let mut admitted = 0;
+    for client in &mut clients {
+        let answer = client
+            .should_rate_limit(request("t10", vec![descriptor(&[("api_key", "shared")])]))
+            .await?
+            .into_inner();
+        if answer.overall_code() == Code::Ok {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 3, "three of six hits, over every thread");
+    Ok(())
+}

@@ -44,6 +44,10 @@ pub enum BenchCommand {
         /// Listen address.
         #[arg(long, default_value = "127.0.0.1:8091")]
         rls_addr: SocketAddr,
+        /// Serve from a single-threaded runtime on a thread of its own, as a node serves its
+        /// RLS port (`rls_threads` of 1), instead of the multi-threaded runtime.
+        #[arg(long)]
+        single_thread: bool,
     },
     /// Committed AcquireLeases batches and grants per second, commit latency and bytes
     /// written per grant, on a loopback region of real nodes against a single node.
@@ -79,20 +83,31 @@ pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
             Ok(())
         }
         BenchCommand::Ledger(arguments) => super::bench_ledger::run(arguments).await,
-        BenchCommand::ConstantOk { rls_addr } => {
-            let listener = tokio::net::TcpListener::bind(rls_addr).await?;
-            let incoming =
-                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-            tracing::info!(%rls_addr, "constant-OK RLS serving");
-            tonic::transport::Server::builder()
-                .add_service(RateLimitServiceServer::new(ConstantOk))
-                .serve_with_incoming_shutdown(incoming, async {
-                    let _ = tokio::signal::ctrl_c().await;
-                })
-                .await?;
-            Ok(())
+        BenchCommand::ConstantOk { rls_addr, single_thread } if single_thread => {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            let thread = std::thread::Builder::new()
+                .name("constant-ok".to_owned())
+                .spawn(move || runtime.block_on(serve_constant_ok(rls_addr)))?;
+            tokio::task::spawn_blocking(move || thread.join())
+                .await?
+                .map_err(|_| anyhow::anyhow!("the serving thread panicked"))?
         }
+        BenchCommand::ConstantOk { rls_addr, .. } => serve_constant_ok(rls_addr).await,
     }
+}
+
+/// Serves [`ConstantOk`] on `rls_addr` until Ctrl-C.
+async fn serve_constant_ok(rls_addr: SocketAddr) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(rls_addr).await?;
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    tracing::info!(%rls_addr, "constant-OK RLS serving");
+    tonic::transport::Server::builder()
+        .add_service(RateLimitServiceServer::new(ConstantOk))
+        .serve_with_incoming_shutdown(incoming, async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+    Ok(())
 }
 
 /// Answers OK with one OK status per descriptor, deciding nothing.
