@@ -78,15 +78,21 @@ pub(super) async fn serve(
     let mut queues = Vec::with_capacity(threads);
     let mut finished_all = Vec::with_capacity(threads);
     for index in 0..threads {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|error| setup_error("RLS serving runtime", error))?;
         let (queue, connections) = mpsc::channel::<std::net::TcpStream>(CONNECTIONS_QUEUED_MAX);
+        let (started, running) = oneshot::channel::<std::io::Result<()>>();
         let (done, finished) = oneshot::channel::<()>();
         let router = router.clone();
         let stopped = stopped.clone();
         let thread = std::thread::Builder::new().name(format!("rls-{index}")).spawn(move || {
+            // Built and dropped on this thread: the node's runtime may not drop one.
+            let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(runtime) => runtime,
+                Err(error) => {
+                    let _ = started.send(Err(error));
+                    return;
+                }
+            };
+            let _ = started.send(Ok(()));
             runtime.block_on(async move {
                 // Registered with this thread's runtime, inside it.
                 let incoming =
@@ -106,14 +112,16 @@ pub(super) async fn serve(
                     }
                 }
             });
-            // Dropping the runtime drops the connections it still serves; here, off the node's
-            // runtime, which may not drop one.
+            // Dropping the runtime drops the connections it still serves.
             drop(runtime);
             let _ = done.send(());
         });
-        if let Err(error) = thread {
-            // The queues dropped with this function end the threads already started.
-            return Err(setup_error("RLS serving thread", error));
+        // On an error the queues dropped with this function end the threads already started.
+        thread.map_err(|error| setup_error("RLS serving thread", error))?;
+        match running.await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => return Err(setup_error("RLS serving runtime", error)),
+            Err(_) => return Err(setup_error("RLS serving runtime", "its thread ended")),
         }
         queues.push(queue);
         finished_all.push(finished);
