@@ -5,7 +5,7 @@
 # driven by the same h2load command: a warm-up, then counters zeroed, then the measured run.
 # The ceiling is measured twice: on tokio's multi-threaded runtime, and on a single-threaded
 # runtime on a thread of its own (`--single-thread`), the layout a node serves its RLS port
-# with (`rls_threads`).
+# with when `rls_threads` is set (GRPC_BENCH_RLS_THREADS=N sets it for the node).
 #
 # Valgrind slows the node about fifty-fold, and leases are sized by the key's traffic (250 ms
 # of it, 5 to 500 tokens): at valgrind's pace a lease is about 25 tokens, so the node makes
@@ -39,6 +39,7 @@ descriptors:
 YAML
 sed 's/^    rate_limit: .*/&\n    lease: {min_tokens: 500, max_tokens: 500}/' "$work/policy.yaml" >"$work/pinned.yaml"
 sed 's/^    rate_limit: .*/    rate_limit: {unit: minute, requests_per_unit: 5}/' "$work/policy.yaml" >"$work/deny.yaml"
+printf 'rls_threads = %s\n' "${GRPC_BENCH_RLS_THREADS:-0}" > "$work/node.toml"
 "$binary" bench encode-request --domain bench --entry api_key=alice --out "$work/body.bin"
 
 # load PORT N: sends N requests, prints how many succeeded
@@ -73,11 +74,11 @@ measure() {
 ceiling=$(measure ceiling 18291 "$binary" bench constant-ok --rls-addr 127.0.0.1:18291)
 ceiling_st=$(measure ceiling-single-thread 18292 "$binary" bench constant-ok --single-thread \
   --rls-addr 127.0.0.1:18292)
-node=$(measure quotamesh 18281 "$binary" serve --rls-addr 127.0.0.1:18281 \
+node=$(measure quotamesh 18281 "$binary" serve --config "$work/node.toml" --rls-addr 127.0.0.1:18281 \
   --metrics-addr 127.0.0.1:16271 --data-dir "$work/data" --policy "$work/policy.yaml")
-pinned=$(measure pinned 18282 "$binary" serve --rls-addr 127.0.0.1:18282 \
+pinned=$(measure pinned 18282 "$binary" serve --config "$work/node.toml" --rls-addr 127.0.0.1:18282 \
   --metrics-addr 127.0.0.1:16272 --data-dir "$work/pinned-data" --policy "$work/pinned.yaml")
-deny=$(measure deny 18283 "$binary" serve --rls-addr 127.0.0.1:18283 \
+deny=$(measure deny 18283 "$binary" serve --config "$work/node.toml" --rls-addr 127.0.0.1:18283 \
   --metrics-addr 127.0.0.1:16273 --data-dir "$work/deny-data" --policy "$work/deny.yaml")
 printf 'instructions per request: ceiling %s, single-threaded ceiling %s, quotamesh %s (defaults at valgrind pace), %s (lease of 500), %s (deny path)\n' \
   "$ceiling" "$ceiling_st" "$node" "$pinned" "$deny"

@@ -1,8 +1,6 @@
 #!/usr/bin/env bash
 # Where a node's CPU per ShouldRateLimit request goes, part by part, beside the constant-OK
-# ceiling (`quotamesh bench constant-ok --single-thread`, served the way the node serves its
-# RLS port: a single-threaded runtime on a thread of its own): `perf record` samples each
-# server on its CPU
+# ceiling (`quotamesh bench constant-ok`): `perf record` samples each server on its CPU
 # clock (with DWARF call stacks) while the same h2load command loads it, and each sample is
 # charged to the first part its thread or call stack names:
 #
@@ -54,11 +52,16 @@ fi
 work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 printf 'domain: bench\ndescriptors:\n  - key: api_key\n    rate_limit: %s\n' "$limit" > "$work/policy.yaml"
-: > "$work/node.toml"
+# GRPC_BENCH_RLS_THREADS=N serves the node's RLS port from N threads of its own
+# (`rls_threads`); the ceiling is then served the same way (`--single-thread`).
+rls_threads=${GRPC_BENCH_RLS_THREADS:-0}
+printf 'rls_threads = %s\n' "$rls_threads" > "$work/node.toml"
+ceiling_layout=()
+[ "$rls_threads" = 0 ] || ceiling_layout=(--single-thread)
 mkdir "$work/perf"
 "$binary" bench encode-request --domain bench --entry api_key=alice --out "$work/body.bin"
 
-TOKIO_WORKER_THREADS=1 taskset -c 0 "$binary" bench constant-ok --single-thread \
+TOKIO_WORKER_THREADS=1 taskset -c 0 "$binary" bench constant-ok "${ceiling_layout[@]}" \
   --rls-addr 127.0.0.1:18091 2>/dev/null &
 ceiling_pid=$!
 TOKIO_WORKER_THREADS=1 taskset -c 0 "$binary" serve --config "$work/node.toml" \

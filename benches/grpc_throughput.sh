@@ -3,8 +3,9 @@
 # constant-OK tonic RLS (`quotamesh bench constant-ok`) loaded by the same h2load command in
 # the same run. Servers pinned to core 0 with one tokio worker, h2load to core 1. The ceiling
 # runs twice: on tokio's multi-threaded runtime ("ceiling"), and on a single-threaded runtime
-# on a thread of its own ("ceiling-1t", `--single-thread`), the layout the node serves its RLS
-# port with (one `rls_threads` thread on one core), which spends far less kernel time.
+# on a thread of its own ("ceiling-1t", `--single-thread`), the layout a node serves its RLS
+# port with when `rls_threads` is set (GRPC_BENCH_RLS_THREADS=1), which spends far less
+# kernel time.
 #
 # The two servers are loaded in alternation for several rounds (this machine is shared and
 # noisy); each figure is the median of its rounds. Prints requests/s, mean latency and
@@ -62,11 +63,11 @@ descriptors:
   - key: api_key
     rate_limit: $limit
 YAML
+# GRPC_BENCH_RLS_THREADS=N serves the node's RLS port from N threads of its own (`rls_threads`).
+printf 'rls_threads = %s\n' "${GRPC_BENCH_RLS_THREADS:-0}" > "$work/node.toml"
 ledger_timeout_ms=${GRPC_BENCH_LEDGER_TIMEOUT_MS:-}
 if [ -n "$ledger_timeout_ms" ]; then
-  printf '[leasing]\nledger_timeout_ms = %s\n' "$ledger_timeout_ms" > "$work/node.toml"
-else
-  : > "$work/node.toml"
+  printf '[leasing]\nledger_timeout_ms = %s\n' "$ledger_timeout_ms" >> "$work/node.toml"
 fi
 "$binary" bench encode-request --domain bench --entry api_key=alice --out "$work/body.bin"
 

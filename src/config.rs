@@ -9,8 +9,8 @@
 //! policy = "cluster/policies"      # a YAML file or a directory of them; absent = embedded example
 //!                                  # (or `path` in a [policy] table, with the settings below)
 //! rls_addr = "0.0.0.0:8081"
-//! rls_threads = 0                  # threads serving rls_addr, each its own connections on a
-//!                                  # runtime of its own; 0 = one per core
+//! rls_threads = 0                  # 0: rls_addr served on the node's runtime; N: by N threads,
+//!                                  # each its own connections on a runtime of its own
 //! metrics_addr = "0.0.0.0:6070"
 //! raft_node_id = 1                 # this node in its region's Raft groups; never changes
 //! cluster_id = "local"             # the region's cluster; stored in data_dir on first start
@@ -175,7 +175,7 @@ pub struct NodeConfig {
     /// Envoy RLS v3 gRPC listen address.
     pub rls_addr: SocketAddr,
     /// Threads serving `rls_addr`, each on a single-threaded runtime of its own with the
-    /// connections handed to it; 0 means one per available core.
+    /// connections handed to it; 0 (the default) serves it on the node's runtime.
     pub rls_threads: usize,
     /// Prometheus `/metrics`, `/healthz` and `/readyz` listen address.
     pub metrics_addr: SocketAddr,
@@ -1079,21 +1079,8 @@ impl NodeConfig {
         if self.shards.count > 0 {
             return self.shards.count;
         }
-        available_cores()
+        std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
     }
-
-    /// The number of threads serving the RLS port: the configured count, or one per core.
-    pub fn rls_thread_count(&self) -> usize {
-        if self.rls_threads > 0 {
-            return self.rls_threads;
-        }
-        available_cores().min(RLS_THREADS_MAX)
-    }
-}
-
-/// The cores this process may run on (its CPU affinity included).
-fn available_cores() -> usize {
-    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
 }
 
 /// Checks a token's name and digest (billing and admin tokens alike).
@@ -1232,14 +1219,13 @@ mod tests {
         assert!(NodeConfig::from_toml("[billing]\nvoters = []").is_err());
     }
 
-    /// The RLS port's threads: one per core unless set, at most [`RLS_THREADS_MAX`].
+    /// The RLS port's threads: none of its own unless set, at most [`RLS_THREADS_MAX`].
     #[test]
-    fn rls_threads_default_to_the_cores() {
-        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-        assert_eq!(NodeConfig::default().rls_thread_count(), cores.min(RLS_THREADS_MAX));
+    fn rls_threads_are_none_unless_set() {
+        assert_eq!(NodeConfig::default().rls_threads, 0);
         let three = NodeConfig::from_toml("rls_threads = 3").expect("parses");
         assert!(three.validate().is_ok());
-        assert_eq!(three.rls_thread_count(), 3);
+        assert_eq!(three.rls_threads, 3);
         let too_many = NodeConfig::from_toml(&format!("rls_threads = {}", RLS_THREADS_MAX + 1))
             .expect("parses");
         let message = format!("{}", too_many.validate().expect_err("too many"));

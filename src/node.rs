@@ -3,8 +3,8 @@
 //! ```text
 //! start:    config ─▶ data dir lock ─▶ metrics ─▶ policy ─▶ listeners ─▶ Raft groups
 //!           (identity, quota and billing groups, Raft peer listener) ─▶ lease broker ─▶ shard
-//!           actors ─▶ servers (RLS on its own threads in node/rls.rs, admin, billing API in
-//!           node/billing.rs) ─▶ group watches
+//!           actors ─▶ servers (RLS in node/rls.rs, admin, billing API in node/billing.rs)
+//!           ─▶ group watches
 //!           (raft_health.rs) ─▶ the region's policy version installed, then followed
 //!           (policy_follow.rs) ─▶ demand reports and, on a gateway, the ledger's slices
 //!           (slice_follow.rs) ─▶ QUIC endpoint and rebalancer (with [[regions]]) ─▶ ready
@@ -214,7 +214,7 @@ impl Node {
 
         let (stop, stopped) = watch::channel(false);
         let ready = Arc::new(AtomicBool::new(false));
-        let rls_threads = config.rls_thread_count();
+        let rls_threads = config.rls_threads;
         let grpc = match rls::serve(rls, &metrics, rls_listener, rls_threads, stopped.clone()).await
         {
             Ok(grpc) => grpc,

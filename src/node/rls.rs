@@ -6,7 +6,9 @@
 //!                                                   └──▶ rls-1: current-thread runtime ...
 //! ```
 //!
-//! Each serving thread runs a single-threaded tokio runtime that owns the connections handed
+//! With `rls_threads` of 0 (the default) the port is served on the node's multi-threaded
+//! runtime like its other ports. With N, the node's runtime only accepts, and each of N
+//! serving threads runs a single-threaded tokio runtime that owns the connections handed
 //! to it: a request is read, decided and answered on one thread, and its HTTP/2 streams are
 //! polled in turn before the connection writes their answers together. On tokio's
 //! multi-threaded runtime a new stream's task runs at once (its LIFO slot), so each answer
@@ -14,7 +16,9 @@
 //! layout spends about a quarter of the kernel time per request. The Raft groups, the lease
 //! broker and the shard actors stay on the node's runtime, so a ledger round never waits
 //! behind a queue of requests; decisions reach them through the shards' locks and channels,
-//! which work across runtimes.
+//! which work across runtimes. Not yet the default: on a machine whose cores are all busy,
+//! a ledger round's hops between the threads can outlast a request's wait budget, and more
+//! decisions are then paid from the fallback bucket (issue 14's note).
 
 use std::time::Duration;
 
@@ -23,6 +27,7 @@ use tokio::task::JoinHandle;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Server;
+use tonic::transport::server::TcpIncoming;
 
 use crate::api::grpc_limits::{self, Bounded};
 use crate::api::grpc_metrics::GrpcMetricsLayer;
@@ -43,9 +48,9 @@ fn setup_error(what: &'static str, reason: impl std::fmt::Display) -> NodeError 
     NodeError::Setup { what, reason: reason.to_string() }
 }
 
-/// Serves `rls` (with gRPC health and reflection) on `listener` from `threads` serving
-/// threads until `stopped` is raised; the handle ends once every thread has drained its
-/// connections and stopped.
+/// Serves `rls` (with gRPC health and reflection) on `listener` until `stopped` is raised:
+/// on the node's runtime when `threads` is 0, else from `threads` serving threads. The
+/// handle ends once every connection has drained (and every thread stopped).
 ///
 /// # Errors
 /// [`NodeError::Setup`] when reflection or a thread's runtime cannot be built, or a thread
@@ -74,6 +79,15 @@ pub(super) async fn serve(
         .add_service(health_service)
         .add_service(reflection)
         .add_service(Bounded::new(rls));
+    if threads == 0 {
+        let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+        let shutdown = until_stopped(stopped);
+        return Ok(tokio::spawn(async move {
+            if let Err(error) = router.serve_with_incoming_shutdown(incoming, shutdown).await {
+                tracing::error!(%error, "Envoy RLS gRPC server stopped");
+            }
+        }));
+    }
 
     let mut queues = Vec::with_capacity(threads);
     let mut finished_all = Vec::with_capacity(threads);
