@@ -33,6 +33,7 @@
 #   cargo build --release && benches/grpc_throughput.sh [requests] [rounds]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source benches/support/bench_node.sh
 
 requests=${1:-200000}
 rounds=${2:-3}
@@ -140,18 +141,7 @@ ceiling_pid=$!
 TOKIO_WORKER_THREADS=1 taskset -c 0 "$binary" bench constant-ok --single-thread \
   --rls-addr 127.0.0.1:18092 2>/dev/null &
 ceiling_1t_pid=$!
-# Every listener on loopback, off the default ports, so a node running beside is not met.
-TOKIO_WORKER_THREADS=1 taskset -c 0 "$binary" serve --config "$work/node.toml" \
-  --rls-addr 127.0.0.1:18081 --metrics-addr 127.0.0.1:16070 --billing-addr 127.0.0.1:18082 \
-  --admin-addr 127.0.0.1:18083 --raft-addr 127.0.0.1:18084 --data-dir "$work/data" \
-  --policy "$work/policy.yaml" 2>"$work/node.log" &
-node_pid=$!
-ready=
-for _ in $(seq 100); do
-  curl -sf http://127.0.0.1:16070/readyz >/dev/null 2>&1 && { ready=1; break; }
-  sleep 0.1
-done
-[ -n "$ready" ] || { echo "the node did not become ready:" >&2; tail -n 20 "$work/node.log" >&2; exit 1; }
+start_bench_node
 for _ in $(seq 60); do
   awk '{exit !($1 < 1.0)}' /proc/loadavg && break
   sleep 1
