@@ -353,6 +353,12 @@ impl BrokerState {
         if done.result.is_ok() && !done.judged {
             self.breaker.observe_latency(latency_ms);
         }
+        // A slow call that answers after all: the ledger is back, so leasing need not wait
+        // for the next probe.
+        if done.result.is_ok() && done.judged {
+            self.breaker.record_late_answer(latency_ms);
+            self.publish_circuit(myself);
+        }
         if !done.judged {
             let (label, outcome) = match &done.result {
                 Ok(_) => ("ok", CallOutcome::Answered { latency_ms }),

@@ -4,7 +4,8 @@
 //!            3 consecutive failures                   a call fails or is slow
 //!  Closed ─────────────────────────▶ Open ◀─────────────────────────────┐
 //!    ▲                                 │ one probe per probe_interval    │
-//!    │ close_after_calls healthy calls │ the first healthy probe         │
+//!    │ close_after_calls healthy calls │ the first healthy probe, or a   │
+//!    │                                 │ slow call's late answer         │
 //!    │                                 ▼                                 │
 //!    └──────────────────────────── HalfOpen ─────────────────────────────┘
 //!                                  (leasing resumes: every call goes)
@@ -212,6 +213,18 @@ impl CircuitBreaker {
         self.latency.record(latency_ms);
     }
 
+    /// Records that a call judged failed at its deadline has answered since, after
+    /// `latency_ms`. While the circuit is open, the ledger answering at all is what a probe
+    /// waits to learn: an answer within the ceiling that probes are judged by half-opens it as
+    /// a healthy probe would, so a stall shorter than a probe interval (a slow fsync, a
+    /// paused leader) costs the fallback no more than the stall itself. Closed or half-open,
+    /// the call was already judged and nothing changes.
+    pub fn record_late_answer(&mut self, latency_ms: u64) {
+        if self.is_open() && latency_ms <= self.settings.deadline_ceiling_ms {
+            self.state = close_or_half_open(1, self.settings.close_after_calls);
+        }
+    }
+
     /// Records the judgement of a call that a permit allowed, made when it answered or when
     /// its deadline passed, whichever came first.
     pub fn record(&mut self, now_ms: u64, permit: Permit, outcome: CallOutcome) {
@@ -314,6 +327,25 @@ mod tests {
         assert!(breaker.is_closed(), "five healthy calls close it");
     }
 
+    /// A call judged failed that answers after all, while the circuit is open, resumes
+    /// leasing at once instead of at the next probe; one slower than the ceiling, or one that
+    /// answers while the circuit is not open, changes nothing.
+    #[test]
+    fn a_late_answer_half_opens_an_open_circuit() {
+        let mut breaker = opened();
+        breaker.record_late_answer(5_001);
+        assert!(breaker.is_open(), "slower than the ceiling a probe is judged by");
+        breaker.record_late_answer(400);
+        assert_eq!(breaker.state(), CircuitState::HalfOpen { healthy_calls: 1 });
+        assert_eq!(breaker.permit(1), Permit::Call, "leasing resumes before the probe is due");
+        breaker.record_late_answer(400);
+        assert_eq!(breaker.state(), CircuitState::HalfOpen { healthy_calls: 1 });
+        let mut closed = CircuitBreaker::new(BreakerSettings::default());
+        closed.record(0, Permit::Call, CallOutcome::Failed);
+        closed.record_late_answer(400);
+        assert_eq!(closed.state(), CircuitState::Closed { consecutive_failures: 1 });
+    }
+
     /// A failure while half-open opens the circuit again; a failed probe keeps the probe
     /// cadence.
     #[test]
@@ -376,20 +408,37 @@ mod tests {
     }
 
     proptest! {
-        /// Whatever the outcomes: a closed or half-open circuit never refuses; an open one
-        /// allows at most one probe per interval; it opens only after `failures_to_open`
-        /// failures in a row (closed) or one (half-open); it closes only after
+        /// Whatever the outcomes and late answers: a closed or half-open circuit never
+        /// refuses; an open one allows at most one probe per interval; it opens only after
+        /// `failures_to_open` failures in a row (closed) or one (half-open); it half-opens
+        /// only on a healthy probe or a late answer within the ceiling; it closes only after
         /// `close_after_calls` healthy calls in a row since it was open.
         #[test]
-        fn breaker_invariants(steps in proptest::collection::vec((0..700u64, any::<bool>()), 1..400)) {
+        fn breaker_invariants(
+            steps in proptest::collection::vec((0..700u64, any::<bool>(), proptest::option::of(0..10_000u64)), 1..400),
+        ) {
             let settings = BreakerSettings::default();
             let mut breaker = CircuitBreaker::new(settings);
             let mut now_ms = 0_u64;
             let mut last_probe_ms: Option<u64> = None;
             let mut failures_in_row = 0_u32;
             let mut healthy_in_row = 0_u32;
-            for (advance_ms, fails) in steps {
+            for (advance_ms, fails, late_answer_ms) in steps {
                 now_ms += advance_ms;
+                if let Some(latency_ms) = late_answer_ms {
+                    let before = breaker.state();
+                    breaker.record_late_answer(latency_ms);
+                    let resumed = matches!(before, CircuitState::Open { .. })
+                        && latency_ms <= settings.deadline_ceiling_ms;
+                    if resumed {
+                        prop_assert_eq!(breaker.state(), CircuitState::HalfOpen { healthy_calls: 1 });
+                        healthy_in_row = 1;
+                        failures_in_row = 0;
+                    } else {
+                        prop_assert_eq!(breaker.state(), before);
+                    }
+                    continue;
+                }
                 let before = breaker.state();
                 let permit = breaker.permit(now_ms);
                 prop_assert_eq!(matches!(before, CircuitState::Open { .. }), permit != Permit::Call);
