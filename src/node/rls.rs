@@ -16,9 +16,9 @@
 //! layout spends about a quarter of the kernel time per request. The Raft groups, the lease
 //! broker and the shard actors stay on the node's runtime, so a ledger round never waits
 //! behind a queue of requests; decisions reach them through the shards' locks and channels,
-//! which work across runtimes. Not yet the default: on a machine whose cores are all busy,
-//! a ledger round's hops between the threads can outlast a request's wait budget, and more
-//! decisions are then paid from the fallback bucket (issue 14's note).
+//! which work across runtimes. Not yet the default: the region's leasing tests fail in
+//! either layout when a Raft log commit stalls on the disk, and the default waits until they
+//! hold through such stalls (issue 14's note).
 
 use std::time::Duration;
 
