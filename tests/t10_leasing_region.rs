@@ -105,6 +105,16 @@ async fn family_sum(cluster: &common::cluster::Cluster, ids: &[u64], family: &st
     Ok(sum)
 }
 
+/// Ledger calls judged slow on `ids` so far.
+async fn slow_calls(cluster: &common::cluster::Cluster, ids: &[u64]) -> Result<f64> {
+    let mut sum = 0.0;
+    for id in ids {
+        let metrics = scrape(cluster.nodes[id].metrics_addr).await?;
+        sum += metric_value(&metrics, "quotamesh_ledger_calls_total{result=\"slow\"}");
+    }
+    Ok(sum)
+}
+
 /// Each node's batched ledger calls so far, in `ids` order.
 async fn ledger_calls_by_node(cluster: &common::cluster::Cluster, ids: &[u64]) -> Result<Vec<f64>> {
     let mut calls = Vec::with_capacity(ids.len());
@@ -137,6 +147,10 @@ struct Hammered {
     bypassed: u64,
     /// Of those, the ones paid once the settling was over.
     bypassed_settled: u64,
+    /// Ledger calls judged slow (past 4x the ledger's p90, at least 100 ms) over all
+    /// senders: a Raft log commit that stalled on the disk shows here, and explains what the
+    /// fallback paid.
+    slow_calls: u64,
 }
 
 /// Sends `per_second` requests on `entry` through each of `senders` (with `tasks` tasks
@@ -152,6 +166,7 @@ async fn hammer(
 ) -> Result<Hammered> {
     let bypassed_before =
         family_sum(cluster, senders, "quotamesh_rate_limit_bypassed_total").await?;
+    let slow_before = slow_calls(cluster, senders).await?;
     let (stop, stopped) = watch::channel(false);
     let origin = Instant::now();
     let mut handles = Vec::new();
@@ -180,12 +195,13 @@ async fn hammer(
     let bypassed_at_end =
         family_sum(cluster, senders, "quotamesh_rate_limit_bypassed_total").await?;
     let bypassed = (bypassed_at_end - bypassed_before) as u64;
+    let slow_calls = (slow_calls(cluster, senders).await? - slow_before) as u64;
     let bypassed_settled = (bypassed_at_end - bypassed_at_settle) as u64;
     let errors: Vec<&Answer> =
         answers.iter().filter(|answer| matches!(answer.outcome, Outcome::Error(_))).collect();
     assert!(errors.is_empty(), "{} errors, first {:?}", errors.len(), errors.first());
     let calls = calls_from.iter().zip(&calls_to).map(|(from, to)| to - from).collect();
-    Ok(Hammered { answers, calls, settle, measured, bypassed, bypassed_settled })
+    Ok(Hammered { answers, calls, settle, measured, bypassed, bypassed_settled, slow_calls })
 }
 
 /// Fair shares and cheap writes at the limit: every sender offers the same, so each gets a
@@ -227,14 +243,18 @@ fn assert_fair_and_cheap(case: &str, senders: &[u64], hammered: &Hammered) {
     for (id, share, writes_per_second) in shares {
         assert!(
             (share - fair).abs() <= fair * FAIR_SHARE_TARGET,
-            "{case}: node {id}: share {share:.3} of the admissions, fair {fair:.3}"
+            "{case}: node {id}: share {share:.3} of the admissions, fair {fair:.3} ({} slow \
+             ledger calls)",
+            hammered.slow_calls
         );
         // Writes a lookahead apart fit `T / lookahead + 1` times in T, and one may be in
         // flight at either scrape: two writes more than the rate over the measurement.
         let slack = 2.0 / hammered.measured.as_secs_f64();
         assert!(
             writes_per_second <= WRITES_PER_SECOND_AT_LIMIT_TARGET + slack,
-            "{case}: node {id}: {writes_per_second:.2} ledger writes/s at the limit"
+            "{case}: node {id}: {writes_per_second:.2} ledger writes/s at the limit ({} slow \
+             ledger calls)",
+            hammered.slow_calls
         );
     }
 }
@@ -312,8 +332,8 @@ async fn a_hot_key_on_five_nodes_stays_within_the_drift_bound() -> Result<()> {
         (SETTLE, HOT_RUN - SETTLE),
     )
     .await?;
-    let Hammered { answers, bypassed, bypassed_settled, .. } = &hammered;
-    let (bypassed, bypassed_settled) = (*bypassed, *bypassed_settled);
+    let Hammered { answers, bypassed, bypassed_settled, slow_calls, .. } = &hammered;
+    let (bypassed, bypassed_settled, slow_calls) = (*bypassed, *bypassed_settled, *slow_calls);
     let first = answers.first().context("no answer")?.sent_at;
     let last = answers.last().context("no answer")?.sent_at;
     let elapsed = last - first;
@@ -325,7 +345,8 @@ async fn a_hot_key_on_five_nodes_stays_within_the_drift_bound() -> Result<()> {
     eprintln!(
         "hot key: {} requests in {:.2} s ({:.0}/s offered), {admitted} admitted ({:.0}/s), \
          bounds [{lower:.0}, {upper}] (drift bound {drift_bound_tokens} for {} nodes, {bypassed} \
-         fallback admissions, {bypassed_settled} once settled); latency p50 {:.2} ms, p99 \
+         fallback admissions, {bypassed_settled} once settled, {slow_calls} slow ledger calls); \
+         latency p50 {:.2} ms, p99 \
          {:.2} ms, max {:.2} ms",
         answers.len(),
         elapsed.as_secs_f64(),
@@ -348,7 +369,7 @@ async fn a_hot_key_on_five_nodes_stays_within_the_drift_bound() -> Result<()> {
     assert!(
         bypassed_settled * 100 <= admitted_settled * FALLBACK_SHARE_PERCENT_MAX,
         "{bypassed_settled} of {admitted_settled} admissions once settled were paid by the \
-         fallback"
+         fallback ({slow_calls} slow ledger calls)"
     );
     assert!(admitted as f64 >= lower, "admitted {admitted} < {lower:.0}");
     assert!(admitted <= upper, "admitted {admitted} > {upper}");
