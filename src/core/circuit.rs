@@ -216,9 +216,9 @@ impl CircuitBreaker {
     /// Records that a call judged failed at its deadline has answered since, after
     /// `latency_ms`. While the circuit is open, the ledger answering at all is what a probe
     /// waits to learn: an answer within the ceiling that probes are judged by half-opens it as
-    /// a healthy probe would, so a stall shorter than a probe interval (a slow fsync, a
-    /// paused leader) costs the fallback no more than the stall itself. Closed or half-open,
-    /// the call was already judged and nothing changes.
+    /// a healthy probe would, so a stall shorter than a probe interval (a Raft log commit
+    /// whose fsync stalled) costs the fallback no more than the stall itself. Closed or
+    /// half-open, the call was already judged and nothing changes.
     pub fn record_late_answer(&mut self, latency_ms: u64) {
         if self.is_open() && latency_ms <= self.settings.deadline_ceiling_ms {
             self.state = close_or_half_open(1, self.settings.close_after_calls);
