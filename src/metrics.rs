@@ -14,8 +14,8 @@ use std::sync::Arc;
 use crate::api::grpc_metrics::{CODES, UNKNOWN, known_methods};
 use parking_lot::Mutex;
 use prometheus::{
-    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts, Registry, TextEncoder,
+    Counter, Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Label value used for a domain the policy does not define.
@@ -160,6 +160,12 @@ pub struct Metrics {
     pub ledger_call_duration: Histogram,
     /// `quotamesh_ledger_circuit_state`: 0 closed, 1 half-open (leasing again), 2 open.
     pub ledger_circuit_state: IntGauge,
+    /// `quotamesh_ledger_circuit_opened_total`: times the circuit opened. A circuit that
+    /// opens for a moment now and then never shows in the state a scrape samples.
+    pub ledger_circuit_opened: IntCounter,
+    /// `quotamesh_ledger_circuit_open_seconds_total`: time the circuit spent open, added
+    /// when it leaves open (fail-open rules were paid from the fallback meanwhile).
+    pub ledger_circuit_open_seconds: Counter,
     /// `quotamesh_region_slice_tokens{region, rule}`: a region's slice of a global limit
     /// (tokens per window), this region's from its ledger, a peer's as it last reported.
     pub region_slice_tokens: IntGaugeVec,
@@ -302,6 +308,11 @@ impl Metrics {
         };
         let counter = |name: &str, help: &str| {
             let metric = IntCounter::new(name, help).expect("valid metric");
+            registry.register(Box::new(metric.clone())).expect("unique metric");
+            metric
+        };
+        let seconds_counter = |name: &str, help: &str| {
+            let metric = Counter::new(name, help).expect("valid metric");
             registry.register(Box::new(metric.clone())).expect("unique metric");
             metric
         };
@@ -513,6 +524,15 @@ impl Metrics {
             ledger_circuit_state: gauge(
                 "quotamesh_ledger_circuit_state",
                 "Circuit breaker around ledger calls: 0 closed, 1 half-open, 2 open.",
+            ),
+            ledger_circuit_opened: counter(
+                "quotamesh_ledger_circuit_opened_total",
+                "Times the circuit breaker around ledger calls opened.",
+            ),
+            ledger_circuit_open_seconds: seconds_counter(
+                "quotamesh_ledger_circuit_open_seconds_total",
+                "Time the circuit breaker around ledger calls spent open, added as it leaves \
+                 open.",
             ),
             region_slice_tokens: gauge_vec(
                 "quotamesh_region_slice_tokens",

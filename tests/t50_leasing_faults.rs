@@ -1,7 +1,8 @@
 //! Faults of the quota ledger under RLS load on two gateways (real processes, three voters
 //! and two gateways, `nodes_in_region = 5`): kill -9 of the leader, then of every voter,
 //! then a restart of all of them from their data directories; and a quorum lost for 20 s
-//! (SIGSTOP of the leader and one follower) and back.
+//! (SIGSTOP of the leader and one follower) and back; and a leader stopped for 200 ms, whose
+//! late answers resume leasing at once.
 //!
 //! The leasing settings are the shipped defaults: calls judged against the ledger's measured
 //! latency (so the slow fsync of a shared 2-core machine keeps a healthy region healthy),
@@ -13,7 +14,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use common::leasing::{
     Answer, BURST_TOKENS, GATEWAYS, LIMIT_PER_SECOND, NODES_IN_REGION, Outcome, Stream, VOTERS,
-    collect, figure, ms, percentile, scrape, start_region, start_stream, user_limit,
+    collect, figure, ms, percentile, rls_client, scrape, send_one, start_region, start_stream,
+    user_limit,
 };
 use common::{metric_sum, metric_value};
 use quotamesh::core::lease::LeaseTuning;
@@ -524,6 +526,170 @@ async fn a_lost_quorum_costs_no_more_than_the_fallback_allowance() -> Result<()>
         assert!(
             first_admitted <= FAIL_CLOSED_BACK_MAX,
             "gateway {gateway}: fail-closed admitted again after {first_admitted:?}"
+        );
+    }
+    Ok(())
+}
+
+/// The quota leader is stopped (SIGSTOP) this long: past the deadline a call is judged by (4x
+/// the ledger's p90 latency, at least 100 ms), short of the followers' election timeout
+/// (300 ms at least, after heartbeats 50 ms apart), so the stalled calls commit and answer
+/// once it continues.
+const STALL: Duration = Duration::from_millis(200);
+/// Stalls tried at most; one that cost the leader its term proves nothing and is not judged.
+const STALL_ATTEMPTS: usize = 8;
+/// Stalls judged (those that opened a circuit) before the test ends.
+const STALLS_JUDGED: usize = 3;
+/// Longest a circuit may stay open, on average per opening, over a judged stall. Opened by
+/// the stalled calls (at least 100 ms into the stall), it stays open until their late answers
+/// come (at most the stall's rest); were only the next probe to end it, that would be one
+/// probe interval, 1 s, after it opened.
+const OPEN_PER_OPENING_MAX: Duration = Duration::from_millis(500);
+/// Each gateway asks about a key it has never seen this often: every new key asks the ledger
+/// for its first lease, so calls go out one batch window apart and several are in flight when
+/// the leader stops.
+const NEW_KEY_EVERY: Duration = Duration::from_millis(4);
+
+/// One gateway's circuit counters.
+#[derive(Debug, Clone, Copy)]
+struct Openings {
+    opened: f64,
+    open_seconds: f64,
+    state: f64,
+}
+
+async fn openings(cluster: &common::cluster::Cluster, id: u64) -> Result<Openings> {
+    let text = scrape(cluster.nodes[&id].metrics_addr).await?;
+    Ok(Openings {
+        opened: metric_value(&text, "quotamesh_ledger_circuit_opened_total"),
+        open_seconds: metric_value(&text, "quotamesh_ledger_circuit_open_seconds_total"),
+        state: metric_value(&text, "quotamesh_ledger_circuit_state"),
+    })
+}
+
+/// Waits until every gateway's circuit is in one of `states`; false after `within`.
+async fn circuits_in(
+    cluster: &common::cluster::Cluster,
+    states: &[f64],
+    within: Duration,
+) -> Result<bool> {
+    let deadline = Instant::now() + within;
+    loop {
+        let mut all = true;
+        for gateway in GATEWAYS {
+            all &= states.contains(&openings(cluster, gateway).await?.state);
+        }
+        if all {
+            return Ok(true);
+        }
+        if Instant::now() > deadline {
+            return Ok(false);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+// Proves that a ledger call judged slow but answered after all resumes leasing at once: while
+// each gateway asks about a new key every 4 ms, the quota leader is stopped (SIGSTOP) for
+// 200 ms, so the calls in flight pass their deadline and open the gateways' circuits; when it
+// continues, their late answers half-open the circuits. Over every stall that opened a circuit
+// and kept the leader's term, the circuits were open at most 500 ms per opening on average
+// (left to the next probe, 1 s each), and no request failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_call_that_answers_resumes_leasing_at_once() -> Result<()> {
+    let _serial = SERIAL.lock().await;
+    let cluster = start_region("").await?;
+    let (stop, stopped) = watch::channel(false);
+    let origin = Instant::now();
+    let mut handles = Vec::new();
+    for gateway in GATEWAYS {
+        let mut client = rls_client(cluster.nodes[&gateway].rls_addr).await?;
+        let mut stopped = stopped.clone();
+        handles.push(tokio::spawn(async move {
+            let mut answers = Vec::new();
+            let mut interval = tokio::time::interval(NEW_KEY_EVERY);
+            for key in 0_u64.. {
+                tokio::select! {
+                    _ = interval.tick() => {}
+                    _ = stopped.changed() => {}
+                }
+                if *stopped.borrow() {
+                    break;
+                }
+                let entry = ("tenant", format!("new-{gateway}-{key}"));
+                answers
+                    .push(send_one(&mut client, gateway, "new", (entry.0, &entry.1), origin).await);
+            }
+            answers
+        }));
+    }
+    until(origin, WARM_UP).await;
+
+    let mut judged = Vec::new();
+    for attempt in 1..=STALL_ATTEMPTS {
+        if judged.len() == STALLS_JUDGED {
+            break;
+        }
+        if !circuits_in(&cluster, &[0.0], CLOSE_WAIT).await? {
+            bail!("the circuits did not close between stalls:\n{}", circuit_logs(&cluster));
+        }
+        let leader = cluster.leader().await?;
+        let term = |text: &str| metric_value(text, "quotamesh_raft_term{group=\"quota\"}");
+        let term_before = term(&scrape(cluster.nodes[&leader].metrics_addr).await?);
+        let mut before = Vec::new();
+        for gateway in GATEWAYS {
+            before.push(openings(&cluster, gateway).await?);
+        }
+        let process = cluster.nodes[&leader].process.as_ref().context("running")?;
+        tokio::task::block_in_place(|| -> Result<()> {
+            process.signal("STOP")?;
+            std::thread::sleep(STALL);
+            process.signal("CONT")
+        })?;
+        // An opening is added to the open seconds when it ends.
+        let left_open = circuits_in(&cluster, &[0.0, 1.0], CLOSE_WAIT).await?;
+        let term_after = term(&scrape(cluster.nodes[&leader].metrics_addr).await?);
+        let mut after = Vec::new();
+        for gateway in GATEWAYS {
+            after.push(openings(&cluster, gateway).await?);
+        }
+        let opened: f64 = after.iter().zip(&before).map(|(a, b)| a.opened - b.opened).sum();
+        let open_seconds: f64 =
+            after.iter().zip(&before).map(|(a, b)| a.open_seconds - b.open_seconds).sum();
+        eprintln!(
+            "stall {attempt} of leader {leader}: term {term_before} -> {term_after}, {opened} \
+             openings, {open_seconds:.3} s open in all, circuits left open: {left_open}"
+        );
+        if term_after != term_before || opened == 0.0 {
+            continue;
+        }
+        assert!(left_open, "a circuit stayed open:\n{}", circuit_logs(&cluster));
+        judged.push(open_seconds / opened);
+    }
+    stop.send(true)?;
+    let answers = collect(handles).await?;
+    let errors: Vec<&Answer> =
+        answers.iter().filter(|answer| matches!(answer.outcome, Outcome::Error(_))).collect();
+    assert!(errors.is_empty(), "{} errors, first {:?}", errors.len(), errors.first());
+    anyhow::ensure!(
+        !judged.is_empty(),
+        "no stall of {STALL:?} opened a circuit and kept the leader's term in \
+         {STALL_ATTEMPTS} attempts; {} requests answered",
+        answers.len()
+    );
+    let longest = judged.iter().copied().fold(0.0, f64::max);
+    figure(
+        "a slow call that answers",
+        "longest average time open per opening over a stall",
+        format!("{:.0} ms ({} stalls judged)", longest * 1000.0, judged.len()),
+    );
+    for open_per_opening in judged {
+        assert!(
+            open_per_opening <= OPEN_PER_OPENING_MAX.as_secs_f64(),
+            "a circuit opened by a stall of {STALL:?} stayed open {:.0} ms per opening on \
+             average:\n{}",
+            open_per_opening * 1000.0,
+            circuit_logs(&cluster)
         );
     }
     Ok(())

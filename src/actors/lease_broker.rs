@@ -136,6 +136,7 @@ impl LeaseBroker {
             flush_scheduled: false,
             probe_scheduled: false,
             calls_in_flight: 0,
+            opened_at: None,
         };
         let (actor, join) = Actor::spawn(None, BrokerActor, state)
             .await
@@ -198,6 +199,8 @@ struct BrokerState {
     flush_scheduled: bool,
     probe_scheduled: bool,
     calls_in_flight: usize,
+    /// When the circuit last opened, while it is open.
+    opened_at: Option<Instant>,
 }
 
 impl Actor for BrokerActor {
@@ -429,6 +432,12 @@ impl BrokerState {
         let before = self.circuit.swap(value, Ordering::Relaxed);
         self.metrics.ledger_circuit_state.set(i64::from(value));
         if before != value {
+            if value == CIRCUIT_OPEN {
+                self.metrics.ledger_circuit_opened.inc();
+                self.opened_at = Some(Instant::now());
+            } else if let Some(opened_at) = self.opened_at.take() {
+                self.metrics.ledger_circuit_open_seconds.inc_by(opened_at.elapsed().as_secs_f64());
+            }
             let p90_ms = self.breaker.latency_p90_ms();
             match state {
                 CircuitState::Open { next_probe_ms } => tracing::warn!(
