@@ -94,6 +94,8 @@ struct Counters {
     failed_closed: f64,
     calls_ok: f64,
     circuit_state: f64,
+    circuit_opened: f64,
+    circuit_open_seconds: f64,
 }
 
 async fn counters(cluster: &common::cluster::Cluster, id: u64) -> Result<Counters> {
@@ -107,6 +109,8 @@ async fn counters(cluster: &common::cluster::Cluster, id: u64) -> Result<Counter
         failed_closed: metric_value(&text, "quotamesh_rate_limit_failed_closed_total"),
         calls_ok: metric_value(&text, "quotamesh_ledger_calls_total{result=\"ok\"}"),
         circuit_state: metric_value(&text, "quotamesh_ledger_circuit_state"),
+        circuit_opened: metric_value(&text, "quotamesh_ledger_circuit_opened_total"),
+        circuit_open_seconds: metric_value(&text, "quotamesh_ledger_circuit_open_seconds_total"),
     })
 }
 
@@ -550,23 +554,6 @@ const OPEN_PER_OPENING_MAX: Duration = Duration::from_millis(500);
 /// the leader stops.
 const NEW_KEY_EVERY: Duration = Duration::from_millis(4);
 
-/// One gateway's circuit counters.
-#[derive(Debug, Clone, Copy)]
-struct Openings {
-    opened: f64,
-    open_seconds: f64,
-    state: f64,
-}
-
-async fn openings(cluster: &common::cluster::Cluster, id: u64) -> Result<Openings> {
-    let text = scrape(cluster.nodes[&id].metrics_addr).await?;
-    Ok(Openings {
-        opened: metric_value(&text, "quotamesh_ledger_circuit_opened_total"),
-        open_seconds: metric_value(&text, "quotamesh_ledger_circuit_open_seconds_total"),
-        state: metric_value(&text, "quotamesh_ledger_circuit_state"),
-    })
-}
-
 /// Waits until every gateway's circuit is in one of `states`; false after `within`.
 async fn circuits_in(
     cluster: &common::cluster::Cluster,
@@ -577,7 +564,7 @@ async fn circuits_in(
     loop {
         let mut all = true;
         for gateway in GATEWAYS {
-            all &= states.contains(&openings(cluster, gateway).await?.state);
+            all &= states.contains(&counters(cluster, gateway).await?.circuit_state);
         }
         if all {
             return Ok(true);
@@ -636,10 +623,7 @@ async fn a_slow_call_that_answers_resumes_leasing_at_once() -> Result<()> {
         let leader = cluster.leader().await?;
         let term = |text: &str| metric_value(text, "quotamesh_raft_term{group=\"quota\"}");
         let term_before = term(&scrape(cluster.nodes[&leader].metrics_addr).await?);
-        let mut before = Vec::new();
-        for gateway in GATEWAYS {
-            before.push(openings(&cluster, gateway).await?);
-        }
+        let before = gateway_counters(&cluster).await?;
         let process = cluster.nodes[&leader].process.as_ref().context("running")?;
         tokio::task::block_in_place(|| -> Result<()> {
             process.signal("STOP")?;
@@ -649,13 +633,14 @@ async fn a_slow_call_that_answers_resumes_leasing_at_once() -> Result<()> {
         // An opening is added to the open seconds when it ends.
         let left_open = circuits_in(&cluster, &[0.0, 1.0], CLOSE_WAIT).await?;
         let term_after = term(&scrape(cluster.nodes[&leader].metrics_addr).await?);
-        let mut after = Vec::new();
-        for gateway in GATEWAYS {
-            after.push(openings(&cluster, gateway).await?);
-        }
-        let opened: f64 = after.iter().zip(&before).map(|(a, b)| a.opened - b.opened).sum();
-        let open_seconds: f64 =
-            after.iter().zip(&before).map(|(a, b)| a.open_seconds - b.open_seconds).sum();
+        let after = gateway_counters(&cluster).await?;
+        let opened: f64 =
+            after.iter().zip(&before).map(|(a, b)| a.circuit_opened - b.circuit_opened).sum();
+        let open_seconds: f64 = after
+            .iter()
+            .zip(&before)
+            .map(|(a, b)| a.circuit_open_seconds - b.circuit_open_seconds)
+            .sum();
         eprintln!(
             "stall {attempt} of leader {leader}: term {term_before} -> {term_after}, {opened} \
              openings, {open_seconds:.3} s open in all, circuits left open: {left_open}"
