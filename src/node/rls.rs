@@ -18,8 +18,8 @@
 //! behind a queue of requests; decisions reach them through the shards' locks and channels,
 //! which work across runtimes. Not yet the default: the region's leasing tests, which once
 //! failed in either layout when a Raft log commit stalled on the disk, now hold through such
-//! stalls in both (five runs each under load); the default waits for more runs of them and
-//! for a thread count that suits a large machine as well as a small one.
+//! stalls in both (ten runs each under load); the default waits for a thread count that
+//! suits a large machine as well as a small one.
 
 use std::time::Duration;
 
