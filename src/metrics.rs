@@ -166,6 +166,11 @@ pub struct Metrics {
     /// `quotamesh_ledger_circuit_open_seconds_total`: time the circuit spent open, added
     /// when it leaves open (fail-open rules were paid from the fallback meanwhile).
     pub ledger_circuit_open_seconds: Counter,
+    /// `quotamesh_ledger_stalled_seconds_total`: time during which a ledger call judged slow
+    /// was outstanding, from the oldest one's start, added when the last of them ends. Keys
+    /// whose reports it carried waited for their refills meanwhile, whether or not the
+    /// circuit opened.
+    pub ledger_stalled_seconds: Counter,
     /// `quotamesh_region_slice_tokens{region, rule}`: a region's slice of a global limit
     /// (tokens per window), this region's from its ledger, a peer's as it last reported.
     pub region_slice_tokens: IntGaugeVec,
@@ -533,6 +538,11 @@ impl Metrics {
                 "quotamesh_ledger_circuit_open_seconds_total",
                 "Time the circuit breaker around ledger calls spent open, added as it leaves \
                  open.",
+            ),
+            ledger_stalled_seconds: seconds_counter(
+                "quotamesh_ledger_stalled_seconds_total",
+                "Time during which a ledger call judged slow was outstanding, from the oldest \
+                 one's start, added when the last of them ends.",
             ),
             region_slice_tokens: gauge_vec(
                 "quotamesh_region_slice_tokens",

@@ -96,6 +96,8 @@ struct Counters {
     circuit_state: f64,
     circuit_opened: f64,
     circuit_open_seconds: f64,
+    slow_calls: f64,
+    stalled_seconds: f64,
 }
 
 async fn counters(cluster: &common::cluster::Cluster, id: u64) -> Result<Counters> {
@@ -111,6 +113,8 @@ async fn counters(cluster: &common::cluster::Cluster, id: u64) -> Result<Counter
         circuit_state: metric_value(&text, "quotamesh_ledger_circuit_state"),
         circuit_opened: metric_value(&text, "quotamesh_ledger_circuit_opened_total"),
         circuit_open_seconds: metric_value(&text, "quotamesh_ledger_circuit_open_seconds_total"),
+        slow_calls: metric_value(&text, "quotamesh_ledger_calls_total{result=\"slow\"}"),
+        stalled_seconds: metric_value(&text, "quotamesh_ledger_stalled_seconds_total"),
     })
 }
 
@@ -540,6 +544,8 @@ async fn a_lost_quorum_costs_no_more_than_the_fallback_allowance() -> Result<()>
 /// (300 ms at least, after heartbeats 50 ms apart), so the stalled calls commit and answer
 /// once it continues.
 const STALL: Duration = Duration::from_millis(200);
+/// The shipped floor of the deadline a ledger call is judged slow by.
+const DEADLINE_FLOOR: Duration = Duration::from_millis(100);
 /// Stalls tried at most; one that cost the leader its term proves nothing and is not judged.
 const STALL_ATTEMPTS: usize = 8;
 /// Stalls judged (those that opened a circuit) before the test ends.
@@ -576,12 +582,38 @@ async fn circuits_in(
     }
 }
 
+/// Each gateway's calls judged slow and seconds stalled since `before`, once every gateway
+/// with such a call has counted its stall (which it does when the last of them ends), or
+/// [`CLOSE_WAIT`] has passed.
+async fn stalls_counted(
+    cluster: &common::cluster::Cluster,
+    before: &[Counters],
+) -> Result<Vec<(f64, f64)>> {
+    let deadline = Instant::now() + CLOSE_WAIT;
+    loop {
+        let now = gateway_counters(cluster).await?;
+        let stalls: Vec<(f64, f64)> = now
+            .iter()
+            .zip(before)
+            .map(|(a, b)| (a.slow_calls - b.slow_calls, a.stalled_seconds - b.stalled_seconds))
+            .collect();
+        if stalls.iter().all(|(slow, seconds)| *slow == 0.0 || *seconds > 0.0)
+            || Instant::now() > deadline
+        {
+            return Ok(stalls);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 // Proves that a ledger call judged slow but answered after all resumes leasing at once: while
 // each gateway asks about a new key every 4 ms, the quota leader is stopped (SIGSTOP) for
 // 200 ms, so the calls in flight pass their deadline and open the gateways' circuits; when it
 // continues, their late answers half-open the circuits. Over every stall that opened a circuit
 // and kept the leader's term, the circuits were open at most 500 ms per opening on average
-// (left to the next probe, 1 s each), and no request failed.
+// (left to the next probe, 1 s each), each gateway whose calls were judged slow counted a
+// stall of at least the 100 ms deadline floor and at most the stall and a second
+// (`quotamesh_ledger_stalled_seconds_total`), and no request failed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_call_that_answers_resumes_leasing_at_once() -> Result<()> {
     let _serial = SERIAL.lock().await;
@@ -649,6 +681,21 @@ async fn a_slow_call_that_answers_resumes_leasing_at_once() -> Result<()> {
             continue;
         }
         assert!(left_open, "a circuit stayed open:\n{}", circuit_logs(&cluster));
+        // A gateway with calls judged slow counts the stall once the last of them ends: at
+        // least the deadline floor (each was outstanding that long), at most the stall and
+        // a second.
+        for (gateway, (slow, seconds)) in
+            GATEWAYS.iter().zip(stalls_counted(&cluster, &before).await?)
+        {
+            eprintln!("gateway {gateway}: {slow} calls judged slow, stalled {seconds:.3} s");
+            if slow > 0.0 {
+                assert!(
+                    (DEADLINE_FLOOR.as_secs_f64()..=(STALL + Duration::from_secs(1)).as_secs_f64())
+                        .contains(&seconds),
+                    "gateway {gateway}: {slow} calls judged slow, stalled {seconds:.3} s"
+                );
+            }
+        }
         judged.push(open_seconds / opened);
     }
     stop.send(true)?;

@@ -81,6 +81,8 @@ pub enum BrokerMsg {
     Overdue {
         /// The call's permit.
         permit: Permit,
+        /// When the call started.
+        started: Instant,
         /// Its asks, answered "not applied" now.
         asks: Vec<LeaseAsk>,
     },
@@ -137,6 +139,8 @@ impl LeaseBroker {
             probe_scheduled: false,
             calls_in_flight: 0,
             opened_at: None,
+            overdue_calls: 0,
+            stalled_since: None,
         };
         let (actor, join) = Actor::spawn(None, BrokerActor, state)
             .await
@@ -201,6 +205,10 @@ struct BrokerState {
     calls_in_flight: usize,
     /// When the circuit last opened, while it is open.
     opened_at: Option<Instant>,
+    /// Calls judged slow that have not ended yet.
+    overdue_calls: usize,
+    /// The start of the oldest of them, while there are any.
+    stalled_since: Option<Instant>,
 }
 
 impl Actor for BrokerActor {
@@ -239,8 +247,11 @@ impl Actor for BrokerActor {
                     state.schedule_probe(&myself);
                 }
             }
-            BrokerMsg::Overdue { permit, asks } => {
+            BrokerMsg::Overdue { permit, started, asks } => {
                 state.metrics.ledger_calls.with_label_values(&["slow"]).inc();
+                state.overdue_calls += 1;
+                state.stalled_since =
+                    Some(state.stalled_since.map_or(started, |since| since.min(started)));
                 state.last_failure = format!(
                     "no answer within the deadline of {} ms (4 x the ledger's p90 latency)",
                     state.breaker.deadline_ms()
@@ -333,7 +344,7 @@ impl BrokerState {
             let (outcome, judged, asks) = tokio::select! {
                 outcome = &mut write => (outcome, false, asks),
                 () = tokio::time::sleep(deadline) => {
-                    let _ = myself.cast(BrokerMsg::Overdue { permit, asks });
+                    let _ = myself.cast(BrokerMsg::Overdue { permit, started, asks });
                     (write.await, true, Vec::new())
                 }
             };
@@ -349,6 +360,15 @@ impl BrokerState {
         let now_ms = crate::clock::now_ms();
         let latency_ms = u64::try_from(done.latency.as_millis()).unwrap_or(u64::MAX);
         self.metrics.ledger_call_duration.observe(done.latency.as_secs_f64());
+        // The task casts `Overdue` before `Done`, so a judged call was counted overdue.
+        if done.judged {
+            self.overdue_calls -= 1;
+            if self.overdue_calls == 0
+                && let Some(since) = self.stalled_since.take()
+            {
+                self.metrics.ledger_stalled_seconds.inc_by(since.elapsed().as_secs_f64());
+            }
+        }
         // Only answers within the deadline they were judged by teach the breaker the
         // ledger's latency: an election's stalled calls must not raise the deadline for the
         // next outage (half-open, the deadline is the ceiling, so a ledger that became slow
