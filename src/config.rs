@@ -10,7 +10,8 @@
 //!                                  # (or `path` in a [policy] table, with the settings below)
 //! rls_addr = "0.0.0.0:8081"
 //! rls_threads = 0                  # 0: rls_addr served on the node's runtime; N: by N threads,
-//!                                  # each its own connections on a runtime of its own
+//!                                  # each its own connections on a runtime of its own;
+//!                                  # "auto": one per core the process may use but one
 //! metrics_addr = "0.0.0.0:6070"
 //! raft_node_id = 1                 # this node in its region's Raft groups; never changes
 //! cluster_id = "local"             # the region's cluster; stored in data_dir on first start
@@ -175,8 +176,9 @@ pub struct NodeConfig {
     /// Envoy RLS v3 gRPC listen address.
     pub rls_addr: SocketAddr,
     /// Threads serving `rls_addr`, each on a single-threaded runtime of its own with the
-    /// connections handed to it; 0 (the default) serves it on the node's runtime.
-    pub rls_threads: usize,
+    /// connections handed to it: a number (0, the default, serves it on the node's runtime),
+    /// or `"auto"`, one per core but one.
+    pub rls_threads: RlsThreads,
     /// Prometheus `/metrics`, `/healthz` and `/readyz` listen address.
     pub metrics_addr: SocketAddr,
     /// Billing-debit gRPC listen address.
@@ -611,6 +613,49 @@ fn policy_field<'de, D: serde::Deserializer<'de>>(
     deserializer.deserialize_any(Field)
 }
 
+/// How many threads serve the RLS port: a number (0, the default: none of its own) or
+/// `rls_threads = "auto"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RlsThreads {
+    /// One per core the process may use (`available_parallelism`, which honours CPU
+    /// affinity and cgroup quotas) but one, at least one: [`auto_rls_threads`].
+    Auto,
+    /// That many serving threads; 0 serves the port on the node's multi-threaded runtime.
+    Count(usize),
+}
+
+impl<'de> Deserialize<'de> for RlsThreads {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Field;
+        impl serde::de::Visitor<'_> for Field {
+            type Value = RlsThreads;
+            fn expecting(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                formatter.write_str(
+                    "\"auto\" (one thread per core but one) or a number of threads (0: the \
+                     node's runtime)",
+                )
+            }
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<RlsThreads, E> {
+                match text {
+                    "auto" => Ok(RlsThreads::Auto),
+                    _ => Err(E::invalid_value(serde::de::Unexpected::Str(text), &self)),
+                }
+            }
+            fn visit_i64<E: serde::de::Error>(self, count: i64) -> Result<RlsThreads, E> {
+                usize::try_from(count)
+                    .map(RlsThreads::Count)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(count), &self))
+            }
+            fn visit_u64<E: serde::de::Error>(self, count: u64) -> Result<RlsThreads, E> {
+                usize::try_from(count)
+                    .map(RlsThreads::Count)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Unsigned(count), &self))
+            }
+        }
+        deserializer.deserialize_any(Field)
+    }
+}
+
 /// Which rate-limit header generations the RLS answer carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -722,7 +767,7 @@ impl Default for NodeConfig {
             data_dir: PathBuf::from(DATA_DIR_DEFAULT),
             policy: PolicyConfig::default(),
             rls_addr: RLS_ADDR_DEFAULT.parse().expect("constant address parses"),
-            rls_threads: 0,
+            rls_threads: RlsThreads::Count(0),
             metrics_addr: METRICS_ADDR_DEFAULT.parse().expect("constant address parses"),
             billing_addr: BILLING_ADDR_DEFAULT.parse().expect("constant address parses"),
             billing: BillingConfig::default(),
@@ -849,7 +894,7 @@ impl NodeConfig {
         if self.shards.count > SHARD_COUNT_MAX {
             return invalid(format!("shards.count must be at most {SHARD_COUNT_MAX}"));
         }
-        if self.rls_threads > RLS_THREADS_MAX {
+        if matches!(self.rls_threads, RlsThreads::Count(count) if count > RLS_THREADS_MAX) {
             return invalid(format!("rls_threads must be at most {RLS_THREADS_MAX}"));
         }
         if self.shards.keys_per_shard_max == 0
@@ -1074,6 +1119,17 @@ impl NodeConfig {
         }
     }
 
+    /// The number of threads serving the RLS port (0: none of its own, the node's runtime
+    /// serves it): the configured count, or [`auto_rls_threads`] of the cores.
+    pub fn rls_thread_count(&self) -> usize {
+        match self.rls_threads {
+            RlsThreads::Count(count) => count,
+            RlsThreads::Auto => auto_rls_threads(
+                std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
+            ),
+        }
+    }
+
     /// The number of shard actors to run: the configured count, or one per core.
     pub fn shard_count(&self) -> usize {
         if self.shards.count > 0 {
@@ -1081,6 +1137,15 @@ impl NodeConfig {
         }
         std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
     }
+}
+
+/// The serving threads of `rls_threads = "auto"` on `cores` cores: one per core but one, so
+/// that the node's runtime (the Raft groups, the lease broker, the shard actors) is not
+/// left to share every core with serving threads that keep them busy, and a ledger round
+/// is not delayed behind them; at least one, at most [`RLS_THREADS_MAX`].
+#[must_use]
+pub fn auto_rls_threads(cores: usize) -> usize {
+    cores.saturating_sub(1).clamp(1, RLS_THREADS_MAX)
 }
 
 /// Checks a token's name and digest (billing and admin tokens alike).
@@ -1219,13 +1284,29 @@ mod tests {
         assert!(NodeConfig::from_toml("[billing]\nvoters = []").is_err());
     }
 
-    /// The RLS port's threads: none of its own unless set, at most [`RLS_THREADS_MAX`].
+    /// The RLS port's threads: none of its own unless set, `"auto"` one per core but one,
+    /// at most [`RLS_THREADS_MAX`]; any other word or a negative count is refused.
     #[test]
     fn rls_threads_are_none_unless_set() {
-        assert_eq!(NodeConfig::default().rls_threads, 0);
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        assert_eq!(NodeConfig::default().rls_threads, RlsThreads::Count(0));
+        assert_eq!(NodeConfig::default().rls_thread_count(), 0);
+        for (cores, threads) in [(1, 1), (2, 1), (3, 2), (16, 15), (1_000, RLS_THREADS_MAX)] {
+            assert_eq!(auto_rls_threads(cores), threads, "{cores} cores");
+        }
+        let auto = NodeConfig::from_toml("rls_threads = \"auto\"").expect("parses");
+        assert_eq!(auto.rls_threads, RlsThreads::Auto);
+        assert_eq!(auto.rls_thread_count(), auto_rls_threads(cores));
+        let node_runtime = NodeConfig::from_toml("rls_threads = 0").expect("parses");
+        assert!(node_runtime.validate().is_ok());
+        assert_eq!(node_runtime.rls_thread_count(), 0);
         let three = NodeConfig::from_toml("rls_threads = 3").expect("parses");
         assert!(three.validate().is_ok());
-        assert_eq!(three.rls_threads, 3);
+        assert_eq!(three.rls_thread_count(), 3);
+        for bad in ["rls_threads = \"all\"", "rls_threads = -1", "rls_threads = 1.5"] {
+            let message = NodeConfig::from_toml(bad).expect_err(bad);
+            assert!(message.contains("auto"), "{bad}: {message}");
+        }
         let too_many = NodeConfig::from_toml(&format!("rls_threads = {}", RLS_THREADS_MAX + 1))
             .expect("parses");
         let message = format!("{}", too_many.validate().expect_err("too many"));

@@ -214,7 +214,7 @@ impl Node {
 
         let (stop, stopped) = watch::channel(false);
         let ready = Arc::new(AtomicBool::new(false));
-        let rls_threads = config.rls_threads;
+        let rls_threads = config.rls_thread_count();
         let grpc = match rls::serve(rls, &metrics, rls_listener, rls_threads, stopped.clone()).await
         {
             Ok(grpc) => grpc,
@@ -350,7 +350,7 @@ impl Node {
         let mut servers = vec![grpc, http, admin_server];
         servers.extend(billing_server);
         ready.store(true, Ordering::Release);
-        tracing::info!(%rls_addr, %metrics_addr, %admin_addr, ?billing_addr, raft_addr = %raft.raft_addr(), node_id = %config.node_id, region = %config.region, role = %config.role, "quotamesh node ready");
+        tracing::info!(%rls_addr, rls_threads, %metrics_addr, %admin_addr, ?billing_addr, raft_addr = %raft.raft_addr(), node_id = %config.node_id, region = %config.region, role = %config.role, "quotamesh node ready");
         Ok(Self {
             rls_addr,
             metrics_addr,

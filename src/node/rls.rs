@@ -7,19 +7,21 @@
 //! ```
 //!
 //! With `rls_threads` of 0 (the default) the port is served on the node's multi-threaded
-//! runtime like its other ports. With N, the node's runtime only accepts, and each of N
-//! serving threads runs a single-threaded tokio runtime that owns the connections handed
-//! to it: a request is read, decided and answered on one thread, and its HTTP/2 streams are
-//! polled in turn before the connection writes their answers together. On tokio's
-//! multi-threaded runtime a new stream's task runs at once (its LIFO slot), so each answer
-//! was written on its own; measured in `benches/grpc_throughput.sh`, the single-threaded
-//! layout spends about a quarter of the kernel time per request. The Raft groups, the lease
-//! broker and the shard actors stay on the node's runtime, so a ledger round never waits
-//! behind a queue of requests; decisions reach them through the shards' locks and channels,
-//! which work across runtimes. Not yet the default: the region's leasing tests, which once
-//! failed in either layout when a Raft log commit stalled on the disk, now hold through such
-//! stalls in both (ten runs each under load); the default waits for a thread count that
-//! suits a large machine as well as a small one.
+//! runtime like its other ports. With N (or `"auto"`: one per core the process may use but
+//! one, at least one), the node's runtime only accepts, and each of the serving threads runs
+//! a single-threaded tokio runtime that owns the connections handed to it: a request is
+//! read, decided and answered on one thread, and its HTTP/2 streams are polled in turn
+//! before the connection writes their answers together. On tokio's multi-threaded runtime a
+//! new stream's task runs at once (its LIFO slot), so each answer was written on its own;
+//! measured in `benches/grpc_throughput.sh`, the single-threaded layout spends about a
+//! quarter of the kernel time per request. The Raft groups, the lease broker and the shard
+//! actors stay on the node's runtime; decisions reach them through the shards' locks and
+//! channels, which work across runtimes. Not yet the default: on a machine with more
+//! runnable threads than cores (the region's leasing tests: five nodes on two cores, two
+//! spinning threads beside them), ledger calls stalled past their deadline several times as
+//! long with serving threads as without (`quotamesh_ledger_stalled_seconds_total`), with
+//! one thread per core or one per core but one, and a lower priority for the serving
+//! threads did not change it.
 
 use std::time::Duration;
 
