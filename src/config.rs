@@ -1139,10 +1139,11 @@ impl NodeConfig {
     }
 }
 
-/// The serving threads of `rls_threads = "auto"` on `cores` cores: one per core but one, so
-/// that the node's runtime (the Raft groups, the lease broker, the shard actors) is not
-/// left to share every core with serving threads that keep them busy, and a ledger round
-/// is not delayed behind them; at least one, at most [`RLS_THREADS_MAX`].
+/// The serving threads of `rls_threads = "auto"` on `cores` cores: one per core but one,
+/// leaving the node's runtime (the Raft groups, the lease broker, the shard actors) a core's
+/// room beside serving threads that keep theirs busy; at least one, at most
+/// [`RLS_THREADS_MAX`]. (With every core serving, ledger calls stalled longest on a busy
+/// machine; with one left over they still stalled longer than on the node's runtime.)
 #[must_use]
 pub fn auto_rls_threads(cores: usize) -> usize {
     cores.saturating_sub(1).clamp(1, RLS_THREADS_MAX)
