@@ -229,6 +229,10 @@ pub struct Metrics {
     /// `quotamesh_raft_storage_errors_total{group}`: times the group stopped on a storage
     /// (or other fatal) error on this node.
     pub raft_storage_errors: IntCounterVec,
+    /// `quotamesh_raft_log_fsync_duration_seconds{group}`: how long each write of appended
+    /// entries to this node's Raft log took, fsync included. No entry counts towards a
+    /// commit before it, so its tail is the first thing to read when ledger calls stall.
+    pub raft_log_fsync_duration: HistogramVec,
     /// `quotamesh_billing_operations_total{outcome}`: billing operations answered, by
     /// outcome (`approved`, `insufficient_funds`, `duplicate`, `refused`, `unavailable`,
     /// `overloaded`).
@@ -300,6 +304,17 @@ impl Metrics {
         )
         .expect("valid metric");
         registry.register(Box::new(grpc_server_handling.clone())).expect("unique metric");
+        // From a fast disk's fsync (well under a millisecond) to a stalled one (seconds).
+        let raft_log_fsync_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "quotamesh_raft_log_fsync_duration_seconds",
+                "Time to write and fsync a batch of appended entries to the group's Raft log.",
+            )
+            .buckets(prometheus::exponential_buckets(0.000_25, 2.0, 15).expect("valid buckets")),
+            &["group"],
+        )
+        .expect("valid metric");
+        registry.register(Box::new(raft_log_fsync_duration.clone())).expect("unique metric");
         // CPU, memory, open files and start time of this process (`process_*`, Linux only).
         #[cfg(target_os = "linux")]
         registry
@@ -649,6 +664,7 @@ impl Metrics {
                 "Times the group stopped on this node on a storage (or other fatal) error.",
                 &["group"],
             ),
+            raft_log_fsync_duration,
             billing_operations: counter_vec(
                 "quotamesh_billing_operations_total",
                 "Billing operations answered, by outcome.",

@@ -151,6 +151,8 @@ impl RaftHost {
         let clock_offsets = ClockOffsets::new(config.max_clock_offset_ms, Some(metrics.clone()));
         let mut settings = quota_settings(config, &config.data_dir);
         settings.clock_offsets = clock_offsets;
+        settings.log_fsync_seconds =
+            Some(metrics.raft_log_fsync_duration.with_label_values(&[QUOTA_GROUP_NAME]));
         let quota =
             RaftGroup::<QuotaGroup>::open(&settings, channels.clone()).await.map_err(|source| {
                 RaftHostError::Open { group: QUOTA_GROUP_NAME, source: Box::new(source) }
@@ -164,6 +166,8 @@ impl RaftHost {
                     config.data_dir.join(BILLING_GROUP_NAME),
                 );
                 settings.clock_offsets = quota.clock_offsets().clone();
+                settings.log_fsync_seconds =
+                    Some(metrics.raft_log_fsync_duration.with_label_values(&[BILLING_GROUP_NAME]));
                 RaftGroup::<BillingGroup>::open(&settings, channels.clone())
                     .await
                     .map(Some)

@@ -123,6 +123,9 @@ struct Tally {
     open_seconds: f64,
     /// Seconds during which a call judged slow was outstanding (counted as each stall ends).
     stalled_seconds: f64,
+    /// Writes to the quota group's Raft log that took more than 128 ms: printed beside the
+    /// stalls, to tell a slow disk from a slow scheduler.
+    slow_fsyncs: f64,
 }
 
 impl std::ops::Sub for Tally {
@@ -135,9 +138,14 @@ impl std::ops::Sub for Tally {
             slow_calls: self.slow_calls - earlier.slow_calls,
             open_seconds: self.open_seconds - earlier.open_seconds,
             stalled_seconds: self.stalled_seconds - earlier.stalled_seconds,
+            slow_fsyncs: self.slow_fsyncs - earlier.slow_fsyncs,
         }
     }
 }
+
+/// The quota group's Raft log writes so far, and the name of their histogram's buckets.
+const FSYNCS: &str = "quotamesh_raft_log_fsync_duration_seconds_count{group=\"quota\"}";
+const FSYNC_BUCKETS: &str = "quotamesh_raft_log_fsync_duration_seconds_bucket";
 
 /// The senders' tally now.
 async fn tally(cluster: &common::cluster::Cluster, ids: &[u64]) -> Result<Tally> {
@@ -150,6 +158,8 @@ async fn tally(cluster: &common::cluster::Cluster, ids: &[u64]) -> Result<Tally>
         sum.slow_calls += metric_value(&metrics, "quotamesh_ledger_calls_total{result=\"slow\"}");
         sum.open_seconds += metric_value(&metrics, "quotamesh_ledger_circuit_open_seconds_total");
         sum.stalled_seconds += metric_value(&metrics, "quotamesh_ledger_stalled_seconds_total");
+        sum.slow_fsyncs += metric_value(&metrics, FSYNCS)
+            - metric_value(&metrics, &format!("{FSYNC_BUCKETS}{{group=\"quota\",le=\"0.128\"}}"));
     }
     Ok(sum)
 }
@@ -363,10 +373,12 @@ fn assert_fair_and_cheap(case: &str, senders: &[u64], hammered: &Hammered) {
         assert!(
             (share - fair).abs() <= fair * (FAIR_SHARE_TARGET + open_fraction),
             "{case}: node {id}: share {share:.3} of the admissions, fair {fair:.3} ({} slow \
-             ledger calls, circuits open {:.2} s, calls stalled {:.2} s)",
+             ledger calls, circuits open {:.2} s, calls stalled {:.2} s, {} log writes over \
+             128 ms)",
             hammered.run.slow_calls,
             hammered.settled.open_seconds,
-            hammered.settled.stalled_seconds
+            hammered.settled.stalled_seconds,
+            hammered.settled.slow_fsyncs
         );
         // Writes a lookahead apart fit `T / lookahead + 1` times in T, and one may be in
         // flight at either scrape: two writes more than the rate over the measurement. A call
@@ -406,8 +418,12 @@ fn assert_at_the_limit_once_settled(
         + hammered.run.bypassed as u64;
     eprintln!(
         "{case}: {admitted} admitted in {span:.2} s after the settling, bounds [{lower:.0}, \
-         {upper}], {} bypasses, circuits open {:.2} s, calls stalled {:.2} s",
-        hammered.run.bypassed, hammered.settled.open_seconds, hammered.settled.stalled_seconds
+         {upper}], {} bypasses, circuits open {:.2} s, calls stalled {:.2} s, {} log writes \
+         over 128 ms",
+        hammered.run.bypassed,
+        hammered.settled.open_seconds,
+        hammered.settled.stalled_seconds,
+        hammered.settled.slow_fsyncs
     );
     figure(
         case,
@@ -464,8 +480,7 @@ async fn a_hot_key_on_five_nodes_stays_within_the_drift_bound() -> Result<()> {
     let answers = &hammered.answers;
     let (bypassed, bypassed_settled) =
         (hammered.run.bypassed as u64, hammered.settled.bypassed as u64);
-    let (slow_calls, open_seconds, stalled_seconds) =
-        (hammered.run.slow_calls, hammered.run.open_seconds, hammered.run.stalled_seconds);
+    let Tally { slow_calls, open_seconds, stalled_seconds, slow_fsyncs, .. } = hammered.run;
     let first = answers.first().context("no answer")?.sent_at;
     let last = answers.last().context("no answer")?.sent_at;
     let elapsed = last - first;
@@ -479,8 +494,8 @@ async fn a_hot_key_on_five_nodes_stays_within_the_drift_bound() -> Result<()> {
         "hot key: {} requests in {:.2} s ({:.0}/s offered), {admitted} admitted ({:.0}/s), \
          bounds [{lower:.0}, {upper}] (drift bound {drift_bound_tokens} for {} nodes, {bypassed} \
          fallback admissions, {bypassed_settled} once settled, {slow_calls} slow ledger calls, \
-         circuits open {open_seconds:.2} s, calls stalled {stalled_seconds:.2} s); \
-         latency p50 {:.2} ms, p99 \
+         circuits open {open_seconds:.2} s, calls stalled {stalled_seconds:.2} s, \
+         {slow_fsyncs} log writes over 128 ms); latency p50 {:.2} ms, p99 \
          {:.2} ms, max {:.2} ms",
         answers.len(),
         elapsed.as_secs_f64(),
@@ -660,9 +675,11 @@ async fn the_enterprise_tier_at_twice_its_rate_is_exact_and_fair() -> Result<()>
     assert!(
         total_admitted as f64 >= expected * (1.0 - HOT_SHORTFALL_PERCENT / 100.0) - stall_shortfall,
         "admitted {total_admitted}, under {expected:.0} less {HOT_SHORTFALL_PERCENT} % and \
-         {stall_shortfall:.0} for the circuits open {:.2} s and the calls stalled {:.2} s",
+         {stall_shortfall:.0} for the circuits open {:.2} s and the calls stalled {:.2} s ({} \
+         log writes over 128 ms)",
         hammered.settled.open_seconds,
-        hammered.settled.stalled_seconds
+        hammered.settled.stalled_seconds,
+        hammered.settled.slow_fsyncs
     );
 
     assert_fair_and_cheap("enterprise", &senders, &hammered);

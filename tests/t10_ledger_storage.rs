@@ -27,8 +27,8 @@ impl StoreBuilder<QuotaGroup, LogStore<QuotaGroup>, StateStore<QuotaGroup>, temp
         StorageError<NodeId>,
     > {
         let directory = tempfile::tempdir().expect("a temporary directory");
-        let log =
-            LogStore::open(&directory.path().join("raft-log.redb")).expect("the log store opens");
+        let log = LogStore::open(&directory.path().join("raft-log.redb"), None)
+            .expect("the log store opens");
         let state = StateStore::open(directory.path()).expect("the state store opens");
         Ok((directory, log, state))
     }
@@ -128,7 +128,7 @@ async fn log_survives_reopen() {
     let directory = tempfile::tempdir().expect("a temporary directory");
     let path = directory.path().join("raft-log.redb");
     {
-        let mut log = LogStore::<QuotaGroup>::open(&path).expect("the log opens");
+        let mut log = LogStore::<QuotaGroup>::open(&path, None).expect("the log opens");
         let vote = openraft::Vote::new(3, NodeId(2));
         log.save_vote(&vote).await.expect("save vote");
         let entries: Vec<Entry<QuotaGroup>> =
@@ -137,7 +137,7 @@ async fn log_survives_reopen() {
         log.blocking_append(entries).await.expect("append");
         log.purge(log_id(1, 2)).await.expect("purge");
     }
-    let mut log = LogStore::<QuotaGroup>::open(&path).expect("the log reopens");
+    let mut log = LogStore::<QuotaGroup>::open(&path, None).expect("the log reopens");
     assert_eq!(log.read_vote().await.expect("read vote"), Some(openraft::Vote::new(3, NodeId(2))));
     let state = log.get_log_state().await.expect("log state");
     assert_eq!(state.last_purged_log_id, Some(log_id(1, 2)));
@@ -146,12 +146,18 @@ async fn log_survives_reopen() {
 
 // Proves appended entries are readable as soon as `append` returns, before the flusher has
 // written them (openraft's replication reads them at once), and are durable once their
-// callback has said so.
+// callback has said so; the flusher's one write is timed, including what held the disk back.
 #[tokio::test]
 async fn appended_entries_are_readable_before_they_are_flushed() {
     let directory = tempfile::tempdir().expect("a temporary directory");
     let path = directory.path().join("raft-log.redb");
-    let mut log = LogStore::<QuotaGroup>::open(&path).expect("the log opens");
+    let fsync_seconds = prometheus::Histogram::with_opts(prometheus::HistogramOpts::new(
+        "fsync_seconds",
+        "the flusher's writes",
+    ))
+    .expect("a histogram");
+    let mut log =
+        LogStore::<QuotaGroup>::open(&path, Some(fsync_seconds.clone())).expect("the log opens");
     let db = log.liveness().upgrade().expect("the log is open");
     // redb has one writer at a time: while this transaction is open the flusher cannot write.
     let held = db.begin_write().expect("a write transaction");
@@ -176,10 +182,20 @@ async fn appended_entries_are_readable_before_they_are_flushed() {
     let state = log.get_log_state().await.expect("log state");
     assert_eq!(state.last_log_id, Some(log_id(1, 3)));
     assert!(!appended.is_finished(), "the append is not durable before the flusher wrote it");
+    // The flusher has the append (this single-threaded test ran the appender up to its wait
+    // for the callback) and waits for the disk.
+    let held_for = std::time::Duration::from_millis(200);
+    tokio::time::sleep(held_for).await;
     held.abort().expect("the held transaction ends");
     appended.await.expect("the append task").expect("append");
+    assert_eq!(fsync_seconds.get_sample_count(), 1, "three entries appended at once, one write");
+    assert!(
+        fsync_seconds.get_sample_sum() >= held_for.as_secs_f64() / 2.0,
+        "the write waited for the disk: {} s",
+        fsync_seconds.get_sample_sum()
+    );
     drop((db, reader, log));
-    let mut reopened = LogStore::<QuotaGroup>::open(&path).expect("the log reopens");
+    let mut reopened = LogStore::<QuotaGroup>::open(&path, None).expect("the log reopens");
     let state = reopened.get_log_state().await.expect("log state");
     assert_eq!(state.last_log_id, Some(log_id(1, 3)));
 }

@@ -47,6 +47,7 @@ use openraft::{
     ChangeMembers, Config, ConfigError, Raft, RaftMetrics, ServerState, SnapshotPolicy,
 };
 use parking_lot::Mutex;
+use prometheus::Histogram;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -102,6 +103,9 @@ pub struct GroupSettings {
     /// proposes; shared by the groups of a process. Default: `max_clock_offset_ms` 500, no
     /// metrics.
     pub clock_offsets: ClockOffsets,
+    /// Where the Raft log records how long each fsync'd write of appended entries took
+    /// (the group's series of `quotamesh_raft_log_fsync_duration_seconds`). Default: none.
+    pub log_fsync_seconds: Option<Histogram>,
 }
 
 impl GroupSettings {
@@ -119,6 +123,7 @@ impl GroupSettings {
             logs_kept_after_snapshot: 1_000,
             seeds: BTreeMap::new(),
             clock_offsets: ClockOffsets::default(),
+            log_fsync_seconds: None,
         }
     }
 
@@ -426,7 +431,8 @@ impl<C: GroupConfig> RaftGroup<C> {
             path: directory.display().to_string(),
             source,
         })?;
-        let (mut log_store, state_store) = open_stores::<C>(&directory).await?;
+        let (mut log_store, state_store) =
+            open_stores::<C>(&directory, settings.log_fsync_seconds.clone()).await?;
         let recovery_index = log_store
             .get_log_state()
             .await
@@ -1009,12 +1015,13 @@ async fn anchor_on_election<M: GroupMachine>(
 
 async fn open_stores<C: GroupConfig>(
     directory: &Path,
+    log_fsync_seconds: Option<Histogram>,
 ) -> Result<(LogStore<C>, StateStore<C>), OpenError> {
     let log_path = directory.join(LOG_FILE_NAME);
     let state_directory = directory.to_path_buf();
     // Both opens read and possibly repair files: keep them off the async workers.
     tokio::task::spawn_blocking(move || -> Result<_, OpenError> {
-        let log_store = LogStore::<C>::open(&log_path)?;
+        let log_store = LogStore::<C>::open(&log_path, log_fsync_seconds)?;
         let state_store = StateStore::<C>::open(&state_directory)?;
         Ok((log_store, state_store))
     })

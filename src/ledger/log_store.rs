@@ -27,7 +27,8 @@
 //! would, and leaves nothing unflushed. `save_committed` is a hint openraft may lose, so it
 //! only notes the id in memory and the flusher writes it into its next transaction. The other
 //! transactions run on tokio's blocking pool, so a commit never stalls the runtime's worker
-//! threads.
+//! threads. The flusher times each of its writes for the node's metrics
+//! (`quotamesh_raft_log_fsync_duration_seconds`): the disk's share of a commit's latency.
 
 use std::collections::BTreeMap;
 use std::fmt::Debug;
@@ -39,6 +40,7 @@ use std::sync::Arc;
 use openraft::storage::{LogFlushed, RaftLogStorage};
 use openraft::{ErrorSubject, ErrorVerb, LogId, LogState, RaftLogReader, StorageError, Vote};
 use parking_lot::Mutex;
+use prometheus::Histogram;
 use redb::{ReadableDatabase, ReadableTable, TableDefinition};
 use tokio::sync::{mpsc, oneshot};
 
@@ -126,10 +128,14 @@ impl<C: openraft::RaftTypeConfig> Clone for LogStore<C> {
 /// as soon as the last [`LogStore`] handle is dropped (a restart in the same process reopens
 /// it at once); then it stops. Once a write has failed it writes nothing more and fails every
 /// later append: a later batch would leave a hole where the failed one's entries belong.
+/// Each write's duration, from its transaction's start to the end of its fsync (time queued
+/// for the flusher excluded), goes to `fsync_seconds`: what the disk cost, which a ledger
+/// call's latency alone cannot tell from a slow network or scheduler.
 fn run_flusher<C: openraft::RaftTypeConfig>(
     db: std::sync::Weak<redb::Database>,
     committed: PendingCommitted,
     unflushed: Unflushed,
+    fsync_seconds: Option<&Histogram>,
     mut requests: mpsc::Receiver<FlushRequest<C>>,
 ) {
     let mut batch = Vec::new();
@@ -155,7 +161,12 @@ fn run_flusher<C: openraft::RaftTypeConfig>(
             (None, false) => Ok(()),
             (None, true) => match db.upgrade() {
                 Some(db) => {
-                    write_and_fsync(&db, &entries, &committed).map_err(|error| error.to_string())
+                    let started = crate::clock::monotonic();
+                    let written = write_and_fsync(&db, &entries, &committed);
+                    if let Some(histogram) = fsync_seconds {
+                        histogram.observe(started.elapsed().as_secs_f64());
+                    }
+                    written.map_err(|error| error.to_string())
                 }
                 None => Err("the Raft log was closed before it was fsync'd".to_owned()),
             },
@@ -217,11 +228,12 @@ fn write_and_fsync(
 }
 
 impl<C: GroupConfig> LogStore<C> {
-    /// Opens (or creates) the log file `path`.
+    /// Opens (or creates) the log file `path`; the flusher records each write's duration in
+    /// `fsync_seconds` when given.
     ///
     /// # Errors
     /// [`LogOpenError`] when redb cannot open the file or create its tables.
-    pub fn open(path: &Path) -> Result<Self, LogOpenError> {
+    pub fn open(path: &Path, fsync_seconds: Option<Histogram>) -> Result<Self, LogOpenError> {
         let db = redb::Database::create(path).map_err(|source| LogOpenError::Database {
             path: path.display().to_string(),
             source,
@@ -241,7 +253,13 @@ impl<C: GroupConfig> LogStore<C> {
         std::thread::Builder::new()
             .name("raft-log-flush".to_owned())
             .spawn(move || {
-                run_flusher::<C>(flusher_db, flusher_committed, flusher_unflushed, requests)
+                run_flusher::<C>(
+                    flusher_db,
+                    flusher_committed,
+                    flusher_unflushed,
+                    fsync_seconds.as_ref(),
+                    requests,
+                )
             })
             .map_err(LogOpenError::Flusher)?;
         Ok(Self { db, flusher, committed, unflushed, _config: PhantomData })
