@@ -126,6 +126,9 @@ struct Tally {
     /// Writes to the quota group's Raft log that took more than 128 ms: printed beside the
     /// stalls, to tell a slow disk from a slow scheduler.
     slow_fsyncs: f64,
+    /// The quota group's highest term a sender knows: the difference of two tallies counts
+    /// the elections between them.
+    term: f64,
 }
 
 impl std::ops::Sub for Tally {
@@ -139,6 +142,7 @@ impl std::ops::Sub for Tally {
             open_seconds: self.open_seconds - earlier.open_seconds,
             stalled_seconds: self.stalled_seconds - earlier.stalled_seconds,
             slow_fsyncs: self.slow_fsyncs - earlier.slow_fsyncs,
+            term: self.term - earlier.term,
         }
     }
 }
@@ -160,6 +164,7 @@ async fn tally(cluster: &common::cluster::Cluster, ids: &[u64]) -> Result<Tally>
         sum.stalled_seconds += metric_value(&metrics, "quotamesh_ledger_stalled_seconds_total");
         sum.slow_fsyncs += metric_value(&metrics, FSYNCS)
             - metric_value(&metrics, &format!("{FSYNC_BUCKETS}{{group=\"quota\",le=\"0.128\"}}"));
+        sum.term = sum.term.max(metric_value(&metrics, "quotamesh_raft_term{group=\"quota\"}"));
     }
     Ok(sum)
 }
@@ -480,7 +485,7 @@ async fn a_hot_key_on_five_nodes_stays_within_the_drift_bound() -> Result<()> {
     let answers = &hammered.answers;
     let (bypassed, bypassed_settled) =
         (hammered.run.bypassed as u64, hammered.settled.bypassed as u64);
-    let Tally { slow_calls, open_seconds, stalled_seconds, slow_fsyncs, .. } = hammered.run;
+    let Tally { slow_calls, open_seconds, stalled_seconds, slow_fsyncs, term, .. } = hammered.run;
     let first = answers.first().context("no answer")?.sent_at;
     let last = answers.last().context("no answer")?.sent_at;
     let elapsed = last - first;
@@ -495,7 +500,7 @@ async fn a_hot_key_on_five_nodes_stays_within_the_drift_bound() -> Result<()> {
          bounds [{lower:.0}, {upper}] (drift bound {drift_bound_tokens} for {} nodes, {bypassed} \
          fallback admissions, {bypassed_settled} once settled, {slow_calls} slow ledger calls, \
          circuits open {open_seconds:.2} s, calls stalled {stalled_seconds:.2} s, \
-         {slow_fsyncs} log writes over 128 ms); latency p50 {:.2} ms, p99 \
+         {slow_fsyncs} log writes over 128 ms, {term} elections); latency p50 {:.2} ms, p99 \
          {:.2} ms, max {:.2} ms",
         answers.len(),
         elapsed.as_secs_f64(),
