@@ -4,7 +4,9 @@
 //! entries)`; each shard is a ractor actor plus a table of striped maps that it publishes
 //! to the RLS handlers. A key's slot holds its lease (`crate::core::lease::KeyLease`:
 //! leased balance, expiry, traffic estimate, request in flight, `blocked_until`), its
-//! name in the ledger, and, only while the ledger is out of reach, a fallback bucket.
+//! name in the ledger and the id of its limit, which its stripe keeps once for all the keys
+//! that follow it. A fallback bucket (only while the ledger is out of reach) and an overrun
+//! window sit beside the slots, so the keys that have none pay nothing for them.
 //! Ownership is split by who may change what:
 //!
 //! - the **actor** alone inserts and removes keys: it creates a key on its first hit
@@ -59,6 +61,7 @@ use crate::core::admission::{
     self, BypassReason, Counter, Fallback, Judged, Region, ShortKeys, Staged, Verdict,
 };
 use crate::core::dense_map::DenseMap;
+use crate::core::interner::Interner;
 use crate::core::lease::{KeyLease, LeaseTuning, ReportAnswer, ReportDraft, size_cap_tokens};
 use crate::core::lease_key::LeaseKey;
 use crate::core::ledger::LeaseEpoch;
@@ -215,28 +218,35 @@ pub enum ShardError {
     Churn,
 }
 
-/// Per-key state in a stripe: what every decision reads inline, the rest out of line.
+/// Per-key state in a stripe: what every decision reads, and what its reports name.
 #[derive(Debug)]
 struct Slot {
     lease: KeyLease,
     lease_key: LeaseKey,
-    /// The limit the counter follows (settle reports name it); read only off the decision
-    /// path, so kept packed.
-    spec: PackedLimitSpec,
+    /// Its [`SlotLimit`]'s id in the stripe's [`Stripe::limits`].
+    limit: u32,
     /// The slot's life in this process ([`LeaseEpoch::serial`]; the incarnation is the
     /// process's, kept once in [`EpochSource`]), for the ledger's settlement.
     epoch_serial: u64,
     /// The sweep keeps the key at least until then: node time in whole seconds, rounded up.
     keep_until_s: u32,
-    /// Only while the ledger is or was recently out of reach, or a window is overrun.
-    rare: Option<Box<RareParts>>,
+}
+
+/// The limit a slot's counter follows and the rule it belongs to: read only off the
+/// decision path (reports, sweeps), and shared by most of a stripe's keys, so kept once per
+/// stripe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct SlotLimit {
+    /// The limit (settle reports name it; the probe's own on the decision path).
+    spec: PackedLimitSpec,
     /// The owning rule's id ([`NO_RULE`] for an override), for its lease tuning and gauges.
     rule: u32,
 }
 
-/// The parts of a slot that a key needs only while its ledger is out of reach or its fixed
-/// window is overrun: most keys never do, and a pointer costs them 8 bytes, not 40.
-#[derive(Debug, Default)]
+/// The parts of a slot that a key needs only while its ledger is or was recently out of
+/// reach, or its fixed window is overrun: most keys never do, so they are kept beside the
+/// slots ([`RareTable`]) and cost the others nothing.
+#[derive(Debug, Clone, Copy, Default)]
 struct RareParts {
     fallback: Option<Fallback>,
     /// A fixed window refused hits past what was left: until its end (0: never) every hit is
@@ -247,42 +257,80 @@ struct RareParts {
 // The slot and its key are what a tracked key costs (issue targets: resident bytes per
 // key), with 5 bytes of the stripe's table per bucket; a field added here is a deliberate
 // cost.
-const _: () = assert!(size_of::<(CounterKey, Slot)>() <= 176);
+const _: () = assert!(size_of::<(CounterKey, Slot)>() <= 128);
 
 impl Slot {
-    fn fallback(&self) -> Option<Fallback> {
-        self.rare.as_ref().and_then(|rare| rare.fallback)
-    }
-
-    fn overrun_until_ms(&self) -> u64 {
-        self.rare.as_ref().map_or(0, |rare| rare.overrun_until_ms)
-    }
-
-    fn set_fallback(&mut self, fallback: Option<Fallback>) {
-        self.rare_parts(|rare| rare.fallback = fallback);
-    }
-
     fn keep_until_ms(&self) -> u64 {
         u64::from(self.keep_until_s) * 1000
     }
+}
 
-    fn set_overrun_until_ms(&mut self, until_ms: u64) {
-        self.rare_parts(|rare| rare.overrun_until_ms = until_ms);
+/// The rare parts of a stripe's keys, by key: an entry only while a key has some, so a
+/// stripe whose ledger answers holds none and a decision reads nothing but the empty table.
+#[derive(Default)]
+struct RareTable(HashMap<CounterKey, RareParts, BuildHasherDefault<FingerprintHasher>>);
+
+impl RareTable {
+    fn fallback(&self, key: &CounterKey) -> Option<Fallback> {
+        self.get(key).and_then(|rare| rare.fallback)
     }
 
-    /// Changes the rare parts, dropping their box once nothing is left in it.
-    fn rare_parts(&mut self, change: impl FnOnce(&mut RareParts)) {
-        let rare = self.rare.get_or_insert_with(Box::default);
+    fn overrun_until_ms(&self, key: &CounterKey) -> u64 {
+        self.get(key).map_or(0, |rare| rare.overrun_until_ms)
+    }
+
+    fn set_fallback(&mut self, key: CounterKey, fallback: Option<Fallback>) {
+        self.change(key, |rare| rare.fallback = fallback);
+    }
+
+    fn set_overrun_until_ms(&mut self, key: CounterKey, until_ms: u64) {
+        self.change(key, |rare| rare.overrun_until_ms = until_ms);
+    }
+
+    /// Forgets a key that leaves its stripe.
+    fn forget(&mut self, key: &CounterKey) {
+        if !self.0.is_empty() {
+            self.0.remove(key);
+        }
+    }
+
+    fn get(&self, key: &CounterKey) -> Option<&RareParts> {
+        // Most stripes hold none: no hashing then.
+        if self.0.is_empty() { None } else { self.0.get(key) }
+    }
+
+    /// Changes a key's rare parts, dropping its entry once nothing is left in it.
+    fn change(&mut self, key: CounterKey, change: impl FnOnce(&mut RareParts)) {
+        let rare = self.0.entry(key).or_default();
         change(rare);
         if rare.fallback.is_none() && rare.overrun_until_ms == 0 {
-            self.rare = None;
+            self.0.remove(&key);
         }
     }
 }
 
-/// A stripe's keys, side by side: a hash table sits between half and seven eighths full, and
-/// its empty buckets then cost a 32-bit position each rather than a whole slot.
-type Stripe = DenseMap<CounterKey, Slot, BuildHasherDefault<FingerprintHasher>>;
+/// A stripe's keys and the limits they follow.
+#[derive(Default)]
+struct Stripe {
+    /// The keys, side by side: a hash table sits between half and seven eighths full, and
+    /// its empty buckets then cost a 32-bit position each rather than a whole slot.
+    slots: DenseMap<CounterKey, Slot, BuildHasherDefault<FingerprintHasher>>,
+    /// Each slot holds one of these ids; an id lives while a slot holds it.
+    limits: Interner<SlotLimit>,
+    /// The few keys' rare parts.
+    rare: RareTable,
+}
+
+impl Stripe {
+    /// Removes `key`, releasing its limit: the slot, and what its limit was.
+    fn remove(&mut self, key: &CounterKey) -> Option<(Slot, SlotLimit)> {
+        let slot = self.slots.remove(key)?;
+        let limit = self.limits.get(slot.limit);
+        self.limits.release(slot.limit);
+        self.rare.forget(key);
+        Some((slot, limit))
+    }
+}
 
 /// The published state of one shard: its stripes, and what its last sweep counted.
 struct ShardTable {
@@ -467,7 +515,7 @@ impl ShardActorState {
         let mut created = 0_u64;
         for cold in keys {
             let stripe_index = cold.stripe as usize;
-            if self.table.stripes[stripe_index].lock().get(&cold.key).is_some() {
+            if self.table.stripes[stripe_index].lock().slots.get(&cold.key).is_some() {
                 continue;
             }
             if self.key_count >= self.keys_max {
@@ -475,19 +523,19 @@ impl ShardActorState {
             }
             let capacity_tokens = cold.spec.capacity_tokens();
             let keep_until_ms = now_ms.saturating_add(FRESH_KEY_GRACE_MS);
+            let mut stripe = self.table.stripes[stripe_index].lock();
+            let limit = SlotLimit { spec: PackedLimitSpec::pack(&cold.spec), rule: cold.rule };
             let slot = Slot {
                 lease: KeyLease::new(
                     capacity_tokens,
                     size_cap_tokens(capacity_tokens, self.nodes_in_region),
                 ),
                 lease_key: cold.lease_key,
-                spec: PackedLimitSpec::pack(&cold.spec),
+                limit: stripe.limits.acquire(limit),
                 epoch_serial: self.epochs.next_serial(),
                 keep_until_s: u32::try_from(keep_until_ms.div_ceil(1000)).unwrap_or(u32::MAX),
-                rare: None,
-                rule: cold.rule,
             };
-            self.table.stripes[stripe_index].lock().insert(cold.key, slot);
+            stripe.slots.insert(cold.key, slot);
             self.key_count += 1;
             created += 1;
         }
@@ -503,17 +551,18 @@ impl ShardActorState {
         for (ask, answer) in answers {
             answered_stripes |= 1 << ask.stripe;
             let mut stripe = self.table.stripes[ask.stripe as usize].lock();
-            if let Some(slot) = stripe
+            let Stripe { slots, limits, rare } = &mut *stripe;
+            if let Some(slot) = slots
                 .get_mut(&ask.counter)
                 .filter(|slot| self.epochs.epoch(slot.epoch_serial) == ask.epoch)
             {
                 slot.lease.apply_answer(&ask.tuning, &ask.draft, answer, now_ms);
-                if slot.overrun_until_ms() > now_ms {
+                if rare.overrun_until_ms(&ask.counter) > now_ms {
                     // What a lease brings to an overrun window is spent: the window's count
                     // stays at its limit.
                     admission::spend_what_is_left(&mut slot.lease, now_ms);
                 }
-                let spec = slot.spec.unpack();
+                let spec = limits.get(slot.limit).spec.unpack();
                 if spec.algorithm != Algorithm::TokenBucket {
                     // A window's tokens are spent in that window or not at all (the window
                     // of the answer: the grant came between the send and now).
@@ -523,7 +572,7 @@ impl ShardActorState {
                 if matches!(answer, ReportAnswer::Settled { .. }) {
                     // The ledger answers again: a later fallback starts from its new count,
                     // not from a bucket filled while it was out of reach.
-                    slot.set_fallback(None);
+                    rare.set_fallback(ask.counter, None);
                 }
             }
         }
@@ -534,12 +583,14 @@ impl ShardActorState {
         }
     }
 
-    /// Hands a settle report for `slot` to the broker, when the ledger's count differs.
+    /// Hands a settle report for `slot`, whose counter follows `spec`, to the broker, when
+    /// the ledger's count differs.
     fn settle(
         &self,
         stripe: u32,
         counter: CounterKey,
         slot: &mut Slot,
+        spec: LimitSpec,
         tuning: &LeaseTuning,
         now_ms: u64,
     ) {
@@ -550,7 +601,7 @@ impl ShardActorState {
                 counter,
                 epoch: self.epochs.epoch(slot.epoch_serial),
                 lease_key: slot.lease_key,
-                spec: slot.spec.unpack(),
+                spec,
                 tuning: *tuning,
                 draft,
             };
@@ -573,23 +624,25 @@ impl ShardActorState {
             let mut stripe = self.table.stripes[index].lock();
             // A key with a report in flight stays until its answer is applied.
             let victim = stripe
+                .slots
                 .iter_from(self.eviction_sample_at)
                 .filter(|(_, slot)| !slot.lease.in_flight())
                 .take(EVICTION_SAMPLE)
                 .min_by_key(|(_, slot)| slot.lease.last_hit_ms().max(slot.keep_until_ms()))
                 .map(|(key, _)| *key);
             if let Some(key) = victim {
-                let mut slot = stripe.remove(&key).expect("the victim was just seen");
+                let (mut slot, limit) = stripe.remove(&key).expect("the victim was just seen");
                 drop(stripe);
                 let policy = self.policy.load();
                 let tuning = policy
-                    .rule(RuleId(slot.rule))
+                    .rule(RuleId(limit.rule))
                     .map_or_else(LeaseTuning::default, |rule| rule.lease);
                 slot.lease.take_all(now_ms);
                 self.settle(
                     u32::try_from(index).expect("stripe index fits u32"),
                     key,
                     &mut slot,
+                    limit.spec.unpack(),
                     &tuning,
                     now_ms,
                 );
@@ -619,9 +672,12 @@ impl ShardActorState {
         for (stripe_index, stripe) in self.table.stripes.iter().enumerate() {
             let stripe_index = u32::try_from(stripe_index).expect("stripe index fits u32");
             let mut stripe = stripe.lock();
-            let before = stripe.len();
-            stripe.retain(|counter, slot| {
-                let tuning = tuning_of(slot.rule);
+            let Stripe { slots, limits, rare } = &mut *stripe;
+            let before = slots.len();
+            slots.retain(|counter, slot| {
+                let limit = limits.get(slot.limit);
+                let spec = limit.spec.unpack();
+                let tuning = tuning_of(limit.rule);
                 // Idle for a lookahead: its traffic no longer needs the balance, which would
                 // otherwise expire unspent (the TTL is two lookaheads from the last refill).
                 let idle = now_ms.saturating_sub(slot.lease.last_hit_ms()) >= tuning.lookahead_ms;
@@ -632,20 +688,26 @@ impl ShardActorState {
                         slot.lease.take_surplus(tuning, now_ms);
                     }
                 }
-                self.settle(stripe_index, *counter, slot, tuning, now_ms);
+                self.settle(stripe_index, *counter, slot, spec, tuning, now_ms);
                 let held = slot.lease.balance_tokens(now_ms);
                 if held > 0 {
-                    *held_by_rule.entry(slot.rule).or_insert(0) += held;
+                    *held_by_rule.entry(limit.rule).or_insert(0) += held;
                 }
-                if slot.fallback().is_some_and(|f| f.spec.is_pristine(&f.state, now_ms)) {
-                    slot.set_fallback(None);
+                let fallback = rare.fallback(counter);
+                if fallback.is_some_and(|f| f.spec.is_pristine(&f.state, now_ms)) {
+                    rare.set_fallback(*counter, None);
                 }
-                now_ms < slot.keep_until_ms()
+                let keep = now_ms < slot.keep_until_ms()
                     || !idle
-                    || !slot.lease.is_settled(&slot.spec.unpack(), now_ms)
-                    || slot.fallback().is_some()
+                    || !slot.lease.is_settled(&spec, now_ms)
+                    || rare.fallback(counter).is_some();
+                if !keep {
+                    limits.release(slot.limit);
+                    rare.forget(counter);
+                }
+                keep
             });
-            removed += before - stripe.len();
+            removed += before - slots.len();
         }
         *self.table.held_by_rule.lock() = held_by_rule;
         self.key_count -= removed;
@@ -1002,7 +1064,7 @@ impl ShardSet {
             for (counter_index, ProbeCounter { key, spec, ledger_spec }) in
                 probe.counters.iter().enumerate()
             {
-                let Some(slot) = stripe.get(key) else {
+                let Some(slot) = stripe.slots.get(key) else {
                     if missing.is_empty() {
                         missing = vec![Vec::new(); self.shards.len()];
                     }
@@ -1024,20 +1086,21 @@ impl ShardSet {
                     probes[*earlier_probe].counters[*earlier_counter].key == *key
                 });
                 let current = earlier.map_or_else(
-                    || Staged { lease: slot.lease, fallback: slot.fallback() },
+                    || Staged { lease: slot.lease, fallback: stripe.rare.fallback(key) },
                     |(_, _, staged)| *staged,
                 );
                 let counter = Self::counter(probe, spec);
-                let judgement = match admission::overrun_verdict(slot.overrun_until_ms(), now_ms) {
-                    Some(verdict) => Judged::Decided {
-                        verdict,
-                        staged: current,
-                        bypass: None,
-                        failed_closed: false,
-                        on_credit: false,
-                    },
-                    None => admission::judge(&current, &counter, &region, now_ms, short_keys),
-                };
+                let judgement =
+                    match admission::overrun_verdict(stripe.rare.overrun_until_ms(key), now_ms) {
+                        Some(verdict) => Judged::Decided {
+                            verdict,
+                            staged: current,
+                            bypass: None,
+                            failed_closed: false,
+                            on_credit: false,
+                        },
+                        None => admission::judge(&current, &counter, &region, now_ms, short_keys),
+                    };
                 if !matches!(judgement, Judged::Short) {
                     judged.push((probe_index, counter_index));
                 }
@@ -1108,9 +1171,9 @@ impl ShardSet {
                 let probe = &probes[probe_index];
                 let key = probe.counters[counter_index].key;
                 let stripe = &mut guards[guard_of(probe.stripe)];
-                let slot = stripe.get_mut(&key).expect("a short key exists");
+                let slot = stripe.slots.get_mut(&key).expect("a short key exists");
                 if let Some(draft) = slot.lease.poll_lease_for(probe.lease, now_ms, probe.hits) {
-                    asks.push((probe.stripe, self.ask(probe, key, slot, draft)));
+                    asks.push((probe.stripe, self.ask(probe, counter_index, slot, draft)));
                 }
             }
         }
@@ -1124,17 +1187,17 @@ impl ShardSet {
             for &(probe_index, counter_index, ref staged) in &pending {
                 let probe = &probes[probe_index];
                 let key = probe.counters[counter_index].key;
-                let stripe = &mut guards[guard_of(probe.stripe)];
-                let slot = stripe.get_mut(&key).expect("a decided key exists");
+                let Stripe { slots, rare, .. } = &mut *guards[guard_of(probe.stripe)];
+                let slot = slots.get_mut(&key).expect("a decided key exists");
                 slot.lease = staged.lease;
-                if staged.fallback != slot.fallback() {
-                    slot.set_fallback(staged.fallback);
+                if staged.fallback != rare.fallback(&key) {
+                    rare.set_fallback(key, staged.fallback);
                 }
                 // While the circuit is open only the broker's probes reach the ledger.
                 if short_keys == ShortKeys::Wait
                     && let Some(draft) = slot.lease.poll_refill(probe.lease, now_ms)
                 {
-                    asks.push((probe.stripe, self.ask(probe, key, slot, draft)));
+                    asks.push((probe.stripe, self.ask(probe, counter_index, slot, draft)));
                 }
             }
         }
@@ -1143,12 +1206,12 @@ impl ShardSet {
         for (probe_index, counter_index) in refused {
             let probe = &probes[probe_index];
             let ProbeCounter { key, spec, .. } = probe.counters[counter_index];
-            let stripe = &mut guards[guard_of(probe.stripe)];
-            if let Some(slot) = stripe.get_mut(&key)
+            let Stripe { slots, rare, .. } = &mut *guards[guard_of(probe.stripe)];
+            if let Some(slot) = slots.get_mut(&key)
                 && let Some(until_ms) =
                     admission::overrun_until_ms(&slot.lease, spec, probe.hits, now_ms)
             {
-                slot.set_overrun_until_ms(until_ms);
+                rare.set_overrun_until_ms(key, until_ms);
                 admission::spend_what_is_left(&mut slot.lease, now_ms);
                 // The refusal spent the window: its own answer says so, as every later one
                 // will (a fallback's refusal would still show the fallback's balance).
@@ -1166,7 +1229,7 @@ impl ShardSet {
             }
             let ProbeCounter { key, spec, .. } = probe.counters[counter_index];
             let stripe = &mut guards[guard_of(probe.stripe)];
-            if let Some(slot) = stripe.get_mut(&key) {
+            if let Some(slot) = stripe.slots.get_mut(&key) {
                 admission::record_rejected(&mut slot.lease, &Self::counter(probe, spec), now_ms);
                 let outcome = &mut outcomes[probe_index];
                 // A caller warned instead of refused is told how far over it is.
@@ -1190,20 +1253,23 @@ impl ShardSet {
         Counter { spec, hits: probe.hits, tuning: probe.lease, failure_mode: probe.failure_mode }
     }
 
+    /// The ask of `probe`'s `counter_index`-th counter, whose slot is `slot`. The probe's
+    /// limit is the slot's: a counter's key is named by its limit.
     fn ask(
         &self,
         probe: &Probe<'_>,
-        counter: CounterKey,
+        counter_index: usize,
         slot: &Slot,
         draft: ReportDraft,
     ) -> LeaseAsk {
+        let ProbeCounter { key, spec, .. } = probe.counters[counter_index];
         LeaseAsk {
             reply_to: self.shards[probe.stripe.shard as usize].answers_to.clone(),
             stripe: probe.stripe.stripe,
-            counter,
+            counter: key,
             epoch: self.epochs.epoch(slot.epoch_serial),
             lease_key: slot.lease_key,
-            spec: slot.spec.unpack(),
+            spec: *spec,
             tuning: *probe.lease,
             draft,
         }
@@ -1220,7 +1286,9 @@ impl ShardSet {
             } else {
                 self.metrics.lease_asks.with_label_values(&["refused"]).inc();
                 let table = &self.shards[stripe.shard as usize].table;
-                if let Some(slot) = table.stripes[stripe.stripe as usize].lock().get_mut(&counter) {
+                if let Some(slot) =
+                    table.stripes[stripe.stripe as usize].lock().slots.get_mut(&counter)
+                {
                     // Refused as it was drafted: "now" is its send time.
                     slot.lease.apply_answer(
                         &tuning,
@@ -1263,7 +1331,7 @@ impl ShardSet {
         self.shards
             .iter()
             .flat_map(|shard| shard.table.stripes.iter())
-            .map(|stripe| stripe.lock().len())
+            .map(|stripe| stripe.lock().slots.len())
             .sum()
     }
 
@@ -1273,7 +1341,12 @@ impl ShardSet {
             .iter()
             .flat_map(|shard| shard.table.stripes.iter())
             .map(|stripe| {
-                stripe.lock().values().map(|slot| slot.lease.balance_tokens(now_ms)).sum::<u64>()
+                stripe
+                    .lock()
+                    .slots
+                    .values()
+                    .map(|slot| slot.lease.balance_tokens(now_ms))
+                    .sum::<u64>()
             })
             .sum()
     }

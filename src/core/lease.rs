@@ -359,17 +359,11 @@ pub fn size_cap_tokens(capacity_tokens: u64, nodes_in_region: u64) -> u64 {
     (capacity_tokens / nodes_in_region.max(1).saturating_mul(2)).max(1)
 }
 
-/// `tokens` in 32 bits, at most [`LEASE_TOKENS_MAX`]: a lease size or a want, where more
-/// than any lease means the same as the largest lease.
-fn narrow_tokens(tokens: u64) -> u32 {
-    u32::try_from(tokens.min(LEASE_TOKENS_MAX)).expect("LEASE_TOKENS_MAX fits 32 bits")
-}
-
 /// The node time `offset_ms` after `base_ms`; an offset of 0 is no time at all (0), not
 /// `base_ms`: a request stamped before an answer was applied is decided after it, and a
 /// retry time or an expiry that had passed must not reach back to it.
-fn at_offset(base_ms: u64, offset_ms: u32) -> u64 {
-    if offset_ms == 0 { 0 } else { base_ms.saturating_add(u64::from(offset_ms)) }
+fn at_offset(base_ms: u64, offset_ms: u64) -> u64 {
+    if offset_ms == 0 { 0 } else { base_ms.saturating_add(offset_ms) }
 }
 
 /// `ms` in 32 bits, saturating (49 days).
@@ -448,78 +442,215 @@ pub enum ReportAnswer {
 /// The node's own count of what is its (`spent + balance`) differs from the ledger's
 /// (`settled_tokens`, known from the last answer) when it spent on credit, let a balance
 /// expire or returned one: then a settle report is due.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, PartialEq, Eq, Default)]
 pub struct KeyLease {
-    balance_tokens: u64,
     debt_tokens: u64,
     spent_tokens: u64,
     settled_tokens: u64,
-    seq: u64,
-    ledger_remaining_tokens: u64,
-    /// Node time of the last answer that said how much the ledger had left; the lease's
-    /// expiry and retry time are kept as offsets from it.
-    answered_at_ms: u64,
-    /// The balance expires this long after `answered_at_ms` (0: it has expired). A lease
-    /// lives at most [`LEASE_TTL_MS_MAX`] from its report, so 32 bits hold it.
-    expires_after_answer_ms: u32,
-    /// No report before this long after `answered_at_ms` (0: none is due). Saturates at 49
-    /// days: a key told to wait longer (a window of months) asks again then, and is told
-    /// again.
-    retry_after_answer_ms: u32,
-    /// What the report in flight wants (0 when none flies): the ledger may give it away.
-    /// A want is at most [`LEASE_TOKENS_MAX`], so 32 bits hold it.
-    in_flight_want_tokens: u32,
-    /// The small-key cap on the lease size (see [`size_cap_tokens`]), at most
-    /// [`LEASE_TOKENS_MAX`]: no lease is larger, so a larger cap caps nothing.
-    size_cap_tokens: u32,
-    /// Recent report round trips, node ms: the last one, or more while a slower one decays.
-    round_trip_ms: u32,
-    in_flight: bool,
-    /// The ledger's last answer to a want was short of it: the key is at its limit, and
-    /// divided between nodes by fair shares when several want it.
-    divided: bool,
-    /// No answer has come yet: the key has never heard from the ledger.
-    answered: bool,
-    /// A report's outcome is unknown (no answer): the ledger may count a grant this node
-    /// never saw, so a settle report is due until an answer says what it counts.
-    unconfirmed: bool,
+    /// The fields with small bounds, packed (see [`Bits`]): every tracked key holds one.
+    packed: [u64; 4],
     rate: RateEstimate,
 }
 
-// Every tracked key holds one (with the shard's slot around it): kept to 104 bytes.
-const _: () = assert!(size_of::<KeyLease>() <= 104);
+// Every tracked key holds one (with the shard's slot around it): kept to 80 bytes.
+const _: () = assert!(size_of::<KeyLease>() <= 80);
+
+/// An unsigned field of [`KeyLease::packed`]: `width` bits from bit `shift` of word `word`.
+///
+/// ```text
+///   word 0: ANSWERED_AT_MS 44        | WANT_IN_FLIGHT 20
+///   word 1: LEDGER_REMAINING 40      | BALANCE 24
+///   word 2: SEQ 40                   | ROUND_TRIP_MS 16 | 4 flags
+///   word 3: RETRY_AFTER_ANSWER_MS 32 | SIZE_CAP 20       | EXPIRES_AFTER_ANSWER_MS 11
+/// ```
+#[derive(Debug, Clone, Copy)]
+struct Bits {
+    word: usize,
+    shift: u32,
+    width: u32,
+}
+
+impl Bits {
+    /// The largest value the field holds.
+    const fn max(self) -> u64 {
+        (1 << self.width) - 1
+    }
+}
+
+/// Node time of the last answer that said how much the ledger had left, whose offsets the
+/// lease's expiry and retry time are (44 bits of milliseconds: until the year 2527).
+const ANSWERED_AT_MS: Bits = Bits { word: 0, shift: 0, width: 44 };
+/// What the report in flight wants (0 when none flies): the ledger may give it away. At
+/// most [`LEASE_TOKENS_MAX`].
+const WANT_IN_FLIGHT: Bits = Bits { word: 0, shift: 44, width: 20 };
+/// Whole tokens the ledger's bucket had left at its last answer (at most
+/// [`LIMIT_TOKENS_MAX`]).
+const LEDGER_REMAINING: Bits = Bits { word: 1, shift: 0, width: 40 };
+/// Tokens this node may spend from its leases. A grant is at most [`LEASE_TOKENS_MAX`] and
+/// one report flies at a time, so 24 bits hold many grants; past them the balance saturates
+/// and the node's count falls short of the ledger's, which makes a settle report return
+/// the excess (as an expired balance would be).
+const BALANCE: Bits = Bits { word: 1, shift: 40, width: 24 };
+/// Reports sent in the key's epoch: 40 bits last 34 years at one a millisecond (a report
+/// waits for the last one's answer, a ledger commit).
+const SEQ: Bits = Bits { word: 2, shift: 0, width: 40 };
+/// Recent report round trips, node ms: the last one, or more while a slower one decays.
+/// Saturates at 65 s, where the raised watermark it feeds is at its cap anyway.
+const ROUND_TRIP_MS: Bits = Bits { word: 2, shift: 40, width: 16 };
+/// A report is in flight.
+const IN_FLIGHT: Bits = Bits { word: 2, shift: 56, width: 1 };
+/// The ledger's last answer to a want was short of it: the key is at its limit, and
+/// divided between nodes by fair shares when several want it.
+const DIVIDED: Bits = Bits { word: 2, shift: 57, width: 1 };
+/// An answer has come: the key has heard from the ledger.
+const ANSWERED: Bits = Bits { word: 2, shift: 58, width: 1 };
+/// A report's outcome is unknown (no answer): the ledger may count a grant this node never
+/// saw, so a settle report is due until an answer says what it counts.
+const UNCONFIRMED: Bits = Bits { word: 2, shift: 59, width: 1 };
+/// No report before this long after the answer (0: none is due). Saturates at 49 days: a
+/// key told to wait longer (a window of months) asks again then, and is told again.
+const RETRY_AFTER_ANSWER_MS: Bits = Bits { word: 3, shift: 0, width: 32 };
+/// The small-key cap on the lease size (see [`size_cap_tokens`]), at most
+/// [`LEASE_TOKENS_MAX`]: no lease is larger, so a larger cap caps nothing.
+const SIZE_CAP: Bits = Bits { word: 3, shift: 32, width: 20 };
+/// The balance expires this long after the answer (0: it has expired). A grant lives at most
+/// [`LEASE_TTL_MS_MAX`] from its report, which was sent before the answer came.
+const EXPIRES_AFTER_ANSWER_MS: Bits = Bits { word: 3, shift: 52, width: 11 };
+
+/// Every packed field, to check at compile time that none overlaps another or its word.
+const PACKED_FIELDS: [Bits; 13] = [
+    ANSWERED_AT_MS,
+    WANT_IN_FLIGHT,
+    LEDGER_REMAINING,
+    BALANCE,
+    SEQ,
+    ROUND_TRIP_MS,
+    IN_FLIGHT,
+    DIVIDED,
+    ANSWERED,
+    UNCONFIRMED,
+    RETRY_AFTER_ANSWER_MS,
+    SIZE_CAP,
+    EXPIRES_AFTER_ANSWER_MS,
+];
+
+const fn fields_fit(fields: &[Bits]) -> bool {
+    let mut used = [0_u64; 4];
+    let mut index = 0;
+    while index < fields.len() {
+        let field = fields[index];
+        if field.word >= used.len() || field.shift + field.width > u64::BITS {
+            return false;
+        }
+        let mask = field.max() << field.shift;
+        if used[field.word] & mask != 0 {
+            return false;
+        }
+        used[field.word] |= mask;
+        index += 1;
+    }
+    true
+}
+
+const _: () = assert!(fields_fit(&PACKED_FIELDS));
+const _: () = assert!(LEASE_TOKENS_MAX <= WANT_IN_FLIGHT.max());
+const _: () = assert!(LEASE_TOKENS_MAX <= SIZE_CAP.max());
+const _: () = assert!(LEASE_TTL_MS_MAX <= EXPIRES_AFTER_ANSWER_MS.max());
+const _: () = assert!(LIMIT_TOKENS_MAX <= LEDGER_REMAINING.max());
+
+impl std::fmt::Debug for KeyLease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeyLease")
+            .field("balance_tokens", &self.get(BALANCE))
+            .field("debt_tokens", &self.debt_tokens)
+            .field("spent_tokens", &self.spent_tokens)
+            .field("settled_tokens", &self.settled_tokens)
+            .field("seq", &self.get(SEQ))
+            .field("ledger_remaining_tokens", &self.get(LEDGER_REMAINING))
+            .field("answered_at_ms", &self.get(ANSWERED_AT_MS))
+            .field("expires_after_answer_ms", &self.get(EXPIRES_AFTER_ANSWER_MS))
+            .field("retry_after_answer_ms", &self.get(RETRY_AFTER_ANSWER_MS))
+            .field("in_flight_want_tokens", &self.get(WANT_IN_FLIGHT))
+            .field("size_cap_tokens", &self.get(SIZE_CAP))
+            .field("round_trip_ms", &self.get(ROUND_TRIP_MS))
+            .field("in_flight", &self.flag(IN_FLIGHT))
+            .field("divided", &self.flag(DIVIDED))
+            .field("answered", &self.flag(ANSWERED))
+            .field("unconfirmed", &self.flag(UNCONFIRMED))
+            .field("rate", &self.rate)
+            .finish()
+    }
+}
+
+/// The packed fields, by name.
+impl KeyLease {
+    const fn get(&self, field: Bits) -> u64 {
+        (self.packed[field.word] >> field.shift) & field.max()
+    }
+
+    /// Sets `field` to `value`, saturating at its largest value.
+    fn set(&mut self, field: Bits, value: u64) {
+        let word = &mut self.packed[field.word];
+        let mask = field.max() << field.shift;
+        *word = (*word & !mask) | (value.min(field.max()) << field.shift);
+    }
+
+    const fn flag(&self, flag: Bits) -> bool {
+        self.get(flag) == 1
+    }
+
+    fn set_flag(&mut self, flag: Bits, on: bool) {
+        self.set(flag, u64::from(on));
+    }
+
+    fn balance(&self) -> u64 {
+        self.get(BALANCE)
+    }
+
+    fn set_balance(&mut self, tokens: u64) {
+        self.set(BALANCE, tokens);
+    }
+
+    fn remaining(&self) -> u64 {
+        self.get(LEDGER_REMAINING)
+    }
+
+    fn answered_at_ms(&self) -> u64 {
+        self.get(ANSWERED_AT_MS)
+    }
+}
 
 impl KeyLease {
     /// A fresh key: nothing leased; `capacity_tokens` shown as the ledger's remaining count
     /// until the first answer.
     pub fn new(capacity_tokens: u64, size_cap_tokens: u64) -> Self {
-        Self {
-            ledger_remaining_tokens: capacity_tokens,
-            size_cap_tokens: narrow_tokens(size_cap_tokens),
-            ..Self::default()
-        }
+        let mut lease = Self::default();
+        lease.set(LEDGER_REMAINING, capacity_tokens);
+        lease.set(SIZE_CAP, size_cap_tokens.min(LEASE_TOKENS_MAX));
+        lease
     }
 
     /// Tokens this node may still spend from its leases.
     pub fn balance_tokens(&self, now_ms: u64) -> u64 {
-        if now_ms >= self.expires_at_ms() { 0 } else { self.balance_tokens }
+        if now_ms >= self.expires_at_ms() { 0 } else { self.balance() }
     }
 
     /// Node time at which the balance expires (0: it has).
     fn expires_at_ms(&self) -> u64 {
-        at_offset(self.answered_at_ms, self.expires_after_answer_ms)
+        at_offset(self.answered_at_ms(), self.get(EXPIRES_AFTER_ANSWER_MS))
     }
 
     /// Node time before which no report is sent, the ledger's `retry_after` (0: none).
     fn retry_at_ms(&self) -> u64 {
-        at_offset(self.answered_at_ms, self.retry_after_answer_ms)
+        at_offset(self.answered_at_ms(), self.get(RETRY_AFTER_ANSWER_MS))
     }
 
     /// Sets the expiry and the retry time to node times `expires_at_ms` and `retry_at_ms`,
     /// as offsets from `answered_at_ms`: a time not after it is kept as 0, past.
     fn set_times(&mut self, expires_at_ms: u64, retry_at_ms: u64) {
-        self.expires_after_answer_ms = narrow_ms(expires_at_ms.saturating_sub(self.answered_at_ms));
-        self.retry_after_answer_ms = narrow_ms(retry_at_ms.saturating_sub(self.answered_at_ms));
+        let answered_at_ms = self.answered_at_ms();
+        self.set(EXPIRES_AFTER_ANSWER_MS, expires_at_ms.saturating_sub(answered_at_ms));
+        self.set(RETRY_AFTER_ANSWER_MS, retry_at_ms.saturating_sub(answered_at_ms));
     }
 
     /// Tokens admitted beyond leases and not yet charged to the ledger.
@@ -539,31 +670,31 @@ impl KeyLease {
 
     /// Whole tokens the ledger's bucket had left at its last answer.
     pub fn ledger_remaining_tokens(&self) -> u64 {
-        self.ledger_remaining_tokens
+        self.remaining()
     }
 
     /// Whole tokens the ledger's bucket for `spec` holds at `now_ms` as far as this node
     /// knows: its last answer's count, or all of `spec` once the bucket has refilled since
     /// (a window that ended), so that a new window does not start from the last one's count.
     pub fn ledger_remaining_tokens_at(&self, spec: &LimitSpec, now_ms: u64) -> u64 {
-        if self.answered && self.ledger_refilled(spec, now_ms) {
+        if self.flag(ANSWERED) && self.ledger_refilled(spec, now_ms) {
             spec.capacity_tokens()
         } else {
-            self.ledger_remaining_tokens
+            self.remaining()
         }
     }
 
     /// Whether the ledger's bucket for `spec` has refilled since its last answer.
     fn ledger_refilled(&self, spec: &LimitSpec, now_ms: u64) -> bool {
-        let refilled_at_ms = self.answered_at_ms.saturating_add(
-            spec.reset_ms_estimate(self.ledger_remaining_tokens, self.answered_at_ms),
-        );
+        let refilled_at_ms = self
+            .answered_at_ms()
+            .saturating_add(spec.reset_ms_estimate(self.remaining(), self.answered_at_ms()));
         now_ms >= refilled_at_ms
     }
 
     /// Whether a report is in flight.
     pub fn in_flight(&self) -> bool {
-        self.in_flight
+        self.flag(IN_FLIGHT)
     }
 
     /// Spends `hits` (>= 1) at `now_ms`, counting them in the traffic estimate whatever the
@@ -571,8 +702,9 @@ impl KeyLease {
     pub fn spend(&mut self, tuning: &LeaseTuning, credit: Credit, now_ms: u64, hits: u64) -> Spend {
         self.rate.observe(now_ms, hits, tuning.rate_half_life_ms);
         self.expire(now_ms);
-        if hits <= self.balance_tokens {
-            self.balance_tokens -= hits;
+        let balance = self.balance();
+        if hits <= balance {
+            self.set_balance(balance - hits);
             self.spent_tokens = self.spent_tokens.saturating_add(hits);
             return Spend::Admitted;
         }
@@ -582,11 +714,10 @@ impl KeyLease {
         }
         // Credit only while the ledger can still pay it, as far as this node knows: what it
         // had left at the last answer covers the debt, the report in flight and these hits.
-        let lacking = hits - self.balance_tokens;
+        let lacking = hits - balance;
         let owed = self.debt_tokens.saturating_add(lacking);
-        let ledger_may_pay = !self.answered
-            || owed.saturating_add(u64::from(self.in_flight_want_tokens))
-                <= self.ledger_remaining_tokens;
+        let ledger_may_pay = !self.flag(ANSWERED)
+            || owed.saturating_add(self.get(WANT_IN_FLIGHT)) <= self.remaining();
         if ledger_may_pay && owed <= credit.tokens_max {
             self.pay_beyond_lease(hits);
             return Spend::AdmittedOnCredit;
@@ -604,8 +735,9 @@ impl KeyLease {
     /// Admits `hits` that no lease pays (the fallback bucket decided): the balance pays what
     /// it can and the rest is debt, charged by the next report.
     pub fn pay_beyond_lease(&mut self, hits: u64) {
-        let from_balance = hits.min(self.balance_tokens);
-        self.balance_tokens -= from_balance;
+        let balance = self.balance();
+        let from_balance = hits.min(balance);
+        self.set_balance(balance - from_balance);
         self.debt_tokens = self.debt_tokens.saturating_add(hits - from_balance);
         self.spent_tokens = self.spent_tokens.saturating_add(hits);
     }
@@ -614,7 +746,7 @@ impl KeyLease {
     /// still live: the key is at its limit, so a short request is rejected as the ledger
     /// would, not waited for.
     pub fn at_limit(&self, now_ms: u64) -> bool {
-        self.answered && self.ledger_remaining_tokens == 0 && now_ms < self.expires_at_ms()
+        self.flag(ANSWERED) && self.remaining() == 0 && now_ms < self.expires_at_ms()
     }
 
     /// The report to send now to lease for `hits` the balance does not cover (0: a refill at
@@ -627,16 +759,15 @@ impl KeyLease {
         hits: u64,
     ) -> Option<ReportDraft> {
         self.expire(now_ms);
-        if self.in_flight || now_ms < self.retry_at_ms() {
+        if self.flag(IN_FLIGHT) || now_ms < self.retry_at_ms() {
             return None;
         }
         // Read once: the lease's size and its raised watermark both follow it.
         let rate = self.rate.rate_milli_per_second(now_ms, tuning.rate_half_life_ms);
         let size = self.lease_size_for_rate(tuning, rate);
-        let lacking = hits.saturating_sub(self.balance_tokens);
-        let small = u64::from(self.size_cap_tokens) < tuning.min_lease_tokens;
-        let below_watermark =
-            self.balance_tokens < self.refill_watermark_tokens(tuning, size, rate);
+        let lacking = hits.saturating_sub(self.balance());
+        let small = self.get(SIZE_CAP) < tuning.min_lease_tokens;
+        let below_watermark = self.balance() < self.refill_watermark_tokens(tuning, size, rate);
         if lacking == 0 && (small || !below_watermark) {
             return None;
         }
@@ -651,11 +782,11 @@ impl KeyLease {
     /// would only be granted less of its share, and told to wait.
     fn refill_watermark_tokens(&self, tuning: &LeaseTuning, size: u64, rate: u64) -> u64 {
         let watermark = tuning.low_watermark_tokens(size);
-        if !self.answered || self.divided || self.ledger_remaining_tokens < size.saturating_mul(2) {
+        if !self.flag(ANSWERED) || self.flag(DIVIDED) || self.remaining() < size.saturating_mul(2) {
             return watermark;
         }
         let in_transit =
-            u128::from(rate) * u128::from(self.round_trip_ms) * 2 / u128::from(MILLI * MILLI);
+            u128::from(rate) * u128::from(self.get(ROUND_TRIP_MS)) * 2 / u128::from(MILLI * MILLI);
         let in_transit = u64::try_from(in_transit).unwrap_or(u64::MAX);
         watermark.max(in_transit.min(size.saturating_sub(1)))
     }
@@ -672,22 +803,23 @@ impl KeyLease {
     /// expired before its answer, offset each other in them.
     pub fn poll_settle(&mut self, tuning: &LeaseTuning, now_ms: u64) -> Option<ReportDraft> {
         self.expire(now_ms);
-        let own = self.spent_tokens.saturating_add(self.balance_tokens);
-        let settled = own == self.settled_tokens && !self.unconfirmed && self.debt_tokens == 0;
-        if self.in_flight || settled {
+        let own = self.spent_tokens.saturating_add(self.balance());
+        let settled =
+            own == self.settled_tokens && !self.flag(UNCONFIRMED) && self.debt_tokens == 0;
+        if self.flag(IN_FLIGHT) || settled {
             return None;
         }
         Some(self.draft(tuning, 0, now_ms))
     }
 
     fn draft(&mut self, tuning: &LeaseTuning, tokens_wanted: u64, now_ms: u64) -> ReportDraft {
-        self.in_flight = true;
-        self.in_flight_want_tokens = narrow_tokens(tokens_wanted);
-        self.seq += 1;
+        self.set_flag(IN_FLIGHT, true);
+        self.set(WANT_IN_FLIGHT, tokens_wanted);
+        self.set(SEQ, self.get(SEQ) + 1);
         ReportDraft {
-            seq: self.seq,
+            seq: self.get(SEQ),
             spent_tokens: self.spent_tokens,
-            held_tokens: self.balance_tokens,
+            held_tokens: self.balance(),
             debt_tokens: self.debt_tokens,
             settled_tokens: self.settled_tokens,
             tokens_wanted,
@@ -714,11 +846,11 @@ impl KeyLease {
     pub fn is_settled(&self, spec: &LimitSpec, now_ms: u64) -> bool {
         let balance_tokens = self.balance_tokens(now_ms);
         balance_tokens == 0
-            && !self.in_flight
+            && !self.flag(IN_FLIGHT)
             && self.spent_tokens.saturating_add(balance_tokens) == self.settled_tokens
-            && !self.unconfirmed
+            && !self.flag(UNCONFIRMED)
             && now_ms >= self.retry_at_ms()
-            && (!self.answered || self.ledger_refilled(spec, now_ms))
+            && (!self.flag(ANSWERED) || self.ledger_refilled(spec, now_ms))
     }
 
     /// Applies the ledger's answer to the report `sent`.
@@ -729,48 +861,48 @@ impl KeyLease {
         answer: ReportAnswer,
         now_ms: u64,
     ) {
-        self.in_flight = false;
-        self.in_flight_want_tokens = 0;
+        self.set_flag(IN_FLIGHT, false);
+        self.set(WANT_IN_FLIGHT, 0);
         self.expire(now_ms);
         let (granted_tokens, retry_after_ms, remaining_tokens) = match answer {
             ReportAnswer::Settled { granted_tokens, retry_after_ms, remaining_tokens } => {
                 (granted_tokens, retry_after_ms, remaining_tokens)
             }
             ReportAnswer::NotApplied => {
-                self.unconfirmed = true;
+                self.set_flag(UNCONFIRMED, true);
                 return;
             }
             ReportAnswer::Superseded => {
                 // What it held and owed is the ledger's spent count already: nothing to
                 // report, nothing to spend, and no bucket to wait for before forgetting it.
-                self.balance_tokens = 0;
+                self.set_balance(0);
                 self.debt_tokens = 0;
                 self.settled_tokens = self.spent_tokens;
-                self.unconfirmed = false;
-                self.answered = false;
-                self.retry_after_answer_ms = 0;
+                self.set_flag(UNCONFIRMED, false);
+                self.set_flag(ANSWERED, false);
+                self.set(RETRY_AFTER_ANSWER_MS, 0);
                 return;
             }
         };
-        self.answered = true;
-        self.unconfirmed = false;
+        self.set_flag(ANSWERED, true);
+        self.set_flag(UNCONFIRMED, false);
         // A slow answer counts at once; a fast one lowers the figure by a quarter at a time,
         // so one quick commit between slow ones does not drop the watermark.
-        let round_trip_ms =
-            u32::try_from(now_ms.saturating_sub(sent.sent_at_ms)).unwrap_or(u32::MAX);
-        self.round_trip_ms = round_trip_ms.max(self.round_trip_ms - self.round_trip_ms / 4);
+        let round_trip_ms = now_ms.saturating_sub(sent.sent_at_ms);
+        let recent_ms = self.get(ROUND_TRIP_MS);
+        self.set(ROUND_TRIP_MS, round_trip_ms.max(recent_ms - recent_ms / 4));
         if sent.tokens_wanted > 0 {
-            self.divided = granted_tokens < sent.tokens_wanted && retry_after_ms > 0;
+            self.set_flag(DIVIDED, granted_tokens < sent.tokens_wanted && retry_after_ms > 0);
         }
-        self.ledger_remaining_tokens = remaining_tokens;
+        self.set(LEDGER_REMAINING, remaining_tokens);
         // Read before the base they are kept from moves to this answer.
         let mut expires_at_ms = self.expires_at_ms();
-        self.answered_at_ms = now_ms;
+        self.set(ANSWERED_AT_MS, now_ms);
         // The report charged the debt it carried; a grant pays the debt run up since.
         self.debt_tokens = self.debt_tokens.saturating_sub(sent.debt_tokens);
         let paid_debt = granted_tokens.min(self.debt_tokens);
         self.debt_tokens -= paid_debt;
-        self.balance_tokens = self.balance_tokens.saturating_add(granted_tokens - paid_debt);
+        self.set_balance(self.balance().saturating_add(granted_tokens - paid_debt));
         self.settled_tokens =
             sent.spent_tokens.saturating_add(sent.held_tokens).saturating_add(granted_tokens);
         let retry_at_ms =
@@ -801,15 +933,18 @@ impl KeyLease {
     pub fn take_surplus(&mut self, tuning: &LeaseTuning, now_ms: u64) -> u64 {
         self.expire(now_ms);
         let size = self.lease_size_tokens(tuning, now_ms);
-        let surplus = self.balance_tokens.saturating_sub(size);
-        self.balance_tokens -= surplus;
+        let balance = self.balance();
+        let surplus = balance.saturating_sub(size);
+        self.set_balance(balance - surplus);
         surplus
     }
 
     /// Takes the whole balance (idle key, eviction, shutdown), to settle back to the ledger.
     pub fn take_all(&mut self, now_ms: u64) -> u64 {
         self.expire(now_ms);
-        std::mem::take(&mut self.balance_tokens)
+        let balance = self.balance();
+        self.set_balance(0);
+        balance
     }
 
     /// The lease size this key's traffic calls for now, within its small-key cap.
@@ -825,14 +960,14 @@ impl KeyLease {
 
     fn lease_size_for_rate(&self, tuning: &LeaseTuning, rate_milli_per_second: u64) -> u64 {
         let size = tuning.lease_size_tokens(rate_milli_per_second);
-        let cap = u64::from(self.size_cap_tokens);
-        let cap = if self.divided && cap >= tuning.min_lease_tokens { cap * 2 } else { cap };
+        let cap = self.get(SIZE_CAP);
+        let cap = if self.flag(DIVIDED) && cap >= tuning.min_lease_tokens { cap * 2 } else { cap };
         if cap == 0 { size } else { size.min(cap) }
     }
 
     fn expire(&mut self, now_ms: u64) {
         if now_ms >= self.expires_at_ms() {
-            self.balance_tokens = 0;
+            self.set_balance(0);
         }
     }
 }

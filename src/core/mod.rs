@@ -14,6 +14,7 @@
 //! - [`admission`]: one counter's decision on the abuse path (lease, credit, fallback).
 //! - [`lease_key`]: a counter's name in the ledger, alike on every node.
 //! - [`dense_map`]: the map a shard's stripe keeps its keys in, an entry's size a key.
+//! - [`interner`]: values many holders share, kept once by id: a stripe's limits.
 //! - [`circuit`]: the circuit breaker around ledger calls.
 //! - [`ledger`]: the regional quota ledger's deterministic state machine.
 //! - [`policy_versions`]: the region's replicated policy sets, versioned, with history.
@@ -35,6 +36,7 @@ pub mod digest;
 pub mod fair_share;
 pub mod headers;
 pub mod hit_stats;
+pub mod interner;
 pub mod lease;
 pub mod lease_key;
 pub mod ledger;

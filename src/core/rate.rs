@@ -128,7 +128,7 @@ pub struct LimitSpec {
 /// unpacked). A validated limit's numbers fit bit fields: `requests_per_window` and
 /// `burst_tokens` up to [`LIMIT_TOKENS_MAX`] in 40 bits each, `window_ms` up to
 /// [`WINDOW_MS_MAX`] in 36, the algorithm in 2.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct PackedLimitSpec([u8; 16]);
 
 const TOKENS_BITS: u32 = 40;
