@@ -16,17 +16,28 @@ use crate::core::lease_key::LeaseKey;
 use crate::core::ledger::{LeaseEpoch, LeaseReport};
 use crate::core::rate::LimitSpec;
 
-/// 128-bit fingerprint of one counter: (domain, descriptor entries, limit).
+/// 96-bit fingerprint of one counter: (domain, descriptor entries, limit), a keyed hash.
 ///
-/// 128 bits make a collision between two clients' counters practically impossible
-/// (about 1e-26 for a million keys), so the key strings need not be stored.
+/// 96 bits make a collision between two of a node's counters practically impossible (about
+/// 1e-17 for a million keys, 1e-15 for ten million; the hash key is process-random, so no
+/// client can aim at another's counter), so the key strings need not be stored. Three
+/// 32-bit words, not two 64-bit ones: the key fills the last 12 bytes of its slot, where
+/// 64-bit words would cost 4 bytes of padding more.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CounterKey(pub [u64; 2]);
+pub struct CounterKey([u32; 3]);
+
+impl CounterKey {
+    /// The key of a 128-bit keyed hash `(first, second)`: its first 96 bits.
+    pub fn from_hash(first: u64, second: u64) -> Self {
+        // Truncations: the words are cut into halves, the last one dropped.
+        Self([first as u32, (first >> 32) as u32, second as u32])
+    }
+}
 
 impl Hash for CounterKey {
     fn hash<H: Hasher>(&self, state: &mut H) {
         // Already a keyed hash: one word is all the map needs.
-        state.write_u64(self.0[0]);
+        state.write_u64(u64::from(self.0[0]) | (u64::from(self.0[1]) << 32));
     }
 }
 

@@ -60,7 +60,7 @@ use crate::actors::lease_protocol::{CounterKey, LeaseAnswers, LeaseAsk};
 use crate::core::admission::{
     self, BypassReason, Counter, Fallback, Judged, Region, ShortKeys, Staged, Verdict,
 };
-use crate::core::dense_map::DenseMap;
+use crate::core::dense_map::{DenseMap, Keyed};
 use crate::core::interner::Interner;
 use crate::core::lease::{KeyLease, LeaseTuning, ReportAnswer, ReportDraft, size_cap_tokens};
 use crate::core::lease_key::LeaseKey;
@@ -223,13 +223,21 @@ pub enum ShardError {
 struct Slot {
     lease: KeyLease,
     lease_key: LeaseKey,
+    /// The slot's life in this process ([`LeaseEpoch::serial`]; the incarnation is the
+    /// process's, kept once in [`EpochSource`]), for the ledger's settlement; also when it
+    /// was made, which the sweep's grace counts from.
+    epoch_serial: u64,
     /// Its [`SlotLimit`]'s id in the stripe's [`Stripe::limits`].
     limit: u32,
-    /// The slot's life in this process ([`LeaseEpoch::serial`]; the incarnation is the
-    /// process's, kept once in [`EpochSource`]), for the ledger's settlement.
-    epoch_serial: u64,
-    /// The sweep keeps the key at least until then: node time in whole seconds, rounded up.
-    keep_until_s: u32,
+    key: CounterKey,
+}
+
+impl Keyed for Slot {
+    type Key = CounterKey;
+
+    fn key(&self) -> &CounterKey {
+        &self.key
+    }
 }
 
 /// The limit a slot's counter follows and the rule it belongs to: read only off the
@@ -254,16 +262,10 @@ struct RareParts {
     overrun_until_ms: u64,
 }
 
-// The slot and its key are what a tracked key costs (issue targets: resident bytes per
+// The slot, with its key, is what a tracked key costs (issue targets: resident bytes per
 // key), with 5 bytes of the stripe's table per bucket; a field added here is a deliberate
 // cost.
-const _: () = assert!(size_of::<(CounterKey, Slot)>() <= 128);
-
-impl Slot {
-    fn keep_until_ms(&self) -> u64 {
-        u64::from(self.keep_until_s) * 1000
-    }
-}
+const _: () = assert!(size_of::<Slot>() <= 120);
 
 /// The rare parts of a stripe's keys, by key: an entry only while a key has some, so a
 /// stripe whose ledger answers holds none and a decision reads nothing but the empty table.
@@ -314,7 +316,7 @@ impl RareTable {
 struct Stripe {
     /// The keys, side by side: a hash table sits between half and seven eighths full, and
     /// its empty buckets then cost a 32-bit position each rather than a whole slot.
-    slots: DenseMap<CounterKey, Slot, BuildHasherDefault<FingerprintHasher>>,
+    slots: DenseMap<Slot, BuildHasherDefault<FingerprintHasher>>,
     /// Each slot holds one of these ids; an id lives while a slot holds it.
     limits: Interner<SlotLimit>,
     /// The few keys' rare parts.
@@ -399,26 +401,49 @@ impl TryFrom<ShardMsg> for LeaseAnswers {
     }
 }
 
-/// Where a node's settlement epochs come from: the process's start, and a slot counter.
+/// Where a node's settlement epochs come from: the process's start, and a slot's serial,
+/// which is also when the slot was made: microseconds of node time since the start, one
+/// more than the last serial when slots are made faster than that (or the clock stepped
+/// back), so that serials only grow.
 #[derive(Debug)]
 struct EpochSource {
-    incarnation: u64,
-    serial: AtomicU64,
+    incarnation_us: u64,
+    last_serial: AtomicU64,
 }
 
 impl EpochSource {
     fn new() -> Self {
-        Self { incarnation: crate::clock::now_us(), serial: AtomicU64::new(0) }
+        Self { incarnation_us: crate::clock::now_us(), last_serial: AtomicU64::new(0) }
     }
 
-    /// The serial of a new slot's epoch.
-    fn next_serial(&self) -> u64 {
-        self.serial.fetch_add(1, Ordering::Relaxed)
+    /// The serial of a slot made at node time `now_ms`.
+    fn next_serial(&self, now_ms: u64) -> u64 {
+        let since_start_us = now_ms.saturating_mul(1000).saturating_sub(self.incarnation_us);
+        let mut last = self.last_serial.load(Ordering::Relaxed);
+        loop {
+            let next = since_start_us.max(last + 1);
+            match self.last_serial.compare_exchange_weak(
+                last,
+                next,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return next,
+                Err(seen) => last = seen,
+            }
+        }
     }
 
     /// The epoch of the slot with `serial`.
     fn epoch(&self, serial: u64) -> LeaseEpoch {
-        LeaseEpoch { incarnation: self.incarnation, serial }
+        LeaseEpoch { incarnation: self.incarnation_us, serial }
+    }
+
+    /// Node time until which the sweep keeps the slot with `serial`: [`FRESH_KEY_GRACE_MS`]
+    /// from when it was made (later, when serials ran ahead of the clock).
+    fn keep_until_ms(&self, serial: u64) -> u64 {
+        let made_ms = self.incarnation_us.saturating_add(serial).div_ceil(1000);
+        made_ms.saturating_add(FRESH_KEY_GRACE_MS)
     }
 }
 
@@ -522,7 +547,6 @@ impl ShardActorState {
                 self.evict_one(stripe_index, now_ms);
             }
             let capacity_tokens = cold.spec.capacity_tokens();
-            let keep_until_ms = now_ms.saturating_add(FRESH_KEY_GRACE_MS);
             let mut stripe = self.table.stripes[stripe_index].lock();
             let limit = SlotLimit { spec: PackedLimitSpec::pack(&cold.spec), rule: cold.rule };
             let slot = Slot {
@@ -531,11 +555,11 @@ impl ShardActorState {
                     size_cap_tokens(capacity_tokens, self.nodes_in_region),
                 ),
                 lease_key: cold.lease_key,
+                epoch_serial: self.epochs.next_serial(now_ms),
                 limit: stripe.limits.acquire(limit),
-                epoch_serial: self.epochs.next_serial(),
-                keep_until_s: u32::try_from(keep_until_ms.div_ceil(1000)).unwrap_or(u32::MAX),
+                key: cold.key,
             };
-            stripe.slots.insert(cold.key, slot);
+            stripe.slots.insert(slot);
             self.key_count += 1;
             created += 1;
         }
@@ -588,7 +612,6 @@ impl ShardActorState {
     fn settle(
         &self,
         stripe: u32,
-        counter: CounterKey,
         slot: &mut Slot,
         spec: LimitSpec,
         tuning: &LeaseTuning,
@@ -598,7 +621,7 @@ impl ShardActorState {
             let ask = LeaseAsk {
                 reply_to: self.answers_to.clone(),
                 stripe,
-                counter,
+                counter: slot.key,
                 epoch: self.epochs.epoch(slot.epoch_serial),
                 lease_key: slot.lease_key,
                 spec,
@@ -626,10 +649,12 @@ impl ShardActorState {
             let victim = stripe
                 .slots
                 .iter_from(self.eviction_sample_at)
-                .filter(|(_, slot)| !slot.lease.in_flight())
+                .filter(|slot| !slot.lease.in_flight())
                 .take(EVICTION_SAMPLE)
-                .min_by_key(|(_, slot)| slot.lease.last_hit_ms().max(slot.keep_until_ms()))
-                .map(|(key, _)| *key);
+                .min_by_key(|slot| {
+                    slot.lease.last_hit_ms().max(self.epochs.keep_until_ms(slot.epoch_serial))
+                })
+                .map(|slot| slot.key);
             if let Some(key) = victim {
                 let (mut slot, limit) = stripe.remove(&key).expect("the victim was just seen");
                 drop(stripe);
@@ -640,7 +665,6 @@ impl ShardActorState {
                 slot.lease.take_all(now_ms);
                 self.settle(
                     u32::try_from(index).expect("stripe index fits u32"),
-                    key,
                     &mut slot,
                     limit.spec.unpack(),
                     &tuning,
@@ -674,7 +698,8 @@ impl ShardActorState {
             let mut stripe = stripe.lock();
             let Stripe { slots, limits, rare } = &mut *stripe;
             let before = slots.len();
-            slots.retain(|counter, slot| {
+            slots.retain(|slot| {
+                let counter = slot.key;
                 let limit = limits.get(slot.limit);
                 let spec = limit.spec.unpack();
                 let tuning = tuning_of(limit.rule);
@@ -688,22 +713,22 @@ impl ShardActorState {
                         slot.lease.take_surplus(tuning, now_ms);
                     }
                 }
-                self.settle(stripe_index, *counter, slot, spec, tuning, now_ms);
+                self.settle(stripe_index, slot, spec, tuning, now_ms);
                 let held = slot.lease.balance_tokens(now_ms);
                 if held > 0 {
                     *held_by_rule.entry(limit.rule).or_insert(0) += held;
                 }
-                let fallback = rare.fallback(counter);
+                let fallback = rare.fallback(&counter);
                 if fallback.is_some_and(|f| f.spec.is_pristine(&f.state, now_ms)) {
-                    rare.set_fallback(*counter, None);
+                    rare.set_fallback(counter, None);
                 }
-                let keep = now_ms < slot.keep_until_ms()
+                let keep = now_ms < self.epochs.keep_until_ms(slot.epoch_serial)
                     || !idle
                     || !slot.lease.is_settled(&spec, now_ms)
-                    || rare.fallback(counter).is_some();
+                    || rare.fallback(&counter).is_some();
                 if !keep {
                     limits.release(slot.limit);
-                    rare.forget(counter);
+                    rare.forget(&counter);
                 }
                 keep
             });
@@ -884,7 +909,10 @@ impl ShardSet {
             ^ mix(spec.requests_per_window).rotate_left(17)
             ^ mix(spec.window_ms).rotate_left(31)
             ^ mix(spec.burst_tokens).rotate_left(47);
-        CounterKey([mix(descriptor.low ^ limit), mix(descriptor.high ^ limit.rotate_left(29))])
+        CounterKey::from_hash(
+            mix(descriptor.low ^ limit),
+            mix(descriptor.high ^ limit.rotate_left(29)),
+        )
     }
 
     /// Decides a request: every probe's limits are decided under the stripes' locks, and
@@ -1344,7 +1372,7 @@ impl ShardSet {
                 stripe
                     .lock()
                     .slots
-                    .values()
+                    .iter()
                     .map(|slot| slot.lease.balance_tokens(now_ms))
                     .sum::<u64>()
             })

@@ -6,6 +6,9 @@
 //! allocation's header and its rounding. Here a table bucket costs 5 bytes (a position and a
 //! control byte) and an entry exactly its size. Removing an entry moves the last one into its
 //! place, so the vector stays dense and entries do not keep their positions.
+//!
+//! An entry holds its own key ([`Keyed`]), so a key whose alignment is smaller than the
+//! rest of the entry fills room the entry would otherwise pad.
 
 use std::hash::{BuildHasher, Hash};
 
@@ -15,22 +18,40 @@ use hashbrown::HashTable;
 /// or two would otherwise shrink at one sweep and grow again at its next key.
 const SHRINK_ABOVE_ENTRIES: usize = 64;
 
+/// An entry that carries the key it is found by.
+pub trait Keyed {
+    /// The key.
+    type Key: Hash + Eq;
+
+    /// The entry's key.
+    fn key(&self) -> &Self::Key;
+}
+
+/// A `(key, value)` pair is keyed by its first half.
+impl<K: Hash + Eq, V> Keyed for (K, V) {
+    type Key = K;
+
+    fn key(&self) -> &K {
+        &self.0
+    }
+}
+
 /// A map of at most `u32::MAX` entries, stored densely (see the module docs).
 #[derive(Debug, Clone)]
-pub struct DenseMap<K, V, S> {
+pub struct DenseMap<E, S> {
     /// Positions in `entries`, hashed by the key they hold.
     positions: HashTable<u32>,
-    entries: Vec<(K, V)>,
+    entries: Vec<E>,
     hasher: S,
 }
 
-impl<K, V, S: Default> Default for DenseMap<K, V, S> {
+impl<E, S: Default> Default for DenseMap<E, S> {
     fn default() -> Self {
         Self { positions: HashTable::new(), entries: Vec::new(), hasher: S::default() }
     }
 }
 
-impl<K: Hash + Eq, V, S: BuildHasher> DenseMap<K, V, S> {
+impl<E: Keyed, S: BuildHasher> DenseMap<E, S> {
     /// The number of entries.
     pub fn len(&self) -> usize {
         self.entries.len()
@@ -41,55 +62,56 @@ impl<K: Hash + Eq, V, S: BuildHasher> DenseMap<K, V, S> {
         self.entries.is_empty()
     }
 
-    /// The value of `key`.
-    pub fn get(&self, key: &K) -> Option<&V> {
+    /// The entry of `key`.
+    pub fn get(&self, key: &E::Key) -> Option<&E> {
         let position = self.position_of(key)?;
-        Some(&self.entries[position].1)
+        Some(&self.entries[position])
     }
 
-    /// The value of `key`, to change.
-    pub fn get_mut(&mut self, key: &K) -> Option<&mut V> {
+    /// The entry of `key`, to change (but for its key).
+    pub fn get_mut(&mut self, key: &E::Key) -> Option<&mut E> {
         let position = self.position_of(key)?;
-        Some(&mut self.entries[position].1)
+        Some(&mut self.entries[position])
     }
 
-    /// Sets `key` to `value`, returning the value it replaced.
+    /// Adds `entry`, returning the entry of the same key it replaced.
     ///
     /// # Panics
     /// When the map already holds `u32::MAX` entries (its callers bound it far lower).
-    pub fn insert(&mut self, key: K, value: V) -> Option<V> {
-        let hash = self.hasher.hash_one(&key);
-        if let Some(position) = self.position_hashed(hash, &key) {
-            return Some(std::mem::replace(&mut self.entries[position].1, value));
+    pub fn insert(&mut self, entry: E) -> Option<E> {
+        let hash = self.hasher.hash_one(entry.key());
+        if let Some(position) = self.position_hashed(hash, entry.key()) {
+            return Some(std::mem::replace(&mut self.entries[position], entry));
         }
         let position =
             u32::try_from(self.entries.len()).expect("a dense map holds at most u32::MAX entries");
         let Self { positions, entries, hasher } = self;
-        positions.insert_unique(hash, position, |&at| hasher.hash_one(&entries[at as usize].0));
-        entries.push((key, value));
+        positions.insert_unique(hash, position, |&at| hasher.hash_one(entries[at as usize].key()));
+        entries.push(entry);
         None
     }
 
-    /// Removes `key`, returning its value.
-    pub fn remove(&mut self, key: &K) -> Option<V> {
+    /// Removes the entry of `key`.
+    pub fn remove(&mut self, key: &E::Key) -> Option<E> {
         let hash = self.hasher.hash_one(key);
         let entries = &self.entries;
-        let found = self.positions.find_entry(hash, |&at| entries[at as usize].0 == *key).ok()?;
+        let found =
+            self.positions.find_entry(hash, |&at| entries[at as usize].key() == key).ok()?;
         let (position, _) = found.remove();
         Some(self.take(position as usize))
     }
 
     /// Keeps only the entries for which `keep` is true, then gives back memory once a
     /// quarter or less of what the map holds room for is in use (past a small floor).
-    pub fn retain(&mut self, mut keep: impl FnMut(&K, &mut V) -> bool) {
+    /// `keep` must not change an entry's key.
+    pub fn retain(&mut self, mut keep: impl FnMut(&mut E) -> bool) {
         let mut position = 0;
         while position < self.entries.len() {
-            let (key, value) = &mut self.entries[position];
-            if keep(key, value) {
+            if keep(&mut self.entries[position]) {
                 position += 1;
                 continue;
             }
-            let hash = self.hasher.hash_one(&self.entries[position].0);
+            let hash = self.hasher.hash_one(self.entries[position].key());
             let at = u32::try_from(position).expect("positions fit u32");
             let found = self.positions.find_entry(hash, |&stored| stored == at);
             found.expect("every entry's position is in the table").remove();
@@ -100,50 +122,45 @@ impl<K: Hash + Eq, V, S: BuildHasher> DenseMap<K, V, S> {
         if room > SHRINK_ABOVE_ENTRIES && self.entries.len() <= room / 4 {
             self.entries.shrink_to_fit();
             let Self { positions, entries, hasher } = self;
-            positions.shrink_to_fit(|&at| hasher.hash_one(&entries[at as usize].0));
+            positions.shrink_to_fit(|&at| hasher.hash_one(entries[at as usize].key()));
         }
     }
 
     /// The entries, in no particular order.
-    pub fn iter(&self) -> impl Iterator<Item = (&K, &V)> {
-        self.entries.iter().map(|(key, value)| (key, value))
+    pub fn iter(&self) -> impl Iterator<Item = &E> {
+        self.entries.iter()
     }
 
     /// The entries, starting at the `start`-th (modulo their number) and wrapping around:
     /// for a caller that samples a few entries and moves its start on.
-    pub fn iter_from(&self, start: usize) -> impl Iterator<Item = (&K, &V)> {
+    pub fn iter_from(&self, start: usize) -> impl Iterator<Item = &E> {
         let start = start.checked_rem(self.entries.len()).unwrap_or(0);
         let (before, after) = self.entries.split_at(start);
-        after.iter().chain(before).map(|(key, value)| (key, value))
+        after.iter().chain(before)
     }
 
-    /// The values, in no particular order.
-    pub fn values(&self) -> impl Iterator<Item = &V> {
-        self.entries.iter().map(|(_, value)| value)
-    }
-
-    fn position_of(&self, key: &K) -> Option<usize> {
+    fn position_of(&self, key: &E::Key) -> Option<usize> {
         self.position_hashed(self.hasher.hash_one(key), key)
     }
 
-    fn position_hashed(&self, hash: u64, key: &K) -> Option<usize> {
+    fn position_hashed(&self, hash: u64, key: &E::Key) -> Option<usize> {
         let entries = &self.entries;
-        let found = self.positions.find(hash, |&at| entries[at as usize].0 == *key)?;
+        let found = self.positions.find(hash, |&at| entries[at as usize].key() == key)?;
         Some(*found as usize)
     }
 
     /// Takes the entry at `position`, whose position has already left the table, moving
     /// the last entry into its place.
-    fn take(&mut self, position: usize) -> V {
-        let (_, value) = self.entries.swap_remove(position);
-        if let Some((moved, _)) = self.entries.get(position) {
+    fn take(&mut self, position: usize) -> E {
+        let entry = self.entries.swap_remove(position);
+        if let Some(moved) = self.entries.get(position) {
             let from = u32::try_from(self.entries.len()).expect("positions fit u32");
-            let hash = self.hasher.hash_one(moved);
+            let hash = self.hasher.hash_one(moved.key());
             let stored = self.positions.find_mut(hash, |&stored| stored == from);
             *stored.expect("every entry's position is in the table") =
                 u32::try_from(position).expect("positions fit u32");
         }
-        value
+        entry
     }
 }
 
@@ -187,17 +204,22 @@ mod tests {
     }
 
     /// Runs `ops` on a dense map and on std's map, which must agree at every step.
-    fn agrees_with_std<S: BuildHasher>(mut dense: DenseMap<u8, u32, S>, ops: &[Op]) {
+    fn agrees_with_std<S: BuildHasher>(mut dense: DenseMap<(u8, u32), S>, ops: &[Op]) {
         let mut model: HashMap<u8, u32> = HashMap::new();
         for op in ops {
             match *op {
                 Op::Insert(key, value) => {
-                    assert_eq!(dense.insert(key, value), model.insert(key, value));
+                    let replaced = dense.insert((key, value)).map(|(_, value)| value);
+                    assert_eq!(replaced, model.insert(key, value));
                 }
-                Op::Remove(key) => assert_eq!(dense.remove(&key), model.remove(&key)),
-                Op::Get(key) => assert_eq!(dense.get(&key), model.get(&key)),
+                Op::Remove(key) => {
+                    assert_eq!(dense.remove(&key).map(|(_, value)| value), model.remove(&key));
+                }
+                Op::Get(key) => {
+                    assert_eq!(dense.get(&key).map(|(_, value)| value), model.get(&key))
+                }
                 Op::Bump(key) => {
-                    if let Some(value) = dense.get_mut(&key) {
+                    if let Some((_, value)) = dense.get_mut(&key) {
                         *value = value.wrapping_add(1);
                     }
                     if let Some(value) = model.get_mut(&key) {
@@ -205,12 +227,12 @@ mod tests {
                     }
                 }
                 Op::RetainOdd => {
-                    dense.retain(|_, value| *value % 2 == 1);
+                    dense.retain(|(_, value)| *value % 2 == 1);
                     model.retain(|_, value| *value % 2 == 1);
                 }
             }
             assert_eq!(dense.len(), model.len());
-            let mut held: Vec<(u8, u32)> = dense.iter().map(|(&k, &v)| (k, v)).collect();
+            let mut held: Vec<(u8, u32)> = dense.iter().copied().collect();
             held.sort_unstable();
             let mut expected: Vec<(u8, u32)> = model.iter().map(|(&k, &v)| (k, v)).collect();
             expected.sort_unstable();
@@ -221,49 +243,52 @@ mod tests {
     proptest! {
         #[test]
         fn behaves_as_a_map(ops in proptest::collection::vec(op(), 0..300)) {
-            agrees_with_std(DenseMap::<u8, u32, std::hash::RandomState>::default(), &ops);
+            agrees_with_std(DenseMap::<(u8, u32), std::hash::RandomState>::default(), &ops);
         }
 
         #[test]
         fn behaves_as_a_map_when_every_key_collides(
             ops in proptest::collection::vec(op(), 0..300),
         ) {
-            agrees_with_std(DenseMap::<u8, u32, BuildHasherDefault<Colliding>>::default(), &ops);
+            agrees_with_std(DenseMap::<(u8, u32), BuildHasherDefault<Colliding>>::default(), &ops);
         }
     }
 
     #[test]
     fn iter_from_starts_anywhere_and_wraps_around() {
-        let mut map = DenseMap::<u32, u32, std::hash::RandomState>::default();
+        let mut map = DenseMap::<(u32, u32), std::hash::RandomState>::default();
         for key in 0..5 {
-            map.insert(key, key);
+            map.insert((key, key));
         }
-        let keys = |start| map.iter_from(start).map(|(&key, _)| key).collect::<Vec<_>>();
+        let keys = |start| map.iter_from(start).map(|&(key, _)| key).collect::<Vec<_>>();
         assert_eq!(keys(0), [0, 1, 2, 3, 4]);
         assert_eq!(keys(3), [3, 4, 0, 1, 2]);
         assert_eq!(keys(7), [2, 3, 4, 0, 1]);
-        assert_eq!(DenseMap::<u32, u32, std::hash::RandomState>::default().iter_from(3).count(), 0);
+        assert_eq!(
+            DenseMap::<(u32, u32), std::hash::RandomState>::default().iter_from(3).count(),
+            0
+        );
     }
 
     #[test]
     fn retain_gives_memory_back_once_most_entries_are_gone() {
-        let mut map = DenseMap::<u32, u64, std::hash::RandomState>::default();
+        let mut map = DenseMap::<(u32, u64), std::hash::RandomState>::default();
         for key in 0..10_000 {
-            map.insert(key, u64::from(key));
+            map.insert((key, u64::from(key)));
         }
-        map.retain(|&key, _| key < 100);
+        map.retain(|&mut (key, _)| key < 100);
         assert_eq!(map.len(), 100);
         assert!(map.entries.capacity() < 1_000, "capacity {}", map.entries.capacity());
         assert!(map.positions.capacity() < 1_000, "buckets {}", map.positions.capacity());
-        assert_eq!(map.get(&99), Some(&99));
+        assert_eq!(map.get(&99), Some(&(99, 99)));
         assert_eq!(map.get(&100), None);
 
         // A small map keeps its room: it would only grow again at its next entries.
-        let mut small = DenseMap::<u32, u64, std::hash::RandomState>::default();
+        let mut small = DenseMap::<(u32, u64), std::hash::RandomState>::default();
         for key in 0..32 {
-            small.insert(key, u64::from(key));
+            small.insert((key, u64::from(key)));
         }
-        small.retain(|&key, _| key == 0);
+        small.retain(|&mut (key, _)| key == 0);
         assert!(small.entries.capacity() >= 32, "capacity {}", small.entries.capacity());
     }
 }
