@@ -3,9 +3,10 @@
 //! A shard identifies a counter by a process-random keyed hash (hash flooding cannot aim at
 //! one process's maps), which differs between nodes; the ledger needs a name every node
 //! computes alike. That name is a SHA-256 digest of the counter's identity, cut to 128 bits
-//! (a collision between two counters is as unlikely as for the shard's own key), so a shard
-//! slot holds 16 bytes instead of the descriptor's strings, and the ledger key has a fixed
-//! length however long the descriptor: `rl:` and 32 hex digits.
+//! (a collision between two of a region's counters practically impossible, and no client
+//! can find one that names another's counter), so a shard slot holds 16 bytes instead of
+//! the descriptor's strings, and the ledger key has a fixed length however long the
+//! descriptor: `rl:` and 32 hex digits.
 //!
 //! The identity is the domain, the descriptor's entries in order, the limit's position in
 //! its rule and the limit's numbers: a changed limit names a new counter, as it does in the
